@@ -1,0 +1,36 @@
+"""Distributed training runtime: ZeRO stages on DDP / FSDP2, checkpoints, memory accounting.
+
+Knows nothing about RLHF. Entry points:
+    info = init_distributed()
+    engine = TrainEngine(model, engine_cfg, optim_cfg, total_steps=N, info=info)
+    out = engine.train_step(micro_batches, loss_fn)
+    frozen = FrozenEngine(model, engine_cfg, info)
+"""
+from .checkpoint import atomic_directory, latest_checkpoint, list_checkpoints, prune_checkpoints
+from .config import CheckpointConfig, EngineConfig, OptimConfig, validate_engine_config
+from .distributed import DistInfo, init_distributed, shutdown_distributed
+from .loss_scale import DynamicLossScaler
+from .memory import format_memory_report
+from .optim import validate_optim_config
+from .parallelize import parallelize
+from .train_engine import FrozenEngine, TrainEngine
+
+__all__ = [
+    "CheckpointConfig",
+    "DistInfo",
+    "DynamicLossScaler",
+    "EngineConfig",
+    "FrozenEngine",
+    "OptimConfig",
+    "TrainEngine",
+    "atomic_directory",
+    "format_memory_report",
+    "init_distributed",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "parallelize",
+    "prune_checkpoints",
+    "shutdown_distributed",
+    "validate_engine_config",
+    "validate_optim_config",
+]

@@ -1,0 +1,81 @@
+"""Process-group setup and the few collectives the engine needs.
+
+`init_distributed()` always leaves a process group behind, even for a single process started with
+plain `python`: a gloo group of one over an in-memory HashStore. FSDP2, DCP and the all-reduces in the
+train step then run the same code at world size 1 as under `torchrun`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    is_main: bool
+
+
+_INFO: DistInfo | None = None
+
+
+def init_distributed() -> DistInfo:
+    """Join (or create) the default process group and pick this rank's device. Idempotent.
+
+    Under torchrun (RANK/WORLD_SIZE set): NCCL on CUDA, gloo on CPU. Without torchrun: a group of one.
+    On CUDA the backend is "cpu:gloo,cuda:nccl" so that collectives on CPU tensors (CPU-offloaded
+    gradient norms, object broadcasts) work next to NCCL ones.
+    """
+    global _INFO
+    if _INFO is not None and dist.is_initialized():
+        return _INFO
+    cuda = torch.cuda.is_available()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)  # env:// rendezvous set up by torchrun
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _INFO = DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, is_main=rank == 0)
+    return _INFO
+
+
+def shutdown_distributed() -> None:
+    """Destroy the default process group (end of a script); `init_distributed()` may be called again."""
+    global _INFO
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _INFO = None
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place SUM across ranks (no-op at world size 1); returns `t`."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank (pickled; for small things such as a temp directory name)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,114 @@
+"""Per-rank memory accounting: bytes actually held, next to the ZeRO paper's predictions.
+
+Measured numbers come from the tensors themselves (the local shard of a DTensor), so they show what
+this rank really holds at rest. The formulas are those of the ZeRO paper for Adam in mixed
+precision (2 bytes fp16/bf16 param + 2 grad + 12 optimizer: fp32 master, momentum, variance), with
+Psi the trainable parameter count and N the world size:
+    stage 0: 16 Psi   stage 1: 4 Psi + 12 Psi / N   stage 2: 2 Psi + 14 Psi / N   stage 3: 16 Psi / N
+Our layout keeps fp32 master params as *the* params (the bf16 copy is transient), which is also 16
+bytes per param in total, so the stage 3 prediction applies to us unchanged; stages 1 and 2 differ
+from the paper, and frozen params (LoRA's base model: Phi of them, fp32 storage) are not in it. So
+the report also predicts our own layout (after a backward, gradients included):
+    stage 0: 16 Psi + 4 Phi   stage 1: 8 Psi + 8 Psi / N + 4 Phi   (DDP keeps fp32 params + grads whole)
+    stage 2, 3: (16 Psi + 4 Phi) / N                              (FSDP2 reshards after backward)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .loss_scale import local_tensor
+
+ZERO_FORMULAS = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}
+
+
+def zero_formula_bytes(stage: int, trainable: int, world: int) -> float:
+    """Model-state bytes per rank predicted by ZeRO for Adam in mixed precision."""
+    psi, n = trainable, world
+    return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def layout_bytes(stage: int, trainable: int, frozen: int, world: int) -> float:
+    """Model-state bytes per rank for this engine's layout (fp32 params + grads, Adam moments)."""
+    psi, phi, n = trainable, frozen, world
+    return {0: 16 * psi + 4 * phi, 1: 8 * psi + 8 * psi / n + 4 * phi}.get(stage, (16 * psi + 4 * phi) / n)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the locally held storage of `tensors` (each DTensor counted by its local shard)."""
+    total, seen = 0, set()
+    for t in tensors:
+        if t is None or id(t) in seen:  # dedupe on the (alive) originals: tied params count once
+            continue
+        seen.add(id(t))
+        local = local_tensor(t)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    if optimizer is None:
+        return []
+    optimizer = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer: this rank's local optimizer
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def memory_report(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    stage: int,
+    world_size: int,
+    rank: int,
+    grad_bytes: int | None = None,
+) -> dict:
+    """Bytes this rank holds for params, grads and optimizer state, and the ZeRO prediction.
+
+    `grad_bytes`: gradients measured by the engine just before its last zero_grad (gradients do not
+    exist at rest); None measures the ones alive now.
+    """
+    params = list(module.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    if grad_bytes is None:
+        grad_bytes = tensor_bytes(p.grad for p in params)
+    report = {
+        "rank": rank,
+        "world_size": world_size,
+        "stage": stage,
+        "total_params": sum(p.numel() for p in params),  # a DTensor reports its global numel
+        "trainable_params": sum(p.numel() for p in trainable),
+        "param_bytes": tensor_bytes(params),
+        "trainable_param_bytes": tensor_bytes(trainable),
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": tensor_bytes(optimizer_state_tensors(optimizer)),
+    }
+    report["model_state_bytes"] = report["param_bytes"] + report["grad_bytes"] + report["optimizer_bytes"]
+    report["zero_formula"] = ZERO_FORMULAS[stage]
+    report["zero_formula_bytes"] = zero_formula_bytes(stage, report["trainable_params"], world_size)
+    frozen = report["total_params"] - report["trainable_params"]
+    report["layout_bytes"] = layout_bytes(stage, report["trainable_params"], frozen, world_size)
+    return report
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_memory_report(report: dict) -> str:
+    """A few lines for the start-of-run log."""
+    lines = [
+        f"[rank {report['rank']}/{report['world_size']}] ZeRO stage {report['stage']}: "
+        f"{report['trainable_params']:,} trainable / {report['total_params']:,} params",
+        f"  params {_fmt(report['param_bytes'])} | grads {_fmt(report['grad_bytes'])} | "
+        f"optimizer {_fmt(report['optimizer_bytes'])} | model state {_fmt(report['model_state_bytes'])}",
+        f"  predicted for this layout {_fmt(report['layout_bytes'])} | ZeRO paper (Adam, mixed precision, "
+        f"trainable only) {report['zero_formula']} = {_fmt(report['zero_formula_bytes'])}",
+    ]
+    if "cuda_max_allocated_bytes" in report:
+        lines.append(f"  CUDA max allocated after the first step: {_fmt(report['cuda_max_allocated_bytes'])}")
+    return "\n".join(lines)

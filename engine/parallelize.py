@@ -1,0 +1,190 @@
+"""Apply activation checkpointing and data parallelism to a model from outside it.
+
+`parallelize(model, cfg, info)` is the one place that knows how a ZeRO stage maps onto PyTorch:
+    stage 0  DDP                                   full params, grads, optimizer state on every rank
+    stage 1  DDP (+ ZeroRedundancyOptimizer, built in optim.py)       optimizer state sharded
+    stage 2  FSDP2 fully_shard(reshard_after_forward=False)           + grads and params at rest sharded
+    stage 3  FSDP2 fully_shard(reshard_after_forward=True)            + params resharded after forward
+Blocks (the unit of sharding and recompute) are the modules named in the HF model's
+`_no_split_modules` (looked up through peft wrappers), else the children of the largest ModuleList.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from .config import EngineConfig
+from .distributed import DistInfo
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Prefixes that wrappers insert into parameter names; removed from every name the engine exports.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` built: the module to call, the plain module under it, and the FSDP units."""
+
+    model: nn.Module  # DDP(module) for stage 0/1, the module itself (now an FSDPModule) for 2/3
+    unwrapped: nn.Module
+    # FSDP units in model.modules() order (root first) with the reshard_after_forward each was given.
+    fsdp_units: list[tuple[nn.Module, bool]] = field(default_factory=list)
+
+
+def clean_name(name: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def hf_base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (or `model` itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, innermost first (fully_shard must see children before parents)."""
+    names = set(getattr(hf_base_model(model), "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+        if lists:
+            blocks = list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())).children())
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(blocks, key=lambda m: -order[id(m)])
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Recompute each block in backward. Returns the blocks as they now appear in the module tree.
+
+    HF models: their own non-reentrant checkpointing (names unchanged). Otherwise torch's
+    checkpoint_wrapper, which inserts `_checkpoint_wrapped_module.` into names (stripped on export).
+    """
+    base = hf_base_model(model)
+    enable = getattr(base, "activation_checkpointing_enable", None)
+    if callable(enable) and getattr(base, "supports_gradient_checkpointing", False):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return blocks
+    if callable(getattr(base, "gradient_checkpointing_enable", None)) and getattr(
+        base, "supports_gradient_checkpointing", False
+    ):  # transformers < 5.2x
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return blocks
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing as torch_apply_ac,
+        checkpoint_wrapper,
+    )
+
+    ids = {id(b) for b in blocks}
+    torch_apply_ac(
+        model,
+        checkpoint_wrapper_fn=partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: id(m) in ids,
+    )
+    wrapped = [m for m in model.modules() if id(getattr(m, "_checkpoint_wrapped_module", None)) in ids]
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(wrapped, key=lambda m: -order[id(m)])
+
+
+def autocast_forward(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Run `module.forward` under torch.autocast (stage 0/1 mixed precision; params stay fp32).
+
+    Patched on the instance so calls through DDP, `generate` and the module itself all get it, and
+    the state-dict names do not change (a wrapper module would add a prefix).
+    """
+    forward = module.forward
+    module.forward = types.MethodType(
+        lambda self, *args, **kwargs: _autocast_call(forward, device, dtype, args, kwargs), module
+    )
+
+
+def _autocast_call(forward, device, dtype, args, kwargs):
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        return forward(*args, **kwargs)
+
+
+def offload_between_forwards(module: nn.Module, device: torch.device) -> None:
+    """Keep `module` on the CPU, moving it to `device` for each forward (frozen models at stage 0/1)."""
+    module.to("cpu")
+    if device.type == "cpu":
+        return
+    module.register_forward_pre_hook(lambda m, args: m.to(device))
+    module.register_forward_hook(lambda m, args, out: m.to("cpu"))
+
+
+def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: bool = False) -> Parallelized:
+    """Shard (or replicate) `model` over the ranks according to `cfg.stage` and move it to the device.
+
+    `frozen`: a model without gradients (reference/reward): no DDP wrapper (nothing to all-reduce),
+    no activation checkpointing, and FSDP units reshard after every forward (there is no backward to
+    keep the gathered params for).
+    """
+    dtype = DTYPES[cfg.precision]
+    blocks = find_blocks(model)
+
+    if cfg.stage <= 1:
+        if frozen and cfg.offload:
+            offload_between_forwards(model, info.device)
+        else:
+            model.to(info.device)
+        if cfg.activation_checkpointing and not frozen:
+            apply_activation_checkpointing(model, blocks)
+        if dtype != torch.float32:
+            autocast_forward(model, info.device, dtype)
+        if frozen:
+            return Parallelized(model=model, unwrapped=model)
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # NOTE: transformer buffers (rotary inv_freq) are deterministic; no per-forward broadcast.
+        # (torch >= 2.12 renamed broadcast_buffers to forward_sync_buffers.)
+        no_buffer_sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+            else {"broadcast_buffers": False}
+        )
+        ddp = DDP(
+            model,
+            device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            find_unused_parameters=cfg.find_unused_parameters,
+            **no_buffer_sync,
+        )
+        return Parallelized(model=ddp, unwrapped=model)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict = {"mesh": init_device_mesh(info.device.type, (info.world_size,))}
+    if dtype != torch.float32:
+        # Params are stored (sharded) in fp32, all-gathered and computed in `dtype`; gradients are
+        # reduce-scattered in fp32 so the sum over ranks does not lose bits.
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if cfg.offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=info.device.type == "cuda")
+    reshard_blocks = True if frozen else cfg.stage == 3
+    # NOTE: the root's params (embeddings, final norm, head): the head is the first needed in backward,
+    # so training keeps the root gathered from forward to backward (as torchtitan); frozen ones reshard.
+    reshard_root = frozen
+
+    # 1. Activation checkpointing before sharding: checkpoint_wrapper must be the module that
+    #    fully_shard wraps, so the recompute runs within the unit's backward and reuses the params it
+    #    gathered for backward (HF's own checkpointing re-enters the unit's hooks in the recompute,
+    #    which FSDP2 sees as already unsharded: same single all-gather; equal losses are tested).
+    if cfg.activation_checkpointing and not frozen:
+        blocks = apply_activation_checkpointing(model, blocks)
+    # 2. One FSDP unit per block (innermost first): one all-gather per block, overlapped with the
+    #    previous block's compute, and only one block's full params alive at a time (stage 3).
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
+    # 3. The root last: it takes the remaining params and drives lazy init and the streams.
+    fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
+    # (fully_shard moved the params and buffers to the mesh's device; CPUOffloadPolicy then keeps the
+    # sharded params on the CPU and copies each unit's shard to the device for its all-gather.)
+    units = [(m, reshard_root if m is model else reshard_blocks) for m in model.modules() if isinstance(m, FSDPModule)]
+    return Parallelized(model=model, unwrapped=model, fsdp_units=units)

@@ -1,0 +1,370 @@
+"""TrainEngine (a model + its optimizer over the ranks) and FrozenEngine (a model without gradients).
+
+One optimizer step (`train_step`), for this rank's micro-batches mb_1..mb_k:
+    forward mb_1 -> all-reduce its weight once: normaliser Z = k * sum_ranks(w_1)   (before any backward)
+    for each mb_i: forward, backward of loss_sum_i * (N * loss_scale / Z)   (gradient sync on the last only)
+    all-reduce [sum loss_sum, sum w, metrics * w] -> W = global weight
+    grads *= (Z / W) / loss_scale            exact normalisation by the global weight, and fp16 unscale
+    global grad norm (all-reduced over shards) -> inf/nan: skip the step; else clip, step, schedule
+DDP and FSDP2 both *average* gradients over the N ranks, hence the factor N. With one micro-batch
+Z == W exactly and the correction is skipped; with several, Z only estimates W from the first
+micro-batch (gradient accumulation cannot know the later weights before the first backward without
+holding every graph) and the correction makes the result exact, while gradient magnitudes stay near
+their normalised size in the meantime (which matters for fp16).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import (
+    load_model_optimizer,
+    load_rank_state,
+    new_tmp_path,
+    publish,
+    read_meta,
+    rng_state,
+    save_model_optimizer,
+    save_rank_state,
+    set_rng_state,
+    write_meta,
+)
+from .config import EngineConfig, OptimConfig, validate_engine_config
+from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed
+from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
+from .memory import memory_report, tensor_bytes
+from .optim import build_optimizer, build_scheduler, validate_optim_config
+from .parallelize import clean_name, hf_base_model, parallelize
+
+LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, "torch.Tensor | float", dict]]
+
+
+def _materialize_meta(model: nn.Module, info: DistInfo) -> None:
+    """A model built on the meta device gets CPU storage and a random init (HF `init_weights`), the
+    same on every rank (rank 0's values are broadcast before any sharding)."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return
+    base = hf_base_model(model)
+    if not callable(getattr(base, "init_weights", None)):
+        raise ValueError(
+            "the model is on the meta device and is not a transformers model with init_weights(); "
+            "build it on the CPU (e.g. from_pretrained) before creating the engine"
+        )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        base.init_weights()  # also recomputes non-persistent buffers such as rotary inv_freq
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src=0)
+
+
+class _ShardedModule:
+    """What TrainEngine and FrozenEngine share: gathering and exporting a possibly sharded module."""
+
+    cfg: EngineConfig
+    info: DistInfo
+    model: nn.Module
+    unwrapped: nn.Module
+    _fsdp_units: list[tuple[nn.Module, bool]]
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Consolidated CPU state dict on rank 0 (None elsewhere); clean FQNs, storage dtype. Collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {clean_name(k): v for k, v in sd.items()} if self.info.is_main else None
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Full params on the module for the duration (all-gathered once, not per forward). Collective.
+
+        Stage 2/3: every FSDP unit is unsharded and told not to reshard after forward; on exit the
+        setting is restored and the units reshard. Stage 0/1: params are already whole, a no-op.
+        """
+        if not self._fsdp_units:
+            yield
+            return
+        for unit, _ in self._fsdp_units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for unit, _ in self._fsdp_units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit, reshard in self._fsdp_units:
+                unit.set_reshard_after_forward(reshard, recurse=False)
+                unit.reshard()
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(clean name, full tensor) for every parameter, gathering one FSDP unit at a time. Collective.
+
+        A yielded tensor is only valid until the next item (its unit is resharded then): copy it.
+        Under mixed precision the gathered tensor is the compute-dtype copy (what an inference model
+        wants); stage 0/1 yields the fp32 params themselves.
+        """
+        named = list(self.unwrapped.named_parameters())
+        if not self._fsdp_units:
+            for name, p in named:
+                yield clean_name(name), p.detach()
+            return
+        prefixes = {id(m): name for name, m in self.unwrapped.named_modules()}
+        unit_prefix = [(unit, prefixes[id(unit)]) for unit, _ in self._fsdp_units]
+
+        def owner(fqn: str) -> nn.Module:  # the innermost unit whose module path contains the param
+            best, best_len = None, -1
+            for unit, prefix in unit_prefix:
+                if (prefix == "" or fqn.startswith(prefix + ".")) and len(prefix) > best_len:
+                    best, best_len = unit, len(prefix)
+            return best
+
+        owned = {id(unit): [] for unit, _ in self._fsdp_units}
+        for name, _ in named:
+            owned[id(owner(name))].append(name)
+        for unit, _ in self._fsdp_units:
+            unit.unshard()
+            for name in owned[id(unit)]:
+                yield clean_name(name), self.unwrapped.get_parameter(name).detach()
+            unit.reshard()
+
+    def _base_memory_report(self, optimizer, grad_bytes: int | None) -> dict:
+        return memory_report(
+            self.unwrapped,
+            optimizer,
+            stage=self.cfg.stage,
+            world_size=self.info.world_size,
+            rank=self.info.rank,
+            grad_bytes=grad_bytes,
+        )
+
+
+class TrainEngine(_ShardedModule):
+    """A trainable model sharded per `engine_cfg.stage`, with AdamW, an LR schedule and loss scaling."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        engine_cfg: EngineConfig,
+        optim_cfg: OptimConfig,
+        *,
+        total_steps: int,
+        info: DistInfo | None = None,
+    ):
+        info = info or init_distributed()
+        validate_engine_config(engine_cfg, info)
+        validate_optim_config(optim_cfg, total_steps)
+        self.cfg, self.optim_cfg, self.info = engine_cfg, optim_cfg, info
+        _materialize_meta(model, info)
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+            model.float()  # fp32 master weights; compute dtype comes from the precision policy
+        model.train()
+        par = parallelize(model, engine_cfg, info)
+        self.model, self.unwrapped, self._fsdp_units = par.model, par.unwrapped, par.fsdp_units
+        self._sharded = engine_cfg.stage >= 2  # gradients are shards (FSDP2) rather than replicas (DDP)
+        self._zero1 = engine_cfg.stage == 1
+        self.optimizer = build_optimizer(self.unwrapped, optim_cfg, zero1=self._zero1)
+        self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
+        self.scaler = DynamicLossScaler(
+            enabled=engine_cfg.precision == "fp16",
+            init_scale=engine_cfg.initial_loss_scale,
+            window=engine_cfg.loss_scale_window,
+            min_scale=engine_cfg.min_loss_scale,
+        )
+        self._trainable = [p for p in self.unwrapped.parameters() if p.requires_grad]
+        self.global_step = 0  # train_step calls, skipped ones included
+        self.skipped_steps = 0
+        self._grad_bytes: int | None = None
+        self._cuda_peak: int | None = None
+
+    # ------------------------------------------------------------ one optimizer step
+
+    def _grad_sync(self, enabled: bool):
+        """Gradient communication only on the last micro-batch of a step."""
+        if self._sharded:
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if enabled else self.model.no_sync()
+
+    def _to_device(self, batch: dict) -> dict:
+        dev = self.info.device
+        return {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def train_step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict[str, Any]:
+        """Forward + backward over `micro_batches` (this rank's share of one step), then one update.
+
+        loss_fn(model, micro_batch) -> (loss_sum, weight, metrics): the loss *summed* over `weight`
+        units (tokens, sequences); metrics are per-micro-batch means with the same keys on every
+        micro-batch and rank (they are all-reduced as one packed tensor). The micro-batch's top-level
+        tensors are moved to the device first. Returns loss (global weighted mean), grad_norm
+        (pre-clip), lr (used by this step), skipped, loss_scale, weight (global) and the metrics'
+        means weighted by `weight`. Collective: every rank calls it with the same number of micro-batches.
+        """
+        if not micro_batches:
+            raise ValueError("train_step needs at least one micro-batch")
+        n, world, dev = len(micro_batches), self.info.world_size, self.info.device
+        loss_scale = self.scaler.scale
+        acc = torch.zeros(2, dtype=torch.float64, device=dev)  # [sum loss_sum, sum weight]
+        metric_sums: dict[str, torch.Tensor] = {}
+        normaliser = None
+        for i, mb in enumerate(micro_batches):
+            with self._grad_sync(i == n - 1):
+                loss_sum, weight, metrics = loss_fn(self.model, self._to_device(mb))
+                w = torch.as_tensor(weight, dtype=torch.float64, device=dev).detach()
+                if normaliser is None:
+                    # NOTE: all-reduced before the first backward so every rank scales by the same Z.
+                    est = all_reduce_sum(w.clone()).item() * n
+                    normaliser = est if est > 0 else 1.0
+                (loss_sum * (world * loss_scale / normaliser)).backward()
+            acc[0] += loss_sum.detach().double()
+            acc[1] += w
+            for k, v in metrics.items():
+                v = torch.as_tensor(v, dtype=torch.float64, device=dev).detach() * w
+                metric_sums[k] = metric_sums[k] + v if k in metric_sums else v
+
+        names = sorted(metric_sums)
+        totals = all_reduce_sum(torch.cat([acc, torch.stack([metric_sums[k] for k in names])]) if names else acc)
+        totals = totals.tolist()
+        total_weight = totals[1]
+        grads = [p.grad for p in self._trainable if p.grad is not None]
+        correction = normaliser / total_weight if total_weight > 0 else 0.0
+        scale_grads_(grads, correction / loss_scale)  # skipped when exactly 1 (one micro-batch, no fp16)
+        grad_norm = global_grad_norm(grads, sharded=self._sharded)
+        overflow = not math.isfinite(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if overflow:
+            self.skipped_steps += 1  # params, optimizer state and schedule untouched (DeepSpeed semantics)
+        else:
+            clip = self.optim_cfg.grad_clip
+            if clip > 0 and grad_norm > clip:
+                scale_grads_(grads, clip / (grad_norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+            self.optimizer.step()
+            self.scheduler.step()
+        self.scaler.update(overflow)
+        self._grad_bytes = tensor_bytes(grads)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        if self._cuda_peak is None and dev.type == "cuda":
+            self._cuda_peak = torch.cuda.max_memory_allocated(dev)
+
+        def mean(total: float) -> float:
+            return total / total_weight if total_weight > 0 else 0.0
+
+        out: dict[str, Any] = {k: mean(v) for k, v in zip(names, totals[2:])}
+        out.update(
+            loss=mean(totals[0]),
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=overflow,
+            loss_scale=loss_scale,
+            weight=total_weight,
+        )
+        return out
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _rank_state(self) -> dict:
+        state = {
+            "rng": rng_state(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "global_step": self.global_step,
+            "skipped_steps": self.skipped_steps,
+        }
+        if self._zero1:
+            state["zero1_optimizer"] = self.optimizer.optim.state_dict()  # this rank's shard
+        return state
+
+    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
+        """Sharded checkpoint of everything a bit-exact resume needs, published atomically. Collective."""
+        extra_state = extra_state or {}
+        json.dumps(extra_state)  # fail before anything is written if it is not JSON-able
+        tmp = broadcast_object(new_tmp_path(path) if self.info.is_main else None)
+        os.makedirs(tmp, exist_ok=True)
+        save_model_optimizer(tmp, self.model, self.optimizer, self._zero1)
+        save_rank_state(tmp, self.info.rank, self._rank_state())
+        barrier()  # every rank's files are on disk
+        if self.info.is_main:
+            meta = {
+                "step": self.global_step,
+                "world_size": self.info.world_size,
+                "stage": self.cfg.stage,
+                "precision": self.cfg.precision,
+                "extra_state": extra_state,
+            }
+            write_meta(tmp, meta)  # the completion mark, written last
+            publish(tmp, path)
+        barrier()  # nobody proceeds (or lists checkpoints) before the rename
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore model, optimizer, schedule, loss scale, counters and RNG; returns extra_state. Collective."""
+        meta = read_meta(path)
+        same_world = meta["world_size"] == self.info.world_size
+        if (meta["stage"] == 1) != self._zero1 or (self._zero1 and not same_world):
+            raise ValueError(
+                f"checkpoint {path} (engine.stage={meta['stage']}, world size {meta['world_size']}) cannot be "
+                f"loaded with engine.stage={self.cfg.stage} at world size {self.info.world_size}: ZeRO-1 "
+                "optimizer shards are saved per rank; stages 0, 2, 3 reshard freely among themselves"
+            )
+        load_model_optimizer(path, self.model, self.optimizer, self._zero1)
+        state = load_rank_state(path, self.info.rank) if same_world else None
+        own = state is not None
+        if not own:
+            state = load_rank_state(path, 0)  # another world size: shared parts only, no per-rank RNG
+        sched = dict(state["scheduler"])
+        sched["lr_lambdas"] = [None] * len(sched["lr_lambdas"])  # keep this run's schedule config
+        self.scheduler.load_state_dict(sched)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr  # ZeroRedundancyOptimizer's outer groups are not in any state dict
+        self.scaler.load_state_dict(state["scaler"])
+        self.global_step = state["global_step"]
+        self.skipped_steps = state["skipped_steps"]
+        if self._zero1:
+            self.optimizer.optim.load_state_dict(state["zero1_optimizer"])
+        if own:
+            set_rng_state(state["rng"])
+        barrier()
+        return meta["extra_state"]
+
+    # ------------------------------------------------------------ memory
+
+    def memory_report(self) -> dict:
+        """Bytes this rank holds (params, grads of the last step, optimizer state) vs the ZeRO formula."""
+        report = self._base_memory_report(self.optimizer, self._grad_bytes)
+        if self._cuda_peak is not None:
+            report["cuda_max_allocated_bytes"] = self._cuda_peak
+        return report
+
+
+class FrozenEngine(_ShardedModule):
+    """A model used only for forward under no_grad (reference, reward): same sharding, no optimizer.
+
+    `engine_cfg.offload`: stage 2/3 keep the shards on the CPU (CPUOffloadPolicy); stage 0/1 keep
+    the whole model on the CPU and move it to the device around each forward.
+    """
+
+    def __init__(self, model: nn.Module, engine_cfg: EngineConfig, info: DistInfo | None = None):
+        info = info or init_distributed()
+        validate_engine_config(engine_cfg, info, frozen=True)
+        self.cfg, self.info = engine_cfg, info
+        _materialize_meta(model, info)
+        model.requires_grad_(False)
+        model.eval()
+        par = parallelize(model, engine_cfg, info, frozen=True)
+        self.model, self.unwrapped, self._fsdp_units = par.model, par.unwrapped, par.fsdp_units
+
+    def memory_report(self) -> dict:
+        return self._base_memory_report(None, 0)

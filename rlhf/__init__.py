@@ -1,0 +1,1 @@
+"""RLHF stage apps (SFT, reward, PPO), data formats, models, PPO math and metrics."""

@@ -1,0 +1,41 @@
+"""Data: sources -> raw rows -> canonical examples (SFT / pairs / prompts) -> token ids -> batches.
+
+    rows = load_rows("data/default/sft.jsonl")                      # list[Row] (dict + origin)
+    rows = take_split(rows, "2,4,4", stage=0, seed=1234)            # DeepSpeed-Chat data_split
+    examples = parse_sft(rows, tokenizer)                           # shape detected, checked
+    features, stats = tokenize_sft(examples, tokenizer, 512, 256)   # over-long rule, counted
+    batch = collate_sft(features[:8], pad_id=tokenizer.pad_token_id)
+"""
+from rlhf.data.records import (
+    PAIR_SHAPES,
+    PROMPT_SHAPES,
+    SFT_SHAPES,
+    DataFileNotFoundError,
+    DataFormatError,
+    PairExample,
+    PromptExample,
+    Row,
+    SFTExample,
+    parse_pairs,
+    parse_prompts,
+    parse_sft,
+)
+from rlhf.data.sources import SUPPORTED_EXTENSIONS, load_rows
+from rlhf.data.split import parse_data_split, split_indices, take_split
+from rlhf.data.tokenize import (
+    IGNORE_INDEX,
+    collate_pairs,
+    collate_prompts,
+    collate_sft,
+    tokenize_pairs,
+    tokenize_prompts,
+    tokenize_sft,
+)
+
+__all__ = [
+    "DataFileNotFoundError", "DataFormatError", "IGNORE_INDEX", "PAIR_SHAPES", "PROMPT_SHAPES",
+    "SFT_SHAPES", "SUPPORTED_EXTENSIONS", "PairExample", "PromptExample", "Row", "SFTExample",
+    "collate_pairs", "collate_prompts", "collate_sft", "load_rows", "parse_data_split", "parse_pairs",
+    "parse_prompts", "parse_sft", "split_indices", "take_split", "tokenize_pairs", "tokenize_prompts",
+    "tokenize_sft",
+]

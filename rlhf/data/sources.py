@@ -1,0 +1,102 @@
+"""Data sources: a local .jsonl / .json / .parquet file, a local directory, or a `datasets` hub name.
+
+    load_rows("data/default/sft.jsonl")         # read here, line by line; origin "…/sft.jsonl:17"
+    load_rows("rows.json")                      # a list of objects, or {"any_key": [objects]}
+    load_rows("rows.parquet")                   # pyarrow; origin "rows.parquet row 5" (0-based)
+    load_rows("some/dir", split="train")        # datasets.load_dataset(dir) — works offline
+    load_rows("Dahoas/rm-static", split="test") # datasets.load_dataset(name) — needs the hub/cache
+
+Line numbers are 1-based (as an editor shows them); row numbers are 0-based (as `ds[5]` indexes).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf.data.records import DataFileNotFoundError, DataFormatError, Row
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
+# Suffixes that mark a string as a file path (not a hub name) even when it does not exist.
+_FILE_LIKE_SUFFIXES = frozenset(
+    {".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".xlsx", ".pkl", ".pt", ".yaml", ".yml"}
+)
+
+
+def load_rows(source: str, split: str = "train", cache_dir: str | None = None) -> list[Row]:
+    """Every record of `source` as a Row (dict + origin). `split`/`cache_dir` apply to load_dataset."""
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_file():
+        if suffix == ".jsonl":
+            return _read_jsonl(path)
+        if suffix == ".json":
+            return _read_json(path)
+        if suffix == ".parquet":
+            return _read_parquet(path)
+        raise DataFormatError(
+            f"{path}: unsupported file type {suffix!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)} "
+            "files, a directory of them, or a datasets hub name"
+        )
+    if not path.exists():
+        if suffix in SUPPORTED_EXTENSIONS:
+            raise DataFileNotFoundError(f"data file not found: {path}")
+        if suffix in _FILE_LIKE_SUFFIXES:
+            raise DataFormatError(
+                f"{path}: unsupported file type {suffix!r} (and no such file); supported: "
+                f"{', '.join(SUPPORTED_EXTENSIONS)} files, a directory of them, or a datasets hub name"
+            )
+        if source.startswith(("/", "./", "../", "~")):
+            raise DataFileNotFoundError(f"data path not found: {path}")
+    return _load_dataset(source, split, cache_dir)
+
+
+def _read_jsonl(path: Path) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            origin = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{origin}: invalid JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{origin}: expected a JSON object per line, got {type(obj).__name__}")
+            rows.append(Row(obj, origin))
+    return rows
+
+
+def _read_json(path: Path) -> list[Row]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}: invalid JSON: {e}") from None
+    if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), list):
+        obj = next(iter(obj.values()))  # {"data": [...]}
+    if not isinstance(obj, list):
+        raise DataFormatError(f"{path}: expected a list of objects, or an object with a single list value")
+    rows = []
+    for i, item in enumerate(obj):
+        if not isinstance(item, dict):
+            raise DataFormatError(f"{path} row {i}: expected an object, got {type(item).__name__}")
+        rows.append(Row(item, f"{path} row {i}"))
+    return rows
+
+
+def _read_parquet(path: Path) -> list[Row]:
+    import pyarrow.parquet as pq
+
+    return [Row(d, f"{path} row {i}") for i, d in enumerate(pq.read_table(path).to_pylist())]
+
+
+def _load_dataset(source: str, split: str, cache_dir: str | None) -> list[Row]:
+    import datasets
+
+    try:
+        ds: Any = datasets.load_dataset(source, split=split, cache_dir=cache_dir)
+    except Exception as e:
+        e.add_note(f"while loading data source {source!r} (split {split!r}) with datasets.load_dataset")
+        raise
+    return [Row(d, f"dataset {source} row {i}") for i, d in enumerate(ds.to_list())]

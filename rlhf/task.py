@@ -1,0 +1,74 @@
+"""The embedded default task: small verifiable instructions in a Human/Assistant format.
+
+Four kinds of prompt, each with exactly one correct answer that `gold_answer` derives from the
+prompt text alone (so the judge scores any response, not just the shipped ones):
+
+    Human: What is 23+19?\\n\\nAssistant:          -> " 42"
+    Human: Reverse kqzt.\\n\\nAssistant:            -> " tzqk"
+    Human: Sort 5 2 9 1.\\n\\nAssistant:            -> " 1 2 5 9"
+    Human: How many a in abacab?\\n\\nAssistant:    -> " 3"
+
+`gold_score(prompt, response)` is 1.0 when the response (surrounding whitespace stripped) is exactly
+the answer, else 0.0. A run's gold score is 100 × the mean over held-out prompts.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+PROMPT_PREFIX = "Human: "
+PROMPT_SUFFIX = "\n\nAssistant:"
+TASKS = ("add", "reverse", "sort", "count")
+
+_PATTERNS = {
+    "add": re.compile(r"What is (\d+)\+(\d+)\?"),
+    "reverse": re.compile(r"Reverse ([a-z]+)\."),
+    "sort": re.compile(r"Sort ((?:\d )*\d)\."),
+    "count": re.compile(r"How many ([a-z]) in ([a-z]+)\?"),
+}
+
+
+def make_prompt(instruction: str) -> str:
+    return f"{PROMPT_PREFIX}{instruction}{PROMPT_SUFFIX}"
+
+
+def parse_prompt(prompt: str) -> tuple[str, tuple[str, ...]]:
+    """Return (task name, captured fields) of a default-task prompt; ValueError if it is none."""
+    text = prompt.strip()
+    if text.startswith(PROMPT_PREFIX) and text.endswith(PROMPT_SUFFIX.strip()):
+        body = text[len(PROMPT_PREFIX) : -len(PROMPT_SUFFIX.strip())].strip()
+        for task, pattern in _PATTERNS.items():
+            m = pattern.fullmatch(body)
+            if m:
+                return task, m.groups()
+    raise ValueError(f"not a prompt of the default task: {prompt!r}")
+
+
+def gold_answer(prompt: str) -> str:
+    """The one correct answer (without the leading space of the response)."""
+    task, g = parse_prompt(prompt)
+    if task == "add":
+        return str(int(g[0]) + int(g[1]))
+    if task == "reverse":
+        return g[0][::-1]
+    if task == "sort":
+        return " ".join(sorted(g[0].split()))
+    return str(g[1].count(g[0]))  # count
+
+
+def gold_score(prompt: str, response: str) -> float:
+    """1.0 if `response` is exactly the correct answer (whitespace around it ignored), else 0.0."""
+    return 1.0 if response.strip() == gold_answer(prompt) else 0.0
+
+
+def mean_gold_score(prompts: Sequence[str], responses: Sequence[str]) -> float:
+    """100 × mean gold score: the headline figure of every stage (percentage points)."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        raise ValueError("no prompts to score")
+    return 100.0 * sum(gold_score(p, r) for p, r in zip(prompts, responses)) / len(prompts)
+
+
+def task_of(prompt: str) -> str:
+    return parse_prompt(prompt)[0]

@@ -1,0 +1,150 @@
+"""Generate the embedded default task's data and tokenizer into data/ (deterministic).
+
+    python scripts/make_default_data.py            # rewrites data/default/*.jsonl and data/tokenizer/
+
+Prompts are drawn without repetition from one pool and partitioned, so held-out evaluation prompts
+never appear in any training file. SFT demonstrations are imperfect on purpose, with a stated error
+rate per task (DEMO_ERROR_RATE; ≈22.5% of all demonstrations are wrong). The count task's
+demonstrator usually over-counts by one, so supervised learning alone inherits a systematic bias that
+preference data (correct answer chosen, a plausible wrong one rejected) and PPO can remove.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import string
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rlhf.task import TASKS, gold_answer, make_prompt  # noqa: E402
+
+SEED = 1234
+SIZES = {  # rows per file; every prompt is unique across all files
+    "sft_train": 8000,
+    "pairs_train": 4000,
+    "pairs_eval": 400,
+    "prompts_train": 2000,
+    "eval_prompts": 200,
+}
+DEMO_ERROR_RATE = {"add": 0.10, "reverse": 0.10, "sort": 0.10, "count": 0.60}
+LETTERS = "abc"
+
+
+def random_instruction(rng: random.Random, task: str) -> str:
+    if task == "add":
+        return f"What is {rng.randint(0, 49)}+{rng.randint(0, 49)}?"
+    if task == "reverse":
+        return "Reverse " + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6))) + "."
+    if task == "sort":
+        return "Sort " + " ".join(rng.choices("0123456789", k=rng.randint(3, 6))) + "."
+    word = "".join(rng.choices(LETTERS, k=rng.randint(4, 8)))
+    return f"How many {rng.choice(LETTERS)} in {word}?"
+
+
+def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -> str:
+    """A plausible mistake. systematic=True gives the demonstrator's habitual error."""
+    right = gold_answer(prompt)
+    if task == "count":
+        n = int(right)
+        if systematic:
+            return str(n + 1)
+        return str(rng.choice([n + 1, max(n - 1, 0) if n > 0 else n + 2, n + 2]))
+    if task == "add":
+        n = int(right)
+        return str(n + rng.choice([1, -1, 10, -10]) if n >= 10 else n + rng.choice([1, 2, 10]))
+    chars = list(right) if task == "reverse" else right.split()
+    for _ in range(20):
+        i = rng.randrange(len(chars) - 1)
+        cand = chars[:]
+        cand[i], cand[i + 1] = cand[i + 1], cand[i]
+        if cand != chars:
+            return "".join(cand) if task == "reverse" else " ".join(cand)
+    # all equal characters/digits: change one instead
+    cand = chars[:]
+    cand[0] = "z" if task == "reverse" and cand[0] != "z" else ("9" if cand[0] != "9" else "0")
+    return "".join(cand) if task == "reverse" else " ".join(cand)
+
+
+def unique_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    seen: set[str] = set()
+    out = []
+    while len(out) < n:
+        task = TASKS[len(out) % len(TASKS)]
+        p = make_prompt(random_instruction(rng, task))
+        if p not in seen:
+            seen.add(p)
+            out.append((p, task))
+    rng.shuffle(out)
+    return out
+
+
+def build(seed: int = SEED) -> dict[str, list[dict]]:
+    rng = random.Random(seed)
+    pool = unique_prompts(rng, sum(SIZES.values()))
+    files, start = {}, 0
+    for name, size in SIZES.items():
+        part, start = pool[start : start + size], start + size
+        rows = []
+        for prompt, task in part:
+            right = gold_answer(prompt)
+            if name == "sft_train":
+                wrong = rng.random() < DEMO_ERROR_RATE[task]
+                ans = wrong_answer(rng, prompt, task, systematic=True) if wrong else right
+                rows.append({"prompt": prompt, "response": " " + ans})
+            elif name.startswith("pairs"):
+                # the rejected answer mirrors the policy's likely mistakes: half the demonstrator's habit
+                bad = wrong_answer(rng, prompt, task, systematic=rng.random() < 0.5)
+                rows.append({"prompt": prompt, "chosen": " " + right, "rejected": " " + bad})
+            elif name == "prompts_train":
+                rows.append({"prompt": prompt})
+            else:
+                rows.append({"prompt": prompt, "answer": right, "task": task})
+        files[name] = rows
+    return files
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """A character-level tokenizer (76 tokens) with a Human/Assistant chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + " \n.,?:+-!'"
+    vocab = {t: i for i, t in enumerate(specials + list(chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.add_special_tokens(specials)
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        padding_side="right", model_max_length=256,
+    )
+    fast.chat_template = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'user' %}{{ 'Human: ' + m['content'] + '\n\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token + '\n\n' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+    )
+    fast.save_pretrained(str(out_dir))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "data")
+    ap.add_argument("--seed", type=int, default=SEED)
+    args = ap.parse_args()
+    (args.out / "default").mkdir(parents=True, exist_ok=True)
+    for name, rows in build(args.seed).items():
+        with open(args.out / "default" / f"{name}.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"{name}: {len(rows)} rows")
+    build_tokenizer(args.out / "tokenizer")
+    print(f"tokenizer -> {args.out / 'tokenizer'}")
+
+
+if __name__ == "__main__":
+    main()
