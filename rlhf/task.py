@@ -72,3 +72,14 @@ def mean_gold_score(prompts: Sequence[str], responses: Sequence[str]) -> float:
 
 def task_of(prompt: str) -> str:
     return parse_prompt(prompt)[0]
+
+
+def judge(prompt: str, response: str, answer: str | None = None) -> float | None:
+    """The gold score of one response: exact match with `answer` when the data gives one, else the
+    default task's judge when the prompt is one of its prompts, else None (no gold judge)."""
+    if answer is not None:
+        return 1.0 if response.strip() == answer.strip() else 0.0
+    try:
+        return gold_score(prompt, response)
+    except ValueError:
+        return None

@@ -35,7 +35,7 @@ LETTERS = "abc"
 
 def random_instruction(rng: random.Random, task: str) -> str:
     if task == "add":
-        return f"What is {rng.randint(0, 49)}+{rng.randint(0, 49)}?"
+        return f"What is {rng.randint(0, 99)}+{rng.randint(0, 99)}?"
     if task == "reverse":
         return "Reverse " + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6))) + "."
     if task == "sort":

@@ -412,8 +412,8 @@ def test_tokenize_prompts_left_cut_and_metadata(tok):
     exs = [PromptExample("abcdef", "o", "42", {"task": "add"}), PromptExample("ab", "o2")]
     out, stats = tokenize_prompts(exs, tok, max_prompt_len=4)
     assert out == [
-        {"input_ids": [BOS] + ids("def"), "answer": "42", "meta": {"task": "add"}},
-        {"input_ids": [BOS] + ids("ab"), "answer": None, "meta": {}},
+        {"input_ids": [BOS] + ids("def"), "prompt": "abcdef", "answer": "42", "meta": {"task": "add"}},
+        {"input_ids": [BOS] + ids("ab"), "prompt": "ab", "answer": None, "meta": {}},
     ]
     assert stats == dict(rows=2, kept=2, prompt_truncated=1, dropped=0)
     out, stats = tokenize_prompts(exs, tok, max_prompt_len=4, overlong="drop")

@@ -184,7 +184,7 @@ def tokenize_prompts(
     overlong: str = "truncate",
     add_bos: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Prompts -> [{input_ids, answer, meta}] ([bos]+prompt, cut from the left), and stats."""
+    """Prompts -> [{input_ids, prompt (text), answer, meta}] ([bos]+prompt, cut from the left), and stats."""
     _check(tokenizer, None, max_prompt_len, overlong)
     bos = _bos(tokenizer, add_bos)
     stats = dict(rows=len(examples), kept=0, prompt_truncated=0, dropped=0)
@@ -196,7 +196,7 @@ def tokenize_prompts(
             continue
         stats["kept"] += 1
         stats["prompt_truncated"] += prompt[1]
-        out.append({"input_ids": prompt[0], "answer": ex.answer, "meta": ex.meta})
+        out.append({"input_ids": prompt[0], "prompt": ex.prompt, "answer": ex.answer, "meta": ex.meta})
     _log("tokenize_prompts", stats, None, max_prompt_len, overlong)
     return out, stats
 

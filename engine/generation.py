@@ -1,0 +1,107 @@
+"""Generation on an unsharded module: the generic path through `transformers` `generate`.
+
+    out = hf_generate(model, prompt_ids, prompt_mask, SamplingParams(max_new_tokens=16),
+                      eos_token_id=2, pad_token_id=0)
+    out.sequences       [B, P + T]  the left-padded prompts, then the responses (right-padded)
+    out.attention_mask  [B, P + T]  1 on prompt tokens and response tokens (EOS included)
+    out.response_mask   [B, T]      1 on response tokens up to and including each row's first EOS
+    out.logprobs        [B, T]      optional: log p(token) under softmax(logits / temperature)
+
+Every row stops at its own EOS (later columns are pad, outside the masks); T is the number of
+steps actually taken (the loop ends when every row has finished or at max_new_tokens). Sampling
+settings are passed explicitly in a fresh `GenerationConfig`, so a model's own
+generation_config (e.g. do_sample=False, top_k=50, repetition penalties) never changes what was
+asked: greedy only when `greedy=True`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int
+    greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k}, {self.top_p}")
+
+
+@dataclass(slots=True)
+class Generated:
+    sequences: torch.Tensor  # [B, P + T] long
+    attention_mask: torch.Tensor  # [B, P + T] long
+    response_mask: torch.Tensor  # [B, T] long
+    prompt_len: int  # P
+    logprobs: torch.Tensor | None = None  # [B, T] float32
+
+    @property
+    def responses(self) -> torch.Tensor:
+        return self.sequences[:, self.prompt_len :]
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B, T] ids -> [B, T] long mask: 1 up to and including the first EOS of each row, 0 after.
+
+    Correct when pad == eos (padding after the first EOS is excluded like any pad).
+    """
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device)).long()
+    before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before this column
+    return (before == 0).long()
+
+
+@torch.no_grad()
+def hf_generate(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    params: SamplingParams,
+    *,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    return_logprobs: bool = False,
+) -> Generated:
+    """Generate from LEFT-padded prompts with `model.generate` (KV cache). Randomness: torch's RNG."""
+    from transformers import GenerationConfig
+
+    eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    sampling = {} if params.greedy else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    gen_cfg = GenerationConfig(
+        max_new_tokens=params.max_new_tokens,
+        do_sample=not params.greedy,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_token_id,
+        output_logits=return_logprobs,
+        return_dict_in_generate=True,
+        **sampling,
+    )
+    if params.greedy:
+        gen_cfg.top_k, gen_cfg.top_p, gen_cfg.temperature = None, None, None
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
+    finally:
+        model.train(was_training)
+    P = prompt_ids.shape[1]
+    seqs = out.sequences
+    resp_mask = response_mask_from_eos(seqs[:, P:], eos_ids)
+    logprobs = None
+    if return_logprobs:
+        logits = torch.stack(out.logits, dim=1).float()  # [B, T, V] raw (unprocessed) logits
+        temp = 1.0 if params.greedy else params.temperature
+        logprobs = torch.log_softmax(logits / temp, dim=-1).gather(-1, seqs[:, P:, None]).squeeze(-1)
+        logprobs = logprobs * resp_mask
+    attn = torch.cat([prompt_mask.to(seqs.device).long(), resp_mask], dim=1)
+    return Generated(sequences=seqs, attention_mask=attn, response_mask=resp_mask, prompt_len=P, logprobs=logprobs)

@@ -1,0 +1,69 @@
+"""A stage's data: rows from `data.path` (its `data_split` share), a held-out part, and the
+deterministic order in which optimizer steps read them.
+
+    train_rows, eval_rows = stage_rows(cfg.data, stage=0)      # 0 sft, 1 reward, 2 ppo
+    order = StepOrder(len(features), global_batch=32, seed=1234)
+    order.steps_per_epoch; order.rank_rows(step, rank, world, accum) -> accum lists of indices
+
+The order is a pure function of (step, seed): epoch e = step // steps_per_epoch reads the rows in
+`torch.randperm(n, generator=seed + e)` order, global batch after global batch (the last partial
+batch of an epoch is left out); each rank takes a contiguous 1/world slice of the global batch and
+cuts it into `accum` micro-batches. Resuming at step s therefore needs nothing but s.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rlhf.config import ConfigError, DataConfig
+from rlhf.data.records import Row
+from rlhf.data.sources import load_rows
+from rlhf.data.split import STAGES, take_split
+
+logger = logging.getLogger(__name__)
+
+
+def stage_rows(d: DataConfig, stage: int) -> tuple[list[Row], list[Row]]:
+    """(train rows, held-out rows) of `d.path` for `stage`; eval_path, or eval_fraction carved off."""
+    rows = load_rows(d.path, d.split, d.cache_dir)
+    total = len(rows)
+    if d.data_split is not None:
+        rows = take_split(rows, d.data_split, stage, d.split_seed)
+        logger.info("data.data_split=%s: %s stage takes %d of %d rows", d.data_split, STAGES[stage], len(rows), total)
+    if d.eval_path:
+        eval_rows = load_rows(d.eval_path, d.eval_split, d.cache_dir)
+    else:
+        n_eval = round(d.eval_fraction * len(rows))
+        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.split_seed)).tolist()
+        held = set(perm[:n_eval])
+        eval_rows = [r for i, r in enumerate(rows) if i in held]
+        rows = [r for i, r in enumerate(rows) if i not in held]
+    if not rows:
+        raise ConfigError(f"data.path={d.path!r}: no training rows left (of {total}) after data_split/eval_fraction")
+    return rows, eval_rows
+
+
+class StepOrder:
+    """Which rows each optimizer step reads, on each rank (see the module docstring)."""
+
+    def __init__(self, n: int, global_batch: int, seed: int, key: str = "train.global_batch_size"):
+        if n < global_batch:
+            raise ConfigError(f"{key}={global_batch} exceeds the {n} training rows (after the over-long rule)")
+        self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.steps_per_epoch = n // global_batch
+        self._perm_epoch, self._perm = -1, None
+
+    def global_rows(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        return self._perm[k * self.global_batch : (k + 1) * self.global_batch]
+
+    def rank_rows(self, step: int, rank: int, world: int, accum: int) -> list[list[int]]:
+        rows = self.global_rows(step)
+        per_rank = self.global_batch // world
+        mine = rows[rank * per_rank : (rank + 1) * per_rank]
+        m = per_rank // accum
+        return [mine[i * m : (i + 1) * m] for i in range(accum)]

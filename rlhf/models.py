@@ -1,0 +1,236 @@
+"""Tokenizers and models: load (path, hub name, previous stage's output) or build from a config, LoRA,
+and the Hugging Face export that the next stage reads.
+
+    tok = load_tokenizer(cfg.model)                        # pad token ensured
+    lm = load_causal_lm(cfg.model, tok, seed=1234)         # + LoRA when cfg.model.lora.r > 0
+    vm = load_value_model(cfg.model, tok, seed=1234)       # backbone + scalar head (reward, critic)
+    export_hf(engine.full_state_dict(), lm, tok, out_dir, cfg.model)   # rank 0, atomic
+
+A previous stage's output directory (`outputs/sft`) may be given wherever a model path is
+expected: its `model/` subdirectory is used. A directory holding a peft adapter is loaded onto its
+base model and merged. `trust_remote_code` is passed only when configured.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from rlhf.config import ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODEL_SUBDIR = "model"  # where a stage writes its final HF model inside output_dir
+
+
+def quiet_transformers() -> None:
+    """No per-shard progress bars from transformers' loading/saving (our own bars show progress)."""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def resolve_model_path(path: str, require_model: bool = True) -> str:
+    """A stage output directory -> its model/ subdirectory; anything else unchanged."""
+    sub = os.path.join(path, MODEL_SUBDIR)
+    if os.path.isdir(sub) and any(os.path.exists(os.path.join(sub, f)) for f in ("config.json", "adapter_config.json")):
+        return sub
+    if require_model and os.path.isdir(path) and not any(
+        os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
+    ):
+        raise ConfigError(
+            f"{path} is a directory without a Hugging Face model (no config.json or adapter_config.json, "
+            f"and no {MODEL_SUBDIR}/ holding one): did the stage that writes it finish?"
+        )
+    return path
+
+
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
+
+
+def _check_exists(path: str, key: str) -> None:
+    if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"{key}={path!r}: no such file or directory")
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def load_tokenizer(cfg: ModelConfig, key: str = "model") -> Any:
+    """The tokenizer of `cfg.tokenizer` (or of the model). Without a pad token, eos is used as pad:
+    every position rule here comes from attention masks, never from comparing ids with pad."""
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.name_or_path
+    which = f"{key}.tokenizer" if cfg.tokenizer else f"{key}.name_or_path"
+    _check_exists(source, which)
+    source = resolve_model_path(source, require_model=False) if os.path.isdir(source) else source
+    if os.path.exists(os.path.join(source, "adapter_config.json")) and not os.path.exists(
+        os.path.join(source, "tokenizer_config.json")
+    ):
+        source = _adapter_base(source)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{which}={source!r}: cannot load a tokenizer ({e})") from None
+    if tok.eos_token_id is None:
+        raise ConfigError(f"{which}={source!r}: the tokenizer has no eos token (needed to end responses)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+        logger.info("tokenizer has no pad token: using eos (%r) as pad", tok.eos_token)
+    return tok
+
+
+def _adapter_base(path: str) -> str:
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"{path}: adapter_config.json names no base_model_name_or_path")
+    return base
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _from_config_kwargs(cfg: ModelConfig, tok: Any) -> dict[str, Any]:
+    kw = dict(cfg.config)
+    kw.setdefault("vocab_size", len(tok))
+    for name in ("bos", "eos", "pad"):
+        kw.setdefault(f"{name}_token_id", getattr(tok, f"{name}_token_id"))
+    return kw
+
+
+def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key: str, seed: int) -> nn.Module:
+    """Load `cfg.name_or_path` (adapter dirs merged onto their base) or build from `cfg.config`."""
+    from transformers import AutoConfig
+
+    if cfg.name_or_path is None:
+        kw = _from_config_kwargs(cfg, tok)
+        model_type = kw.pop("model_type")
+        try:
+            hf_cfg = AutoConfig.for_model(model_type, **kw, **extra)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{key}.config: unknown or invalid model_type {model_type!r} ({e})") from None
+        torch.manual_seed(seed)  # the random init is part of the run's reproducibility
+        model = auto_cls.from_config(hf_cfg, trust_remote_code=cfg.trust_remote_code)
+        logger.info("built %s from %s.config with random weights (%s params)",
+                    type(model).__name__, key, f"{sum(p.numel() for p in model.parameters()):,}")
+        return model
+    _check_exists(cfg.name_or_path, f"{key}.name_or_path")
+    path = resolve_model_path(cfg.name_or_path) if os.path.isdir(cfg.name_or_path) else cfg.name_or_path
+    dtype = "auto" if cfg.dtype == "auto" else TORCH_DTYPES[cfg.dtype]
+    adapter = os.path.isdir(path) and os.path.exists(os.path.join(path, "adapter_config.json"))
+    source = _adapter_base(path) if adapter else path
+    torch.manual_seed(seed)  # heads that the checkpoint lacks (e.g. a new value head) init reproducibly
+    try:
+        model = auto_cls.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{key}.name_or_path={source!r}: cannot load a model ({type(e).__name__}: {e})") from None
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path).merge_and_unload()
+        logger.info("loaded the LoRA adapter %s onto %s and merged it", path, source)
+    if model.get_input_embeddings().weight.shape[0] < len(tok):
+        logger.warning("resizing token embeddings %d -> %d to fit the tokenizer",
+                       model.get_input_embeddings().weight.shape[0], len(tok))
+        model.resize_token_embeddings(len(tok))
+    return model
+
+
+def load_causal_lm(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True) -> nn.Module:
+    """A causal LM (fp32 unless `cfg.dtype` says otherwise), with LoRA applied when configured."""
+    from transformers import AutoModelForCausalLM
+
+    model = _build(cfg, tok, AutoModelForCausalLM, {}, key, seed)
+    model.config.pad_token_id = tok.pad_token_id
+    return apply_lora(model, cfg, key, seed) if lora else model
+
+
+def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True) -> nn.Module:
+    """Backbone + a scalar head (`AutoModelForSequenceClassification`, num_labels=1): a causal-LM
+    checkpoint loses its LM head and gets a fresh head; a reward checkpoint keeps its head."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = _build(cfg, tok, AutoModelForSequenceClassification, {"num_labels": 1}, key, seed)
+    model.config.pad_token_id = tok.pad_token_id
+    return apply_lora(model, cfg, key, seed, task_type="SEQ_CLS") if lora else model
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig, key: str, seed: int, task_type: str = "CAUSAL_LM") -> nn.Module:
+    """peft LoRA with `cfg.lora`; `only_adapters=false` leaves the base trainable as well."""
+    lo = cfg.lora
+    if lo.r == 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = lo.target_modules if lo.target_modules == "all-linear" else list(lo.target_modules)
+    peft_cfg = LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout, target_modules=targets,
+                          task_type=task_type)
+    torch.manual_seed(seed + 1)
+    try:
+        model = get_peft_model(model, peft_cfg)
+    except ValueError as e:
+        raise ConfigError(f"{key}.lora.target_modules={lo.target_modules!r}: {e}") from None
+    if not lo.only_adapters:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("LoRA r=%d alpha=%d on %s: %s trainable params", lo.r, lo.alpha, lo.target_modules, f"{n_train:,}")
+    return model
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_hf(
+    state_dict: dict[str, torch.Tensor],
+    like: nn.Module,
+    tokenizer: Any,
+    out_dir: str,
+    cfg: ModelConfig,
+    extra_files: dict[str, str] | None = None,
+) -> str:
+    """Write a consolidated state dict as a Hugging Face directory, atomically; returns out_dir.
+
+    `state_dict`: clean names of `like` (the unwrapped training module, possibly a peft model), as
+    `engine.full_state_dict()` returns on rank 0. LoRA: merged into the base weights
+    (`lora.merge_on_save`) or saved as a peft adapter. Weights are cast to `cfg.save_dtype`.
+    """
+    from engine import atomic_directory
+
+    dtype = TORCH_DTYPES[cfg.save_dtype]
+    peft_cfg = getattr(like, "peft_config", None)
+    # NOTE: the skeleton takes these tensors as its own (assign=True) and merging LoRA writes into
+    # the base weights in place, so copy: the state dict may share storage with the live model.
+    copy = bool(peft_cfg) and cfg.lora.merge_on_save
+    sd = {k: (v.to(dtype, copy=copy) if v.is_floating_point() else v) for k, v in state_dict.items()}
+    base_like = like.get_base_model() if hasattr(like, "get_base_model") else like
+    with torch.device("meta"):
+        skeleton = type(base_like)(base_like.config)
+    if peft_cfg:
+        from peft import get_peft_model
+
+        skeleton = get_peft_model(skeleton, peft_cfg["default"])
+    missing, unexpected = skeleton.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"export: state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if peft_cfg and cfg.lora.merge_on_save:
+        skeleton = skeleton.merge_and_unload()
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()
+    with atomic_directory(out_dir) as tmp:
+        skeleton.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+    return out_dir

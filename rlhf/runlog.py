@@ -1,0 +1,130 @@
+"""What a run leaves behind besides its model: metrics.jsonl, PNG plots, summary.json, wandb.
+
+Only the main rank writes. `metrics.jsonl` holds one JSON object per record with `step` and
+`kind` ("train", "eval", ...); on resume the records after the restored step are dropped so the
+file reads as one uninterrupted run. wandb runs offline unless `logger.mode=online`, and with
+`logger.mode=disabled` it is never imported.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf.config import LoggerConfig
+
+logger = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe scalars: tensors -> numbers, NaN/inf -> strings (JSON has no NaN)."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class RunLog:
+    def __init__(self, output_dir: str, cfg: LoggerConfig, *, is_main: bool, config_dict: dict | None = None,
+                 resume_step: int | None = None):
+        self.output_dir, self.is_main = output_dir, is_main
+        self.path = os.path.join(output_dir, METRICS)
+        self._wandb = None
+        if not is_main:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        if resume_step is None:
+            open(self.path, "w").close()
+        else:
+            self._truncate_after(resume_step)
+        if cfg.backend == "wandb" and cfg.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, mode=cfg.mode,
+                                     dir=output_dir, config=config_dict, resume="allow")
+
+    def _truncate_after(self, step: int) -> None:
+        kept = [r for r in read_metrics(self.output_dir) if r.get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+
+    def log(self, step: int, kind: str, **values: Any) -> None:
+        if not self.is_main:
+            return
+        record = {"step": step, "kind": kind, **{k: _clean(v) for k, v in values.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(output_dir: str, kind: str | None = None) -> list[dict]:
+    path = os.path.join(output_dir, METRICS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def write_summary(output_dir: str, summary: dict) -> str:
+    """summary.json (atomically: temp file + rename); returns its path."""
+    path = os.path.join(output_dir, SUMMARY)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: _clean(v) for k, v in summary.items()}, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def format_summary(summary: dict) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    width = max(len(k) for k in summary)
+    return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in summary.items())
+
+
+def plot_series(path: str, title: str, panels: Sequence[tuple[str, Sequence[tuple[str, list, list]]]]) -> str | None:
+    """One PNG with a panel per (ylabel, [(label, xs, ys), ...]); empty series are skipped."""
+    panels = [(y, [s for s in series if s[1]]) for y, series in panels]
+    panels = [(y, series) for y, series in panels if series]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False)
+    for ax, (ylabel, series) in zip(axes[:, 0], panels):
+        for label, xs, ys in series:
+            ax.plot(xs, ys, label=label, marker="o" if len(xs) < 20 else None, markersize=3)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if len(series) > 1 or series[0][0]:
+            ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def series(rows: list[dict], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]

@@ -1,0 +1,200 @@
+"""Stage 1: supervised fine-tuning of a causal LM on demonstrations.
+
+    python -m rlhf.sft                                       # the embedded default, CPU, minutes
+    python -m rlhf.sft model.name_or_path=/models/opt-1.3b data.path=sft.jsonl train.lr=1e-5
+    torchrun --nproc_per_node 2 -m rlhf.sft engine=zero3     # same run, sharded over 2 ranks
+
+Choices: the loss is the token-level cross-entropy on response tokens only (prompt and padding
+are -100), averaged over all response tokens of the global batch (not per sequence), as
+DeepSpeed-Chat. Global batch = micro batch x accumulation x world size; rows are read in a
+seeded per-epoch order (rlhf/data/stage.py), so a resumed run sees exactly the rows it would have.
+Evaluation before training, every `train.eval_every` steps and at the end: perplexity on the
+held-out rows and the gold score of greedy generations on `data.eval_prompts_path`.
+Writes to `output_dir`: config.yaml, metrics.jsonl, sft.png, checkpoints/, model/ (HF), summary.json.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from engine import TrainEngine, format_memory_report, init_distributed, prune_checkpoints
+from engine.distributed import all_reduce_sum
+from rlhf.app import (
+    CONF_DIR, TrainingError, checkpoint_root, fresh_checkpoints, progress, resolve_resume, save_config,
+    seed_everything, setup_logging, user_errors,
+)
+from rlhf.config import SFTConfig, engine_config, optim_config, to_config, validate_sft
+from rlhf.data import collate_sft, parse_sft, tokenize_sft
+from rlhf.data.stage import StepOrder, stage_rows
+from rlhf.data.tokenize import IGNORE_INDEX
+from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
+from rlhf.models import MODEL_SUBDIR, export_hf, load_causal_lm, load_tokenizer
+from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+
+logger = logging.getLogger("rlhf.sft")
+
+
+def sft_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Summed next-token cross-entropy over response tokens, and their count (the engine's weight)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
+    loss_sum = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, (labels != IGNORE_INDEX).sum(), {}
+
+
+def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, prompts: list) -> dict[str, Any]:
+    info = engine.info
+    out: dict[str, Any] = {}
+    with engine.gathered_parameters():
+        if eval_feats:
+            out.update(perplexity(engine.unwrapped, eval_feats, tok.pad_token_id, cfg.train.micro_batch_size,
+                                  rank=info.rank, world=info.world_size, device=info.device))
+        if prompts:
+            out.update(gold_eval(engine.unwrapped, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
+                                 device=info.device))
+    return out
+
+
+def run(cfg: SFTConfig) -> dict[str, Any]:
+    t_start = time.time()
+    info = init_distributed()
+    setup_logging(info.is_main)
+    accum = validate_sft(cfg, info)
+    engine_cfg = engine_config(cfg.engine, info)
+    seed_everything(cfg.seed)
+    out_dir = cfg.output_dir
+
+    # ---- data
+    tok = load_tokenizer(cfg.model)
+    d = cfg.data
+    train_rows, eval_rows = stage_rows(d, stage=0)
+    train_feats, stats = tokenize_sft(parse_sft(train_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    eval_feats, _ = tokenize_sft(parse_sft(eval_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    prompts = load_eval_prompts(d, tok)
+    order = StepOrder(len(train_feats), cfg.train.global_batch_size, cfg.seed)
+    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
+    logger.info("SFT data: %d train rows (%s), %d held-out rows, %d eval prompts; %d steps of %d rows (%d per epoch)",
+                len(train_feats), stats, len(eval_feats), len(prompts), total, cfg.train.global_batch_size,
+                order.steps_per_epoch)
+
+    # ---- model + engine
+    model = load_causal_lm(cfg.model, tok, seed=cfg.seed)
+    engine = TrainEngine(model, engine_cfg, optim_config(cfg.train), total_steps=total, info=info)
+    resume = resolve_resume(cfg.train.resume, out_dir)
+    if resume:
+        engine.load_checkpoint(resume)
+        logger.info("resumed from %s at step %d", resume, engine.global_step)
+    else:
+        fresh_checkpoints(out_dir, info.is_main)
+    start = engine.global_step
+    log = RunLog(out_dir, cfg.logger, is_main=info.is_main, resume_step=start if resume else None)
+    if info.is_main:
+        save_config(out_dir, cfg)
+
+    # ---- evaluation of the untrained model (kept from the first run when resuming)
+    before = next((r for r in read_metrics(out_dir, "eval") if r["step"] == 0), None) if resume else None
+    if before is None:
+        before = evaluate(engine, cfg, tok, eval_feats, prompts)
+        log.log(0, "eval", **{k: v for k, v in before.items() if k != "samples"})
+        logger.info("before training: %s", _eval_line(before))
+
+    # ---- train
+    bar = progress(total, start, "sft", info.is_main)
+    skips, tokens, t_last, last = 0, 0, time.time(), {}
+    for step in range(start, total):
+        idx = order.rank_rows(step, info.rank, info.world_size, accum)
+        batches = [collate_sft([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
+        tokens += sum(int(b["attention_mask"].sum()) for b in batches)
+        out = engine.train_step(batches, sft_loss)
+        skips = skips + 1 if out["skipped"] else 0
+        if skips >= cfg.train.max_consecutive_skips:
+            raise TrainingError(
+                f"{skips} consecutive steps had a non-finite loss or gradient (last loss {out['loss']}); "
+                "lower train.lr, check the data, or use engine.precision=fp32"
+            )
+        done = step + 1
+        bar.update(1)
+        if done % cfg.train.log_every == 0 or done == total:
+            n_tok = all_reduce_sum(torch.tensor(float(tokens))).item()
+            tps, tokens, t_last = n_tok / max(time.time() - t_last, 1e-9), 0, time.time()
+            last = dict(loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"], tokens_per_s=tps,
+                        skipped_steps=engine.skipped_steps, loss_scale=out["loss_scale"], epoch=step / order.steps_per_epoch)
+            log.log(done, "train", **last)
+            bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}", tok_s=f"{tps:,.0f}")
+        if done == 1:
+            logger.info("memory plan:\n%s", format_memory_report(engine.memory_report()))
+        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < total:
+            ev = evaluate(engine, cfg, tok, eval_feats, prompts)
+            log.log(done, "eval", **{k: v for k, v in ev.items() if k != "samples"})
+            bar.write(f"step {done}: {_eval_line(ev)}")
+        if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == total):
+            engine.save_checkpoint(os.path.join(checkpoint_root(out_dir), f"step_{done:07d}"), {"step": done})
+            if info.is_main:
+                prune_checkpoints(checkpoint_root(out_dir), cfg.train.keep_last_n)
+    bar.close()
+
+    # ---- final evaluation, export, summary
+    after = evaluate(engine, cfg, tok, eval_feats, prompts)
+    log.log(total, "eval", **{k: v for k, v in after.items() if k != "samples"})
+    state = engine.full_state_dict()  # collective; rank 0 gets the consolidated CPU copy
+    summary: dict[str, Any] = {}
+    if info.is_main:
+        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model)
+        _plot(out_dir)
+        summary = {
+            "stage": "sft",
+            "time_s": round(time.time() - t_start, 1),
+            "steps": total,
+            "train_rows": len(train_feats),
+            "final_train_loss": last.get("loss"),
+            "eval_loss_before": before.get("loss"),
+            "eval_loss_after": after.get("loss"),
+            "perplexity_after": after.get("perplexity"),
+            "gold_score_before": before.get("gold_score"),
+            "gold_score_after": after.get("gold_score"),
+            **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
+            "skipped_steps": engine.skipped_steps,
+            "model_dir": os.path.join(out_dir, MODEL_SUBDIR),
+        }
+        write_summary(out_dir, summary)
+        for s in after.get("samples", []):
+            print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['score']})")
+        print(f"SFT done ({out_dir}):\n{format_summary(summary)}", flush=True)
+    log.finish()
+    return summary
+
+
+def _eval_line(ev: dict) -> str:
+    parts = []
+    if ev.get("loss") is not None:
+        parts.append(f"eval loss {ev['loss']:.4f} (ppl {ev['perplexity']:.3f})")
+    if ev.get("gold_score") is not None:
+        tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
+        parts.append(f"gold score {ev['gold_score']:.1f} ({tasks})")
+    return ", ".join(parts) or "no eval data"
+
+
+def _plot(out_dir: str) -> None:
+    train, ev = read_metrics(out_dir, "train"), read_metrics(out_dir, "eval")
+    plot_series(os.path.join(out_dir, "sft.png"), "SFT", [
+        ("loss", [("train", *series(train, "loss")), ("held-out", *series(ev, "loss"))]),
+        ("gold score", [("", *series(ev, "gold_score"))]),
+    ])
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sft")
+def main(raw: DictConfig) -> None:
+    with user_errors():
+        run(to_config(raw, SFTConfig))
+
+
+if __name__ == "__main__":
+    main()
