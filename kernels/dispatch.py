@@ -11,7 +11,6 @@ imported before, and a process can run both modes.
 """
 import contextlib
 import functools
-import importlib.util
 import os
 
 import torch
@@ -48,7 +47,11 @@ def disabled():
 
 @functools.cache
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def interpret_mode() -> bool:
@@ -98,6 +101,10 @@ class jit:  # noqa: N801 - used as a decorator, like triton.jit
 def num_warps_for(block: int) -> int:
     """Warps for a one-row-per-program kernel of `block` elements (Liger's rule of thumb)."""
     return 4 if block < 2048 else 8 if block < 8192 else 16
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def next_pow2(n: int) -> int:

@@ -31,7 +31,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .dispatch import jit, resolve_impl, tl
+from .dispatch import cdiv, jit, resolve_impl, tl
 
 IGNORE_INDEX = -100
 _CHUNK_BYTES = 256 << 20  # per [chunk, V] buffer: chunked path (fp32) and Triton dlogits (input dtype)
@@ -213,13 +213,13 @@ def _triton_forward(h, weight, bias, targets, temperature, entropy, ignore_index
     N, H = h.shape
     V = weight.shape[0]
     BN, BV, BH, warps, stages = _tiles(h)
-    n_row_blocks = triton_cdiv(N, BN)
-    n_vblocks = triton_cdiv(V, BV)
+    n_row_blocks = cdiv(N, BN)
+    n_vblocks = cdiv(V, BV)
     if n_split is None:  # enough programs to fill the GPU; a few in the interpreter
         target = 2 * _sm_count(h.device.index or 0) if h.is_cuda else 4
-        n_split = min(n_vblocks, max(1, triton_cdiv(target, n_row_blocks)))
-    v_per_split = triton_cdiv(n_vblocks, n_split) * BV
-    n_split = triton_cdiv(V, v_per_split)
+        n_split = min(n_vblocks, max(1, cdiv(target, n_row_blocks)))
+    v_per_split = cdiv(n_vblocks, n_split) * BV
+    n_split = cdiv(V, v_per_split)
     acc = _acc_dtype(h)
     m, s, a = (torch.empty(N, n_split, dtype=acc, device=h.device) for _ in range(3))
     zt = torch.zeros(N, dtype=acc, device=h.device)
@@ -244,17 +244,13 @@ def _dlogits_triton(h, weight, bias, targets, lse, ez, g_lp, g_ent, temperature)
     BN, BV, BH, warps, stages = _tiles(h)
     dz = torch.empty(N, V, dtype=h.dtype, device=h.device)
     ACC, PREC = _kernel_consts(h)
-    _dlogits_kernel[(triton_cdiv(N, BN), triton_cdiv(V, BV))](
+    _dlogits_kernel[(cdiv(N, BN), cdiv(V, BV))](
         h, weight, bias if bias is not None else h, targets, lse, ez, g_lp,
         g_ent if g_ent is not None else g_lp, dz,
         N, V, H, h.stride(0), weight.stride(0), dz.stride(0), 1.0 / temperature,
         HAS_BIAS=bias is not None, ENTROPY=g_ent is not None, ACC=ACC, PRECISION=PREC,
         BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, num_warps=warps, num_stages=stages)
     return dz
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ----------------------------------------------------------------------------- autograd

@@ -69,7 +69,7 @@ class DataConfig:
     eval_fraction: float = 0.02
     eval_prompts_path: str | None = None  # prompts (with `answer` or default-task) for the gold score
     num_eval_prompts: int = 200  # first N of eval_prompts_path; 0 = all
-    data_split: str | None = None  # e.g. "2,4,4": this stage takes its share (DeepSpeed-Chat)
+    data_split: Any = None  # "2,4,4" or [2,4,4]: this stage takes its share (DeepSpeed-Chat)
     split_seed: int = 1234
     max_len: int = 64  # tokens of prompt + response (+ bos/eos)
     max_prompt_len: int = 48

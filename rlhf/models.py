@@ -211,7 +211,14 @@ def export_hf(
     # NOTE: the skeleton takes these tensors as its own (assign=True) and merging LoRA writes into
     # the base weights in place, so copy: the state dict may share storage with the live model.
     copy = bool(peft_cfg) and cfg.lora.merge_on_save
-    sd = {k: (v.to(dtype, copy=copy) if v.is_floating_point() else v) for k, v in state_dict.items()}
+    sd, made = {}, {}
+    for k, v in state_dict.items():
+        if v.is_floating_point():
+            key = (v.data_ptr(), v.shape, v.stride())  # tied weights stay one tensor after the copy
+            if key not in made:
+                made[key] = v.to(dtype, copy=copy)
+            v = made[key]
+        sd[k] = v
     base_like = like.get_base_model() if hasattr(like, "get_base_model") else like
     with torch.device("meta"):
         skeleton = type(base_like)(base_like.config)

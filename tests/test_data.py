@@ -129,6 +129,16 @@ def test_sft_prompt_may_be_a_message_list(tok):
     assert (ex.prompt, ex.response) == ("<|user|>hi\n<|assistant|>", "yo")
 
 
+def test_sft_from_pair_shapes_takes_the_chosen_response(tok):
+    # one preference dataset split between the three stages: SFT trains on prompt + chosen
+    out = parse_sft(rows({"prompt": "Q:", "chosen": " yes", "rejected": " no"}, {"prompt": "R:", "chosen": " a", "rejected": " b"}))
+    assert [(e.prompt, e.response) for e in out] == [("Q:", " yes"), ("R:", " a")]
+    hh = parse_sft(rows({"chosen": "\n\nHuman: hi\n\nAssistant: good", "rejected": "\n\nHuman: hi\n\nAssistant: bad"}))
+    assert (hh[0].prompt, hh[0].response) == ("\n\nHuman: hi\n\nAssistant:", " good")
+    feats, _ = tokenize_sft(out[:1], tok, max_len=16, max_prompt_len=8)
+    assert feats[0]["labels"] == [IGNORE_INDEX] * 3 + ids(" yes") + [EOS]
+
+
 def test_sft_row_that_fits_no_shape_lists_accepted_shapes():
     with pytest.raises(DataFormatError) as e:
         parse_sft(rows({"question": "q", "answer": "a"}))

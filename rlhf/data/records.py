@@ -10,6 +10,7 @@ response are concatenated with nothing in between (Dahoas and hh-rlhf prompts en
              {text}                        no prompt: the loss covers every token
              {messages: [{role, content}]} prompt = template(messages[:-1]) + generation prompt,
                                            response = the last message, which must be "assistant"
+             any pair shape                prompt + the chosen response (one dataset for all stages)
     pairs    {prompt, chosen, rejected}    responses only (Dahoas/rm-static); prompt may be a
                                            message list, chosen/rejected a one-message list
              {chosen, rejected} strings    hh-rlhf transcripts: prompt = shared text up to and
@@ -74,6 +75,7 @@ SFT_SHAPES = (
     "{prompt, response} (prompt: str or message list)",
     "{text}",
     "{messages: [{role, content}, ...]} ending with an assistant message",
+    "any pair shape (prompt + the chosen response)",
 )
 PAIR_SHAPES = (
     "{prompt, chosen, rejected} (responses only; prompt: str or message list)",
@@ -206,7 +208,17 @@ _SFT_TABLE: list[tuple[str, Callable, _Parser]] = [
     ("{prompt, response}", _has("prompt", "response"), lambda d, r: (_prompt_text(d, r), _get_str(d, "response"))),
     ("{messages}", _has("messages"), lambda d, r: _sft_messages(d, r)),
     ("{text}", _has("text"), lambda d, r: ("", _get_str(d, "text"))),
+    # Preference data used for SFT (e.g. one dataset split between the stages): the chosen response.
+    ("pairs (chosen response)", lambda d: any(sel(d) for _, sel, _ in _PAIR_TABLE), lambda d, r: _sft_from_pair(d, r)),
 ]
+
+
+def _sft_from_pair(d: Mapping[str, Any], render: _Renderer) -> tuple[str, str]:
+    for _, selects, parser in _PAIR_TABLE:
+        if selects(d):
+            prompt, chosen, _ = parser(d, render)
+            return prompt, chosen
+    raise _RowError("fits no pair shape (prompt/chosen/rejected, hh-rlhf transcripts, message lists)")
 
 
 def _sft_messages(d: Mapping[str, Any], render: _Renderer) -> tuple[str, str]:

@@ -1,0 +1,221 @@
+"""Batched generation on an `InferenceModel`: one prefill, then a static-shape decode step per token.
+
+    prefill   forward(prompt [B, P], slots 0..P-1, per-row positions, valid = prompt mask)
+              -> sample token 0 from the last column (every row ends in a real token: left padding)
+    decode    `decode_step`: forward(token [B, 1], slot [1], position [B, 1]) -> sample -> pad for rows
+              already finished -> done |= EOS -> advance slot and positions. All state lives in
+              device tensors, so the step has fixed shapes and no host sync; on CUDA it is captured
+              once per (batch size, sampling settings) in a CUDA graph and replayed per token
+              (measured on an H100 for a 1.2B Llama: 15-19 ms/step eager vs 2.3-2.9 ms graphed).
+    stop      a row stops at its own EOS (kept, and counted in response_mask); later columns are pad.
+              The host reads "all rows done" every `check_every` steps: on CUDA that read is the only
+              sync in the loop, so it is taken every 8 steps (at most 7 wasted, all-pad steps, trimmed
+              from the output); on CPU a read costs nothing and is taken every step.
+
+Randomness: eager sampling draws from `generator` (or the global RNG). A graph samples with its
+own registered generator, reseeded per call from `generator` (or the global RNG), so graphed runs
+are reproducible per seed but are a different stream from eager runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from .model import InferenceModel
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor  # [B, P + T'] prompt (left-padded) then response (pad after EOS)
+    attention_mask: torch.Tensor  # [B, P + T'] prompt_mask then response_mask
+    response_mask: torch.Tensor  # [B, T'] 1 for generated tokens up to and including EOS
+    logprobs: torch.Tensor | None  # [B, T'] log_softmax(logits / temperature) at the token; 0 off-mask
+
+
+@dataclass
+class DecodeState:
+    """The device tensors one decode step reads and updates in place (static addresses for graphs)."""
+
+    tokens: torch.Tensor  # [B, 1] the token fed to this step
+    input_pos: torch.Tensor  # [1] its cache slot
+    position_ids: torch.Tensor  # [B, 1] its per-row position
+    done: torch.Tensor  # [B] bool: the row has emitted EOS
+    eos: torch.Tensor  # [n_eos] int64
+    out_tokens: torch.Tensor  # [B] the step's token (pad where the row was already done)
+    out_logprobs: torch.Tensor  # [B]
+    out_active: torch.Tensor  # [B] bool: the row was still running at this step
+
+    @classmethod
+    def empty(cls, batch_size: int, eos: torch.Tensor) -> DecodeState:
+        dev = eos.device
+        long = {"dtype": torch.long, "device": dev}
+        return cls(
+            tokens=torch.zeros(batch_size, 1, **long),
+            input_pos=torch.zeros(1, **long),
+            position_ids=torch.zeros(batch_size, 1, **long),
+            done=torch.zeros(batch_size, dtype=torch.bool, device=dev),
+            eos=eos,
+            out_tokens=torch.zeros(batch_size, **long),
+            out_logprobs=torch.zeros(batch_size, device=dev),
+            out_active=torch.zeros(batch_size, dtype=torch.bool, device=dev),
+        )
+
+    def inputs(self) -> list[torch.Tensor]:
+        return [self.tokens, self.input_pos, self.position_ids, self.done]
+
+
+def decode_step(
+    model: InferenceModel,
+    st: DecodeState,
+    sampling: SamplingParams,
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    kv_len: int | None = None,
+) -> None:
+    """One token for every row, in place on `st`. Fixed shapes, no host sync (graph-capturable with
+    kv_len=None; eager callers pass the live length so attention reads only slots [0, kv_len))."""
+    logits = model.forward(st.tokens, st.input_pos, st.position_ids, kv_len=kv_len)[:, -1]
+    tokens, logprobs = sample(logits, sampling, generator)
+    active = ~st.done
+    tokens = torch.where(active, tokens, pad_token_id)
+    st.done |= active & torch.isin(tokens, st.eos)
+    st.out_tokens.copy_(tokens)
+    st.out_logprobs.copy_(logprobs.masked_fill(~active, 0.0))
+    st.out_active.copy_(active)
+    st.tokens.copy_(tokens[:, None])
+    st.input_pos.add_(1)
+    st.position_ids.add_(1)
+
+
+class DecodeGraph:
+    """`decode_step` captured in a CUDA graph for one batch size and sampling setting.
+
+    The graph reads the weights, the cache rows [:B] and `state`, so it stays valid across
+    `load_weights` (same storage) and is dropped by the model when the cache is reallocated.
+    """
+
+    def __init__(self, model: InferenceModel, state: DecodeState, sampling: SamplingParams, pad_token_id: int):
+        self.state = state
+        self.generator = torch.Generator(device=model.device)
+        snapshot = [t.clone() for t in state.inputs()]
+
+        def step():
+            decode_step(model, state, sampling, pad_token_id, self.generator)
+
+        # NOTE: warm-up runs on a side stream before capture (cuBLAS / SDPA workspaces, allocator).
+        # It writes k/v and valid flags at the state's slot and the next one; generate() captures
+        # before its prefill, which rewrites those slots. The step inputs are restored afterwards.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        if model.graph_pool is None:
+            model.graph_pool = torch.cuda.graph_pool_handle()  # shared by all of the model's graphs
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.register_generator_state(self.generator)
+        with torch.cuda.graph(self.graph, pool=model.graph_pool):
+            step()
+        for t, saved in zip(state.inputs(), snapshot):
+            t.copy_(saved)
+
+    def seed(self, generator: torch.Generator | None) -> None:
+        seed = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator else "cpu")
+        self.generator.manual_seed(int(seed))
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+@torch.no_grad()
+def generate(
+    model: InferenceModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int = 0,
+    sampling: SamplingParams | None = None,
+    generator: torch.Generator | None = None,
+    return_logprobs: bool = False,
+    check_every: int | None = None,
+) -> GenerationOutput:
+    """Sample up to `max_new_tokens` for left-padded prompts [B, P] (mask 1 = real token).
+
+    Stops early once every row has emitted an EOS; T' = steps actually taken (the longest response).
+    sampling: SamplingParams (default: temperature 1, no top-k/top-p). check_every: steps between
+    "all done" host reads (default 8 on CUDA, 1 elsewhere).
+    """
+    sampling = sampling or SamplingParams()
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (got {max_new_tokens})")
+    device = model.device
+    prompt_ids, mask = prompt_ids.to(device), prompt_mask.to(device).bool()
+    B, P = prompt_ids.shape
+    if not bool(mask[:, -1].all()):  # one sync per call
+        raise ValueError("prompts must be left-padded: the last column of prompt_mask must be all ones")
+    a = model.args
+    if a.arch == "opt" and P + max_new_tokens > a.max_positions:
+        raise ValueError(f"OPT has {a.max_positions} positions; prompt {P} + {max_new_tokens} new tokens exceed it")
+    if check_every is None:
+        check_every = 8 if device.type == "cuda" else 1
+    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    model.setup_cache(B, P + max_new_tokens)
+    # Capture (first use) before the prefill: the capture's warm-up steps write cache slots.
+    graph = _graph_for(model, B, sampling, pad_token_id, eos_ids, eos) if max_new_tokens > 1 else None
+
+    # Prefill. Position = number of real tokens before the token (transformers' cumsum - 1).
+    position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model.forward(prompt_ids, torch.arange(P, device=device), position_ids, mask, kv_len=P, last_only=True)
+    first, first_lp = sample(logits[:, -1], sampling, generator)
+
+    out_tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    out_logprobs = torch.zeros(B, max_new_tokens, device=device)
+    out_active = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)
+    out_tokens[:, 0], out_logprobs[:, 0], out_active[:, 0] = first, first_lp, True
+
+    st = graph.state if graph is not None else DecodeState.empty(B, eos)
+    st.tokens.copy_(first[:, None])
+    st.input_pos.fill_(P)
+    st.position_ids.copy_(mask.sum(-1, keepdim=True))
+    st.done.copy_(torch.isin(first, eos))
+    if graph is not None:
+        graph.seed(generator)
+
+    for t in range(1, max_new_tokens):
+        if t % check_every == 0 and bool(st.done.all()):
+            break
+        if graph is not None:
+            graph.replay()
+        else:  # the fed token sits in slot P + t - 1: attend slots [0, P + t)
+            decode_step(model, st, sampling, pad_token_id, generator, kv_len=P + t)
+        out_tokens[:, t], out_logprobs[:, t], out_active[:, t] = st.out_tokens, st.out_logprobs, st.out_active
+
+    # A row's active columns are a prefix, so the columns with any active row are one too.
+    n = int(out_active.any(0).sum())
+    response_mask = out_active[:, :n].to(prompt_mask.dtype)
+    return GenerationOutput(
+        sequences=torch.cat([prompt_ids, out_tokens[:, :n]], dim=1),
+        attention_mask=torch.cat([prompt_mask.to(device), response_mask], dim=1),
+        response_mask=response_mask,
+        logprobs=out_logprobs[:, :n] if return_logprobs else None,
+    )
+
+
+def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos) -> DecodeGraph | None:
+    """The captured decode step for this batch size and setting (capturing it on first use), or None
+    off CUDA / when disabled."""
+    if model.device.type != "cuda" or not model.use_cuda_graphs:
+        return None
+    key = (B, sampling, pad_token_id, tuple(eos_ids))
+    if key not in model.graphs:
+        model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos), sampling, pad_token_id)
+    return model.graphs[key]

@@ -1,0 +1,54 @@
+"""Shared helpers: running a stage app through its real command line, and reading its outputs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A smaller model than the shipped default, so that a CLI run of a few steps takes seconds.
+SMALL_MODEL = [
+    "model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
+    "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2",
+]
+
+
+def cli_env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_stage(module: str, *overrides: str, torchrun: int = 0, check: bool = True, timeout: int = 600):
+    """`python -m rlhf.<module> overrides...` (or under torchrun with N ranks); returns the process."""
+    if torchrun:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
+               "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", f"rlhf.{module}", *overrides]
+    else:
+        cmd = [sys.executable, "-m", f"rlhf.{module}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def metrics(out_dir, kind: str | None = None) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def summary(out_dir) -> dict:
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f)

@@ -1,0 +1,196 @@
+"""The package, the configs, the shipped default task and its judge (fast, in-process)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from engine import init_distributed
+from rlhf.app import CONF_DIR
+from rlhf.config import (
+    ROOT, ConfigError, DataConfig, LoraConfig, ModelConfig, SFTConfig, to_config, validate_sft,
+)
+from rlhf.task import gold_answer, gold_score, judge, mean_gold_score
+
+DATA = ROOT / "data" / "default"
+
+
+def read_jsonl(name: str) -> list[dict]:
+    with open(DATA / name) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def sft_config(*overrides: str) -> SFTConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_config(compose("sft", overrides=list(overrides)), SFTConfig)
+
+
+# --------------------------------------------------------------------------- package
+
+
+def test_our_kernels_package_does_not_look_like_hub_kernels():
+    # transformers enables its hub-kernels integration when a top-level `kernels` package with a
+    # version in its supported range is importable; ours must never be taken for it.
+    import kernels  # noqa: F401  (ours, importable)
+    from transformers.utils import import_utils
+
+    import_utils.is_kernels_available.cache_clear() if hasattr(import_utils.is_kernels_available, "cache_clear") else None
+    assert import_utils.is_kernels_available() is False
+
+
+def test_every_yaml_key_is_in_the_schema_and_back():
+    # The YAML holds every key with its default (so `--cfg job` shows all of them); the dataclass
+    # schema has no key the YAML lacks.
+    from dataclasses import fields, is_dataclass
+
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        raw = OmegaConf.to_container(compose("sft"), resolve=False)
+
+    def walk(schema, node, path):
+        names = {f.name for f in fields(schema)}
+        assert set(node) == names, (path, set(node) ^ names)
+        for f in fields(schema):
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            if is_dataclass(default):
+                walk(type(default), node[f.name], f"{path}{f.name}.")
+
+    walk(SFTConfig, raw, "")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("override,key", [
+    ("train.lr=0", "train.lr"),
+    ("train.global_batch_size=48", "train.global_batch_size"),
+    ("train.micro_batch_size=0", "train.micro_batch_size"),
+    ("train.scheduler=exp", "train.scheduler"),
+    ("train.warmup_steps=-1", "train.warmup_steps"),
+    ("data.max_len=10", "data.max_len"),
+    ("data.overlong=cut", "data.overlong"),
+    ("data.data_split='1,2'", "data.data_split"),
+    ("data.data_split=[1,0,-1]", "data.data_split"),
+    ("data.eval_fraction=1.5", "data.eval_fraction"),
+    ("engine.stage=4", "engine.stage"),
+    ("engine.precision=fp8", "engine.precision"),
+    ("engine.precision=fp16", "engine.precision"),  # CPU: fp16 needs CUDA
+    ("engine.offload=true", "engine.offload"),  # stage 0 cannot offload
+    ("model.lora.r=-1", "model.lora.r"),
+    ("model.lora.r=4 model.lora.merge_on_save=false", "model.lora.merge_on_save"),
+    ("model.dtype=int8", "model.dtype"),
+    ("logger.mode=sometimes", "logger.mode"),
+    ("eval.top_p=0", "eval.top_p"),
+])
+def test_bad_values_are_rejected_naming_the_key(override, key):
+    cfg = sft_config(*override.split())
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate_sft(cfg, init_distributed())
+
+
+@pytest.mark.parametrize("override,key", [("train.lr=fast", "train.lr"), ("+train.lr_typo=1", "train.lr_typo")])
+def test_wrong_types_and_unknown_keys_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        sft_config(override)
+
+
+def test_default_config_is_valid_and_accumulation_follows_batch_arithmetic():
+    info = init_distributed()
+    assert validate_sft(sft_config(), info) == 1
+    assert validate_sft(sft_config("train.micro_batch_size=8", "train.global_batch_size=32"), info) == 4
+
+
+def test_model_config_needs_a_source():
+    from rlhf.config import validate_model
+
+    with pytest.raises(ConfigError, match="model.name_or_path or model.config"):
+        validate_model(ModelConfig())
+    with pytest.raises(ConfigError, match="model_type"):
+        validate_model(ModelConfig(config={"hidden_size": 8}, tokenizer="t"))
+    validate_model(ModelConfig(name_or_path="x", lora=LoraConfig(r=4, merge_on_save=False)))  # fine
+
+
+def test_missing_data_file_is_a_clear_error(tmp_path):
+    from rlhf.data import DataFileNotFoundError
+    from rlhf.data.stage import stage_rows
+
+    with pytest.raises(DataFileNotFoundError, match="not found"):
+        stage_rows(DataConfig(path=str(tmp_path / "nope.jsonl")), stage=0)
+
+
+# --------------------------------------------------------------------------- default task
+
+
+def test_judge_scores_exact_answers_only():
+    assert gold_answer("Human: What is 23+19?\n\nAssistant:") == "42"
+    assert gold_answer("Human: Reverse kqzt.\n\nAssistant:") == "tzqk"
+    assert gold_answer("Human: Sort 5 2 9 1.\n\nAssistant:") == "1 2 5 9"
+    assert gold_answer("Human: How many a in abacab?\n\nAssistant:") == "3"
+    p = "Human: What is 23+19?\n\nAssistant:"
+    assert gold_score(p, " 42") == 1.0 and gold_score(p, " 42 ") == 1.0
+    assert gold_score(p, " 43") == 0.0 and gold_score(p, " 42 42") == 0.0 and gold_score(p, "") == 0.0
+    assert mean_gold_score([p, p], [" 42", "41"]) == 50.0
+    assert judge("anything", " x ", answer="x") == 1.0 and judge("anything", "y", answer="x") == 0.0
+    assert judge("not a default prompt", "x") is None
+    with pytest.raises(ValueError):
+        gold_answer("Human: Tell me a joke.\n\nAssistant:")
+
+
+def test_shipped_files_are_what_the_generator_makes():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_default_data import build
+
+    files = build()
+    for name, rows in files.items():
+        assert read_jsonl(f"{name}.jsonl") == rows, name
+
+
+def test_eval_prompts_never_appear_in_training_files():
+    held_out = {r["prompt"] for r in read_jsonl("eval_prompts.jsonl")}
+    held_out |= {r["prompt"] for r in read_jsonl("pairs_eval.jsonl")}
+    assert len(held_out) == 600
+    for name in ("sft_train", "pairs_train", "prompts_train"):
+        train = {r["prompt"] for r in read_jsonl(f"{name}.jsonl")}
+        assert not held_out & train, name
+
+
+def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correct():
+    sys_path = str(ROOT / "scripts")
+    import sys
+
+    sys.path.insert(0, sys_path)
+    from make_default_data import DEMO_ERROR_RATE
+
+    rows = read_jsonl("sft_train.jsonl")
+    by_task: dict[str, list[float]] = {}
+    for r in rows:
+        task = next(t for t in DEMO_ERROR_RATE if t == _task(r["prompt"]))
+        by_task.setdefault(task, []).append(gold_score(r["prompt"], r["response"]))
+    for task, scores in by_task.items():
+        wrong = 1 - sum(scores) / len(scores)
+        assert abs(wrong - DEMO_ERROR_RATE[task]) < 0.03, (task, wrong)
+    for r in read_jsonl("pairs_train.jsonl"):
+        assert gold_score(r["prompt"], r["chosen"]) == 1.0 and gold_score(r["prompt"], r["rejected"]) == 0.0
+    for r in read_jsonl("eval_prompts.jsonl"):
+        assert r["answer"] == gold_answer(r["prompt"])
+
+
+def _task(prompt: str) -> str:
+    from rlhf.task import task_of
+
+    return task_of(prompt)
+
+
+def test_shipped_tokenizer_round_trips_the_task_text():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "tokenizer"))
+    for r in read_jsonl("sft_train.jsonl")[:200]:
+        text = r["prompt"] + r["response"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids and tok.decode(ids) == text

@@ -1,0 +1,169 @@
+"""`python -m rlhf.sft` through its real command line on the shipped default data (small model)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import SMALL_MODEL, metrics, run_stage, summary
+
+STEPS = 12
+BASE = [*SMALL_MODEL, f"train.max_steps={STEPS}", "train.log_every=1", "train.save_every=6", "train.eval_every=6",
+        "train.warmup_steps=2", "train.lr=1e-2", "data.num_eval_prompts=20"]
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "a"
+    proc = run_stage("sft", f"output_dir={out}", *BASE)
+    return out, proc
+
+
+def load_safetensors(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(model_dir, "model.safetensors"))
+
+
+def logits_of(model_dir, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_output_directory_is_complete(run_a):
+    out, proc = run_a
+    for name in ("config.yaml", "metrics.jsonl", "sft.png", "summary.json", "model/config.json", "model/model.safetensors"):
+        assert os.path.isfile(out / name), name
+    with open(out / "sft.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    s = summary(out)
+    assert s["stage"] == "sft" and s["steps"] == STEPS and s["time_s"] > 0
+    assert s["gold_score_before"] is not None and s["gold_score_after"] is not None
+    # the last thing printed is the summary with both gold scores
+    assert "gold_score_before" in proc.stdout and "gold_score_after" in proc.stdout
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_0000006", "step_0000012"]
+
+
+def test_loss_decreases(run_a):
+    out, _ = run_a
+    losses = [r["loss"] for r in metrics(out, "train")]
+    assert len(losses) == STEPS
+    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
+    ev = metrics(out, "eval")
+    assert [r["step"] for r in ev] == [0, 6, 12]
+    assert ev[-1]["loss"] < ev[0]["loss"]
+
+
+def test_exported_model_reloads_with_the_trained_weights(run_a):
+    # The HF export equals the model state of the final sharded checkpoint, and reloads as a model
+    # whose logits are exactly those of that state.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, _ = run_a
+    tmp = out / "ckpt.pt"
+    dcp_to_torch_save(str(out / "checkpoints" / "step_0000012"), str(tmp))
+    trained = torch.load(tmp)["model"]
+    exported = load_safetensors(out / "model")
+    assert exported and set(exported) <= set(trained)
+    for k, v in exported.items():
+        assert torch.equal(v, trained[k]), k
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    ids = torch.tensor([tok("Human: What is 1+2?\n\nAssistant: 3")["input_ids"]])
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    ref = AutoModelForCausalLM.from_config(model.config).eval()
+    ref.load_state_dict(trained, strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_same_seed_same_run(run_a, tmp_path):
+    out_a, _ = run_a
+    out_b = tmp_path / "b"
+    run_stage("sft", f"output_dir={out_b}", *BASE)
+    assert [r["loss"] for r in metrics(out_a, "train")] == [r["loss"] for r in metrics(out_b, "train")]
+    a, b = load_safetensors(out_a / "model"), load_safetensors(out_b / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_continues_exactly(run_a, tmp_path):
+    # A run "killed" after its step-6 checkpoint: everything later is removed, then resumed.
+    out_a, _ = run_a
+    out_r = tmp_path / "r"
+    shutil.copytree(out_a, out_r)
+    shutil.rmtree(out_r / "checkpoints" / "step_0000012")
+    shutil.rmtree(out_r / "model")
+    os.remove(out_r / "summary.json")
+    run_stage("sft", f"output_dir={out_r}", *BASE, "train.resume=true")
+    want = [(r["step"], r["loss"], r["lr"]) for r in metrics(out_a, "train")]
+    got = [(r["step"], r["loss"], r["lr"]) for r in metrics(out_r, "train")]
+    assert got == want  # steps 1-6 kept from before the kill, 7-12 recomputed bit for bit
+    a, r = load_safetensors(out_a / "model"), load_safetensors(out_r / "model")
+    assert all(torch.equal(a[k], r[k]) for k in a)
+
+
+def test_lora_trains_only_adapters_merged_or_not(run_a, tmp_path):
+    out_a, _ = run_a
+    base_dir = out_a / "model"
+    lora = [f"model.name_or_path={out_a}", "model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]",
+            f"train.max_steps=4", "train.save_every=0", "train.eval_every=0", "data.num_eval_prompts=4", "train.lr=1e-2"]
+    run_stage("sft", f"output_dir={tmp_path / 'merged'}", *lora)
+    run_stage("sft", f"output_dir={tmp_path / 'adapter'}", *lora, "model.lora.merge_on_save=false")
+    base, merged = load_safetensors(base_dir), load_safetensors(tmp_path / "merged" / "model")
+    assert set(base) == set(merged)
+    changed = {k for k in base if not torch.equal(base[k], merged[k])}
+    # peft initialises lora_B to zero, so step 1 moves only B; after 4 steps every target has moved
+    assert changed == {k for k in base if "q_proj" in k or "v_proj" in k}, changed
+    assert os.path.isfile(tmp_path / "adapter" / "model" / "adapter_config.json")
+    assert not os.path.exists(tmp_path / "adapter" / "model" / "model.safetensors")
+    # the adapter directory loads onto its base (merged on load) as the same model as the merged export
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_causal_lm, load_tokenizer
+
+    cfg = ModelConfig(name_or_path=str(tmp_path / "adapter"))
+    tok = load_tokenizer(cfg)
+    m = load_causal_lm(cfg, tok, seed=0).eval()
+    ids = torch.tensor([tok("Human: Reverse abc.\n\nAssistant: cba")["input_ids"]])
+    with torch.no_grad():
+        got = m(input_ids=ids).logits
+    torch.testing.assert_close(got, logits_of(tmp_path / "merged" / "model", ids), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, logits_of(base_dir, ids))
+
+
+def test_bad_value_fails_before_loading_with_the_key(tmp_path):
+    proc = run_stage("sft", f"output_dir={tmp_path}", "train.global_batch_size=48", check=False)
+    assert proc.returncode == 2
+    assert "train.global_batch_size" in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "metrics.jsonl")  # nothing ran
+
+
+def test_malformed_data_names_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')
+    proc = run_stage("sft", f"output_dir={tmp_path / 'o'}", f"data.path={bad}", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{bad}:2" in proc.stderr and "'response'" in proc.stderr and "Accepted SFT shapes" in proc.stderr
+
+
+def test_cfg_job_prints_the_resolved_config():
+    proc = run_stage("sft", "train.lr=0.123", "--cfg", "job")
+    assert "lr: 0.123" in proc.stdout and "micro_batch_size:" in proc.stdout and "model_type: llama" in proc.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_zero3_matches_one_process(run_a, tmp_path):
+    out_a, _ = run_a
+    out = tmp_path / "z3"
+    run_stage("sft", f"output_dir={out}", *BASE, "engine=zero3", "train.micro_batch_size=16", "train.save_every=0", torchrun=2)
+    one = [r["loss"] for r in metrics(out_a, "train")]
+    two = [r["loss"] for r in metrics(out, "train")]
+    assert len(two) == STEPS
+    assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) <= 1e-5
+    a, b = load_safetensors(out_a / "model"), load_safetensors(out / "model")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
