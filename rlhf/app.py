@@ -102,3 +102,48 @@ def fresh_checkpoints(output_dir: str, is_main: bool) -> None:
 def progress(total: int, initial: int, desc: str, is_main: bool) -> tqdm:
     return tqdm(total=total, initial=initial, desc=desc, disable=not is_main, dynamic_ncols=True,
                 file=sys.stdout, mininterval=1.0)
+
+
+def count_skips(skips: int, out: dict, limit: int) -> int:
+    """Consecutive non-finite steps so far; raises TrainingError at `limit`."""
+    skips = skips + 1 if out["skipped"] else 0
+    if skips >= limit:
+        raise TrainingError(
+            f"{skips} consecutive steps had a non-finite loss or gradient (last loss {out['loss']}); "
+            "lower the learning rate, check the data, or use engine.precision=fp32"
+        )
+    return skips
+
+
+def maybe_checkpoint(engine: Any, save_every: int, keep_last_n: int, output_dir: str, done: int, total: int,
+                     extra_state: dict | None = None) -> None:
+    """A sharded checkpoint every `save_every` steps and at the end (when saving at all). Collective."""
+    from engine import prune_checkpoints
+
+    if save_every and (done % save_every == 0 or done == total):
+        engine.save_checkpoint(os.path.join(checkpoint_root(output_dir), f"step_{done:07d}"),
+                               {"step": done, **(extra_state or {})})
+        if engine.info.is_main:
+            prune_checkpoints(checkpoint_root(output_dir), keep_last_n)
+
+
+class Throughput:
+    """Tokens per second over the whole world since the last `rate()` call (a collective)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._time = time.time
+        self.tokens, self.t0 = 0, self._time()
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+
+    def rate(self) -> float:
+        from engine.distributed import all_reduce_sum
+
+        total = all_reduce_sum(torch.tensor(float(self.tokens))).item()
+        now = self._time()
+        rate = total / max(now - self.t0, 1e-9)
+        self.tokens, self.t0 = 0, now
+        return rate

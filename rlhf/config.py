@@ -7,6 +7,7 @@ model is loaded. A function receives only the sub-config it uses.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -57,6 +58,9 @@ class ModelConfig:
     dtype: str = "auto"  # weights as loaded/stored for frozen models; trainable ones keep fp32 masters
     save_dtype: str = "fp32"  # dtype of the exported HF weights
     trust_remote_code: bool = False
+    # When name_or_path is a local path that does not exist, build from `config` instead (logged).
+    # The reward stage's default, so that it runs before the SFT stage has; off everywhere else.
+    fallback_to_config: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -143,6 +147,24 @@ class SFTConfig:
     eval: GenerationConfig = field(default_factory=GenerationConfig)
 
 
+@dataclass(kw_only=True)
+class RewardLossConfig:
+    margin: float = 0.0  # loss = -log sigmoid(r_chosen - r_rejected - margin)
+    score_reg: float = 0.0  # + score_reg * (r_chosen^2 + r_rejected^2) / 2: keeps scores near 0
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    output_dir: str = "outputs/reward"
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardLossConfig = field(default_factory=RewardLossConfig)
+
+
 # ----------------------------------------------------------------------------- conversion
 
 
@@ -169,6 +191,11 @@ def _need(ok: bool, msg: str) -> None:
 
 
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
+    if m.fallback_to_config and m.name_or_path is not None and not os.path.exists(m.name_or_path):
+        _need(bool(m.config) and m.tokenizer is not None,
+              f"{prefix}.name_or_path={m.name_or_path!r} does not exist and {prefix}.fallback_to_config needs "
+              f"{prefix}.config and {prefix}.tokenizer to build a model instead")
+        return
     _need(m.name_or_path is not None or bool(m.config), f"{prefix}.name_or_path or {prefix}.config must be set")
     _need(m.name_or_path is not None or "model_type" in m.config,
           f"{prefix}.config needs a model_type (e.g. llama) to build a model without {prefix}.name_or_path")
@@ -288,6 +315,18 @@ def validate_sft(cfg: SFTConfig, info) -> int:
     validate_data(cfg.data)
     validate_logger(cfg.logger)
     validate_generation(cfg.eval, "eval")
+    check_optim(cfg.train)
+    engine_config(cfg.engine, info)
+    return validate_train(cfg.train, info.world_size)
+
+
+def validate_reward(cfg: RewardConfig, info) -> int:
+    """Everything a reward run needs, checked before any model loads; returns accumulation steps."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_logger(cfg.logger)
+    _need(cfg.reward.score_reg >= 0, f"reward.score_reg must be >= 0, got {cfg.reward.score_reg}")
     check_optim(cfg.train)
     engine_config(cfg.engine, info)
     return validate_train(cfg.train, info.world_size)

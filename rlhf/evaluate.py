@@ -45,7 +45,7 @@ def sampling_params(g: GenerationConfig) -> SamplingParams:
                           top_k=g.top_k, top_p=g.top_p)
 
 
-def _all_gather(obj: Any) -> list[Any]:
+def all_gather(obj: Any) -> list[Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -100,7 +100,7 @@ def gold_eval(
         texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
     scored = [(p.text, t, judge(p.text, t, p.answer), p.task) for p, t in zip(mine, texts)]
     order = {p.text: i for i, p in enumerate(prompts)}
-    merged = sorted((x for part in _all_gather(scored) for x in part), key=lambda x: order[x[0]])
+    merged = sorted((x for part in all_gather(scored) for x in part), key=lambda x: order[x[0]])
     result: dict[str, Any] = {"response_len": sum(len(t) for _, t, _, _ in merged) / max(1, len(merged))}
     judged = [(s, task) for _, _, s, task in merged if s is not None]
     result["gold_score"] = 100.0 * sum(s for s, _ in judged) / len(judged) if judged else None

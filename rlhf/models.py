@@ -12,8 +12,10 @@ base model and merged. `trust_remote_code` is passed only when configured.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import types
 import os
 from typing import Any
 
@@ -111,6 +113,11 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
     """Load `cfg.name_or_path` (adapter dirs merged onto their base) or build from `cfg.config`."""
     from transformers import AutoConfig
 
+    if cfg.name_or_path is not None and cfg.fallback_to_config and not os.path.exists(cfg.name_or_path):
+        logger.warning("%s.name_or_path=%s does not exist (has the previous stage run?): building the model "
+                       "from %s.config with random weights instead (%s.fallback_to_config=true)",
+                       key, cfg.name_or_path, key, key)
+        cfg = dataclasses.replace(cfg, name_or_path=None)
     if cfg.name_or_path is None:
         kw = _from_config_kwargs(cfg, tok)
         model_type = kw.pop("model_type")
@@ -162,6 +169,25 @@ def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model
     model = _build(cfg, tok, AutoModelForSequenceClassification, {"num_labels": 1}, key, seed)
     model.config.pad_token_id = tok.pad_token_id
     return apply_lora(model, cfg, key, seed, task_type="SEQ_CLS") if lora else model
+
+
+def per_token_values(model: nn.Module) -> nn.Module:
+    """Make `model(input_ids=, attention_mask=)` return per-token scalar values [B, T] (float32).
+
+    `model`: a value model from `load_value_model` (peft-wrapped or not). Its HF forward would pool
+    at the last token that is not `pad_token_id`, which is wrong when pad == eos; we return every
+    position and pick positions from the attention mask (rlhf/reward_math.py). The forward is
+    patched on the instance, so it runs inside the engine's wrappers (DDP, FSDP2 hooks) and the
+    state-dict names do not change.
+    """
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any) -> torch.Tensor:
+        base = self.get_base_model() if hasattr(self, "get_base_model") else self
+        backbone = getattr(base, base.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        return base.score(hidden).squeeze(-1).float()  # (B, T)
+
+    model.forward = types.MethodType(forward, model)
+    return model
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig, key: str, seed: int, task_type: str = "CAUSAL_LM") -> nn.Module:

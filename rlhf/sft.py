@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from engine import TrainEngine, format_memory_report, init_distributed, prune_checkpoints
-from engine.distributed import all_reduce_sum
+from engine import TrainEngine, format_memory_report, init_distributed
 from rlhf.app import (
-    CONF_DIR, TrainingError, checkpoint_root, fresh_checkpoints, progress, resolve_resume, save_config,
+    CONF_DIR, Throughput, count_skips, fresh_checkpoints, maybe_checkpoint, progress, resolve_resume, save_config,
     seed_everything, setup_logging, user_errors,
 )
 from rlhf.config import SFTConfig, engine_config, optim_config, to_config, validate_sft
@@ -108,23 +107,17 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
     # ---- train
     bar = progress(total, start, "sft", info.is_main)
-    skips, tokens, t_last, last = 0, 0, time.time(), {}
+    skips, meter, last = 0, Throughput(), {}
     for step in range(start, total):
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
         batches = [collate_sft([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
-        tokens += sum(int(b["attention_mask"].sum()) for b in batches)
+        meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
         out = engine.train_step(batches, sft_loss)
-        skips = skips + 1 if out["skipped"] else 0
-        if skips >= cfg.train.max_consecutive_skips:
-            raise TrainingError(
-                f"{skips} consecutive steps had a non-finite loss or gradient (last loss {out['loss']}); "
-                "lower train.lr, check the data, or use engine.precision=fp32"
-            )
+        skips = count_skips(skips, out, cfg.train.max_consecutive_skips)
         done = step + 1
         bar.update(1)
         if done % cfg.train.log_every == 0 or done == total:
-            n_tok = all_reduce_sum(torch.tensor(float(tokens))).item()
-            tps, tokens, t_last = n_tok / max(time.time() - t_last, 1e-9), 0, time.time()
+            tps = meter.rate()
             last = dict(loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"], tokens_per_s=tps,
                         skipped_steps=engine.skipped_steps, loss_scale=out["loss_scale"], epoch=step / order.steps_per_epoch)
             log.log(done, "train", **last)
@@ -135,10 +128,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             ev = evaluate(engine, cfg, tok, eval_feats, prompts)
             log.log(done, "eval", **{k: v for k, v in ev.items() if k != "samples"})
             bar.write(f"step {done}: {_eval_line(ev)}")
-        if cfg.train.save_every and (done % cfg.train.save_every == 0 or done == total):
-            engine.save_checkpoint(os.path.join(checkpoint_root(out_dir), f"step_{done:07d}"), {"step": done})
-            if info.is_main:
-                prune_checkpoints(checkpoint_root(out_dir), cfg.train.keep_last_n)
+        maybe_checkpoint(engine, cfg.train.save_every, cfg.train.keep_last_n, out_dir, done, total)
     bar.close()
 
     # ---- final evaluation, export, summary

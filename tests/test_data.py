@@ -410,8 +410,8 @@ def test_tokenize_pairs_rule(tok):
     ]
     out, stats = tokenize_pairs(exs, tok, max_len=5, max_prompt_len=3)
     assert out == [
-        {"chosen_ids": [BOS] + ids("cd") + ids("xy"), "rejected_ids": [BOS] + ids("cd") + ids("z") + [EOS], "prompt_len": 3},
-        {"chosen_ids": [BOS] + ids("pa") + [EOS], "rejected_ids": [BOS] + ids("pb") + [EOS], "prompt_len": 2},
+        {"chosen_ids": [BOS] + ids("cd") + ids("xy"), "rejected_ids": [BOS] + ids("cd") + ids("z") + [EOS], "prompt_len": 3, "index": 0},
+        {"chosen_ids": [BOS] + ids("pa") + [EOS], "rejected_ids": [BOS] + ids("pb") + [EOS], "prompt_len": 2, "index": 3},
     ]
     assert stats == dict(rows=4, kept=2, prompt_truncated=1, response_truncated=1, dropped=2, identical=2)
     out, stats = tokenize_pairs(exs, tok, max_len=5, max_prompt_len=3, overlong="drop")

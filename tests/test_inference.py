@@ -261,6 +261,56 @@ def test_cache_reuse_and_smaller_batch():
     assert model.setup_cache(8, 65) and model.cache.k.shape[3] == 65
 
 
+class _FakeCudaGraph:
+    def __init__(self):
+        self.generators = []
+
+    def register_generator_state(self, generator):
+        self.generators.append(generator)
+
+
+def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
+    """The graph path's host side on CPU, with torch.cuda faked: 'capture' runs the step once (a real
+    capture only records it) and 'replay' re-runs it on the same state tensors. Checks capture before
+    the prefill, state restore, one graph per (batch, sampling), the whole-cache decode shape, the
+    sparse "all done" check with trimming, and per-call seeding."""
+    import contextlib
+    import importlib
+
+    gen = importlib.import_module("engine.inference.generate")  # the module, not the function
+
+    fake_stream = type("FakeStream", (), {"wait_stream": lambda self, other: None})
+    monkeypatch.setattr(gen, "graphs_enabled", lambda model: True)
+    monkeypatch.setattr(gen.DecodeGraph, "replay", lambda self: self._step())
+    monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+
+    hf = hf_model(llama_untied_gqa)
+    ids, mask = ragged_batch()
+    free = hf_greedy(hf, ids, mask, eos=V - 1)[:, P:]
+    eos = int(free[1, 3])  # stops row 1 (at least) early
+    model = injected(hf)
+    greedy = SamplingParams(greedy=True)
+    for _ in range(2):
+        out = model.generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=greedy, check_every=8)
+        assert torch.equal(out.sequences, hf_greedy(hf, ids, mask, eos=eos))
+    assert len(model.graphs) == 1
+    graph = next(iter(model.graphs.values()))
+    assert graph.graph.generators == [graph.generator]
+
+    params = SamplingParams(temperature=0.8, top_k=30)
+    run = lambda seed: model.generate(ids, mask, 12, pad_token_id=PAD, sampling=params,  # noqa: E731
+                                      generator=torch.Generator().manual_seed(seed)).sequences
+    assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
+    assert len(model.graphs) == 2
+    model.setup_cache(len(PADS), 200)  # reallocated: the graphs pointed into the old cache
+    assert not model.graphs
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -322,6 +372,15 @@ def test_filter_matches_transformers_warpers(top_k, top_p):
     if top_p < 1:
         hf = TopPLogitsWarper(top_p)(None, hf)
     assert torch.equal(ours, hf)
+
+
+def test_top_p_boundary_follows_transformers():
+    """Eight equal logits: probabilities 1/8 exactly, so the cumulative mass hits 1 - top_p exactly;
+    transformers removes a token whose cumulative probability is <= 1 - top_p (keeps 4 of 8 here)."""
+    scores = torch.zeros(2, 8)
+    ours = filter_logits(scores, 0, 0.5)
+    assert torch.equal(ours, TopPLogitsWarper(0.5)(None, scores))
+    assert (ours.isfinite().sum(-1) == 4).all()
 
 
 def test_generate_sampling_is_seeded_and_masks_logprobs():
@@ -393,10 +452,11 @@ def test_cuda_graph_decode_matches_eager(factory):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_logits_and_greedy_agreement(factory):
     hf = hf_model(factory).cuda().to(torch.bfloat16)
-    ids, mask = (t.cuda() for t in ragged_batch())
+    batches = [ragged_batch(seed) for seed in range(4)]  # 16 rows x 20 tokens: 99% allows 3 flips
+    ids, mask = (torch.cat(parts).cuda() for parts in zip(*batches))
     model = injected(hf)
     assert model.dtype == torch.bfloat16
-    model.setup_cache(len(PADS), P + NEW)
+    model.setup_cache(ids.shape[0], P + NEW)
     logits = model.forward(ids, torch.arange(P, device="cuda"), positions(mask), mask.bool(), kv_len=P)
     ref = hf_logits(hf, ids, mask)
     assert rel_err(logits.float(), ref.float(), mask.bool()) < 1e-2

@@ -1,8 +1,8 @@
 """kernels.logprobs: reference semantics, chunked PyTorch and Triton (interpreter / GPU) vs reference.
 
-Interpreter tests run the Triton kernels on CPU with TRITON_INTERPRET=1 (set per test; kernels are
-built per mode at launch). The interpreter runs fp64 and fp32 tl.dot; its bf16 tl.dot is wrong, so
-bf16 is covered only by the GPU tests.
+Interpreter cases (`_case_*`) run in a child Python started with TRITON_INTERPRET=1 (see
+kernels.testing.run_in_interpreter). The interpreter runs fp64 and fp32 tl.dot; its bf16 tl.dot
+gives garbage, so bf16 is covered by the GPU tests only.
 """
 import math
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import logprobs as L
-from kernels.testing import outputs_and_grads, rel_err
+from kernels.testing import outputs_and_grads, rel_err, run_in_interpreter
+
 
 def gpu(test):
     """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
@@ -18,10 +19,10 @@ def gpu(test):
 
 
 @pytest.fixture
-def interpret(monkeypatch):
+def interp():
     pytest.importorskip("triton", reason="triton not installed: interpreter tests need it")
     pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return run_in_interpreter
 
 
 def make(N, H, V, dtype=torch.float64, bias=True, ignore_every=4, seed=0, device="cpu", scale=1.0):
@@ -117,21 +118,22 @@ def test_chunked_fp32():
 # ---------------------------------------------------------------------------- Triton interpreter
 
 
+def _case_triton(N, H, V, dtype, bias, temperature, entropy, tol, chunk_size):
+    h, w, b, t = make(N, H, V, dtype=dtype, bias=bias, seed=N * V, scale=3.0)
+    compare("triton", h, w, b, t, temperature, entropy, tol=tol, chunk_size=chunk_size)
+
+
 @pytest.mark.parametrize("N,H,V", [(5, 16, 123), (37, 40, 300)])
 @pytest.mark.parametrize("bias,temperature,entropy", [(True, 0.7, True), (False, 1.0, False)])
-def test_triton_interpreter_fp64(interpret, N, H, V, bias, temperature, entropy):
-    h, w, b, t = make(N, H, V, bias=bias, seed=N * V)
-    compare("triton", h, w, b, t, temperature, entropy, tol=1e-12, chunk_size=16)
+def test_triton_interpreter_fp64(interp, N, H, V, bias, temperature, entropy):
+    interp(_case_triton, N, H, V, torch.float64, bias, temperature, entropy, 1e-12, 16)
 
 
-def test_triton_interpreter_fp32(interpret):
-    h, w, b, t = make(37, 40, 300, dtype=torch.float32, scale=3.0)
-    compare("triton", h, w, b, t, 0.8, True, tol=1e-5)
+def test_triton_interpreter_fp32(interp):
+    interp(_case_triton, 37, 40, 300, torch.float32, True, 0.8, True, 1e-5, None)
 
 
-@pytest.mark.parametrize("n_split", [1, 3])
-def test_triton_forward_online_merge(interpret, n_split):
-    """One program walking the whole vocabulary (n_split=1) and uneven slices give the same stats."""
+def _case_online_merge(n_split):
     h, w, b, t = make(20, 16, 300)
     logp, ent, lse, ez = L._triton_forward(h, w, b, t, 0.9, True, L.IGNORE_INDEX, chunk=20, n_split=n_split)
     ref_lp, ref_ent = L.logprobs_entropy_reference(h, w, t, b, temperature=0.9)
@@ -140,11 +142,21 @@ def test_triton_forward_online_merge(interpret, n_split):
     assert rel_err(logp, ref_lp) < 1e-13 and rel_err(ent, ref_ent) < 1e-13
 
 
-def test_auto_uses_triton_under_interpreter(interpret):
+@pytest.mark.parametrize("n_split", [1, 3])
+def test_triton_forward_online_merge(interp, n_split):
+    """One program walking the whole vocabulary (n_split=1) and uneven slices give the same stats."""
+    interp(_case_online_merge, n_split)
+
+
+def _case_auto_uses_triton():
     h, w, b, t = make(8, 16, 40)
     h.requires_grad_(True)
     lp, _ = L.fused_logprobs_entropy(h, w, t, b)
-    assert "LogprobsEntropy" in type(lp.grad_fn).__name__
+    assert "LogprobsEntropy" in type(lp.grad_fn).__name__, type(lp.grad_fn).__name__
+
+
+def test_auto_uses_triton_under_interpreter(interp):
+    interp(_case_auto_uses_triton)
 
 
 # ---------------------------------------------------------------------------- GPU (real shapes, bf16)

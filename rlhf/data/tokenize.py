@@ -143,7 +143,8 @@ def tokenize_pairs(
     overlong: str = "truncate",
     add_bos: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Pairs -> [{chosen_ids, rejected_ids, prompt_len}] (each side [bos]+prompt+response+[eos]), stats."""
+    """Pairs -> [{chosen_ids, rejected_ids, prompt_len, index}] (each side [bos]+prompt+response+[eos];
+    index = position in `examples`), and stats."""
     _check(tokenizer, max_len, max_prompt_len, overlong)
     bos, eos = _bos(tokenizer, add_bos), tokenizer.eos_token_id
     prompts = _encode(tokenizer, [e.prompt for e in examples])
@@ -151,7 +152,7 @@ def tokenize_pairs(
     rejected = _encode(tokenizer, [e.rejected for e in examples])
     stats = dict(rows=len(examples), kept=0, prompt_truncated=0, response_truncated=0, dropped=0, identical=0)
     out = []
-    for ex, p_ids, c_ids, r_ids in zip(examples, prompts, chosen, rejected):
+    for i, (ex, p_ids, c_ids, r_ids) in enumerate(zip(examples, prompts, chosen, rejected)):
         if ex.chosen == ex.rejected:
             stats["identical"] += 1
             stats["dropped"] += 1
@@ -172,7 +173,7 @@ def tokenize_pairs(
         stats["kept"] += 1
         stats["prompt_truncated"] += prompt[1]
         stats["response_truncated"] += c[1] or r[1]
-        out.append({"chosen_ids": p + c[0], "rejected_ids": p + r[0], "prompt_len": len(p)})
+        out.append({"chosen_ids": p + c[0], "rejected_ids": p + r[0], "prompt_len": len(p), "index": i})
     _log("tokenize_pairs", stats, max_len, max_prompt_len, overlong)
     return out, stats
 

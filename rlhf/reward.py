@@ -1,0 +1,225 @@
+"""Stage 2: a pairwise reward model.
+
+    python -m rlhf.reward                                    # from outputs/sft, shipped pairs, CPU
+    python -m rlhf.reward model.name_or_path=/models/opt-350m data.path=Anthropic/hh-rlhf
+    torchrun --nproc_per_node 2 -m rlhf.reward engine=zero3 train.micro_batch_size=16
+
+Choices: the model is the backbone of a causal LM with a fresh scalar head
+(`AutoModelForSequenceClassification`, num_labels=1; an existing reward checkpoint keeps its head).
+A sequence's score is the head's value at its last real token, found from the attention mask
+(rlhf/reward_math.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
+regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass.
+Held-out evaluation: pair accuracy, mean chosen/rejected scores, and where a gold judge exists,
+agreement with it (pairs) and the AUC of scores separating correct from incorrect responses.
+Writes to `output_dir`: config.yaml, metrics.jsonl, reward.png, checkpoints/, model/ (HF), summary.json.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from engine import TrainEngine, format_memory_report, init_distributed
+from rlhf.app import (
+    CONF_DIR, Throughput, count_skips, fresh_checkpoints, maybe_checkpoint, progress, resolve_resume, save_config,
+    seed_everything, setup_logging, user_errors,
+)
+from rlhf.config import RewardConfig, engine_config, optim_config, to_config, validate_reward
+from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
+from rlhf.data.stage import StepOrder, stage_rows
+from rlhf.evaluate import all_gather
+from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model, per_token_values
+from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
+from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.task import judge
+
+logger = logging.getLogger("rlhf.reward")
+
+
+def make_loss(margin: float, score_reg: float):
+    def reward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
+        """Summed pairwise loss over the B pairs of a [2B, L] batch (chosen rows first)."""
+        scores = sequence_scores(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]),
+                                 batch["attention_mask"])
+        chosen, rejected = scores.chunk(2)
+        loss = pairwise_loss(chosen, rejected, margin, score_reg)
+        metrics = {"accuracy": pair_accuracy(chosen, rejected), "chosen_score": chosen.mean(),
+                   "rejected_score": rejected.mean()}
+        return loss.sum(), chosen.shape[0], {k: v.detach() for k, v in metrics.items()}
+
+    return reward_loss
+
+
+@torch.no_grad()
+def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size: int) -> list[tuple[int, float, float]]:
+    """(index, chosen score, rejected score) of every feature, computed on the gathered model with
+    the rows split over the ranks, then all-gathered (in feature order)."""
+    info = engine.info
+    mine = feats[info.rank :: info.world_size]
+    out = []
+    with engine.gathered_parameters():
+        engine.unwrapped.eval()
+        for i in range(0, len(mine), batch_size):
+            chunk = mine[i : i + batch_size]
+            b = collate_pairs(chunk, pad_id)
+            mask = b["attention_mask"].to(info.device)
+            scores = sequence_scores(engine.unwrapped(input_ids=b["input_ids"].to(info.device), attention_mask=mask), mask)
+            c, r = scores.chunk(2)
+            out += [(f["index"], float(x), float(y)) for f, x, y in zip(chunk, c.tolist(), r.tolist())]
+        engine.unwrapped.train()
+    return sorted(x for part in all_gather(out) for x in part)
+
+
+def evaluate(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int, batch_size: int) -> dict[str, Any]:
+    """Held-out accuracy and mean scores; agreement with / AUC against the gold judge where it applies."""
+    if not feats:
+        return {}
+    scored = score_pairs(engine, feats, pad_id, batch_size)
+    c = torch.tensor([s[1] for s in scored])
+    r = torch.tensor([s[2] for s in scored])
+    out: dict[str, Any] = {"accuracy": pair_accuracy(c, r).item(), "chosen_score": c.mean().item(),
+                           "rejected_score": r.mean().item(), "score_std": torch.cat([c, r]).std().item()}
+    agree, scores, labels = [], [], []
+    for (i, sc, sr) in scored:
+        ex = examples[i]
+        gc, gr = judge(ex.prompt, ex.chosen), judge(ex.prompt, ex.rejected)
+        if gc is None or gr is None:
+            continue
+        scores += [sc, sr]
+        labels += [gc, gr]
+        if gc != gr:
+            agree.append(float((sc > sr) == (gc > gr)))
+    if agree:
+        out["gold_agreement"] = sum(agree) / len(agree)
+    if labels:
+        out["gold_auc"] = auc(scores, labels)
+    return out
+
+
+def run(cfg: RewardConfig) -> dict[str, Any]:
+    t_start = time.time()
+    info = init_distributed()
+    setup_logging(info.is_main)
+    accum = validate_reward(cfg, info)
+    engine_cfg = engine_config(cfg.engine, info)
+    seed_everything(cfg.seed)
+    out_dir = cfg.output_dir
+
+    # ---- data
+    tok = load_tokenizer(cfg.model)
+    d = cfg.data
+    train_rows, eval_rows = stage_rows(d, stage=1)
+    train_feats, stats = tokenize_pairs(parse_pairs(train_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    eval_examples = parse_pairs(eval_rows, tok)
+    eval_feats, _ = tokenize_pairs(eval_examples, tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    order = StepOrder(len(train_feats), cfg.train.global_batch_size, cfg.seed)
+    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
+    logger.info("reward data: %d train pairs (%s), %d held-out pairs; %d steps of %d pairs (%d per epoch)",
+                len(train_feats), stats, len(eval_feats), total, cfg.train.global_batch_size, order.steps_per_epoch)
+
+    # ---- model + engine
+    model = per_token_values(load_value_model(cfg.model, tok, seed=cfg.seed))
+    engine = TrainEngine(model, engine_cfg, optim_config(cfg.train), total_steps=total, info=info)
+    resume = resolve_resume(cfg.train.resume, out_dir)
+    if resume:
+        engine.load_checkpoint(resume)
+        logger.info("resumed from %s at step %d", resume, engine.global_step)
+    else:
+        fresh_checkpoints(out_dir, info.is_main)
+    start = engine.global_step
+    log = RunLog(out_dir, cfg.logger, is_main=info.is_main, resume_step=start if resume else None)
+    if info.is_main:
+        save_config(out_dir, cfg)
+    eval_bs = cfg.train.micro_batch_size
+    if start == 0:
+        before = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)
+        log.log(0, "eval", **before)
+        logger.info("before training: %s", _eval_line(before))
+
+    # ---- train
+    loss_fn = make_loss(cfg.reward.margin, cfg.reward.score_reg)
+    bar = progress(total, start, "reward", info.is_main)
+    skips, meter, last = 0, Throughput(), {}
+    for step in range(start, total):
+        idx = order.rank_rows(step, info.rank, info.world_size, accum)
+        batches = [collate_pairs([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
+        meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
+        out = engine.train_step(batches, loss_fn)
+        skips = count_skips(skips, out, cfg.train.max_consecutive_skips)
+        done = step + 1
+        bar.update(1)
+        if done % cfg.train.log_every == 0 or done == total:
+            last = {k: out[k] for k in ("loss", "accuracy", "chosen_score", "rejected_score", "lr", "grad_norm")}
+            log.log(done, "train", **last, tokens_per_s=meter.rate(), skipped_steps=engine.skipped_steps)
+            bar.set_postfix(loss=f"{out['loss']:.3f}", acc=f"{out['accuracy']:.2f}", lr=f"{out['lr']:.2e}")
+        if done == 1:
+            logger.info("memory plan:\n%s", format_memory_report(engine.memory_report()))
+        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < total:
+            ev = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)
+            log.log(done, "eval", **ev)
+            bar.write(f"step {done}: {_eval_line(ev)}")
+        maybe_checkpoint(engine, cfg.train.save_every, cfg.train.keep_last_n, out_dir, done, total)
+    bar.close()
+
+    # ---- final evaluation, export, summary
+    after = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)
+    log.log(total, "eval", **after)
+    state = engine.full_state_dict()
+    summary: dict[str, Any] = {}
+    if info.is_main:
+        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model)
+        _plot(out_dir)
+        summary = {
+            "stage": "reward",
+            "time_s": round(time.time() - t_start, 1),
+            "steps": total,
+            "train_pairs": len(train_feats),
+            "eval_pairs": len(eval_feats),
+            "final_train_loss": last.get("loss"),
+            "final_train_accuracy": last.get("accuracy"),
+            "eval_accuracy": after.get("accuracy"),
+            "eval_chosen_score": after.get("chosen_score"),
+            "eval_rejected_score": after.get("rejected_score"),
+            "gold_agreement": after.get("gold_agreement"),
+            "gold_auc": after.get("gold_auc"),
+            "skipped_steps": engine.skipped_steps,
+            "model_dir": os.path.join(out_dir, MODEL_SUBDIR),
+        }
+        write_summary(out_dir, summary)
+        print(f"reward model done ({out_dir}):\n{format_summary(summary)}", flush=True)
+    log.finish()
+    return summary
+
+
+def _eval_line(ev: dict) -> str:
+    if not ev:
+        return "no held-out pairs"
+    line = (f"held-out accuracy {ev['accuracy']:.3f}, chosen {ev['chosen_score']:.3f}, "
+            f"rejected {ev['rejected_score']:.3f}")
+    if ev.get("gold_auc") is not None:
+        line += f", gold AUC {ev['gold_auc']:.3f}"
+    return line
+
+
+def _plot(out_dir: str) -> None:
+    train, ev = read_metrics(out_dir, "train"), read_metrics(out_dir, "eval")
+    plot_series(os.path.join(out_dir, "reward.png"), "Reward model", [
+        ("loss", [("train", *series(train, "loss"))]),
+        ("pair accuracy", [("train", *series(train, "accuracy")), ("held-out", *series(ev, "accuracy"))]),
+        ("score", [("chosen (held-out)", *series(ev, "chosen_score")), ("rejected (held-out)", *series(ev, "rejected_score"))]),
+    ])
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="reward")
+def main(raw: DictConfig) -> None:
+    with user_errors():
+        run(to_config(raw, RewardConfig))
+
+
+if __name__ == "__main__":
+    main()
