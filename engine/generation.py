@@ -105,3 +105,17 @@ def hf_generate(
         logprobs = logprobs * resp_mask
     attn = torch.cat([prompt_mask.to(seqs.device).long(), resp_mask], dim=1)
     return Generated(sequences=seqs, attention_mask=attn, response_mask=resp_mask, prompt_len=P, logprobs=logprobs)
+
+
+class HFGenerator:
+    """The generic generation path: `transformers` `generate` on the whole module."""
+
+    name = "hf"
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
+                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False) -> Generated:
+        return hf_generate(self.module, prompt_ids, prompt_mask, params, eos_token_id=eos_token_id,
+                           pad_token_id=pad_token_id, return_logprobs=return_logprobs)

@@ -189,6 +189,7 @@ class TrainEngine(_ShardedModule):
         self.skipped_steps = 0
         self._grad_bytes: int | None = None
         self._cuda_peak: int | None = None
+        self.rank_extra: Any = None  # set by load_checkpoint
 
     # ------------------------------------------------------------ one optimizer step
 
@@ -288,14 +289,19 @@ class TrainEngine(_ShardedModule):
             state["zero1_optimizer"] = self.optimizer.optim.state_dict()  # this rank's shard
         return state
 
-    def save_checkpoint(self, path: str, extra_state: dict | None = None) -> None:
-        """Sharded checkpoint of everything a bit-exact resume needs, published atomically. Collective."""
+    def save_checkpoint(self, path: str, extra_state: dict | None = None, rank_extra: Any = None) -> None:
+        """Sharded checkpoint of everything a bit-exact resume needs, published atomically. Collective.
+
+        `extra_state`: JSON-able, shared by all ranks (e.g. the data position). `rank_extra`: any
+        picklable per-rank object (e.g. this rank's shards of an EMA copy), restored only at the
+        same world size (`load_checkpoint(...)` then sets `self.rank_extra`).
+        """
         extra_state = extra_state or {}
         json.dumps(extra_state)  # fail before anything is written if it is not JSON-able
         tmp = broadcast_object(new_tmp_path(path) if self.info.is_main else None)
         os.makedirs(tmp, exist_ok=True)
         save_model_optimizer(tmp, self.model, self.optimizer, self._zero1)
-        save_rank_state(tmp, self.info.rank, self._rank_state())
+        save_rank_state(tmp, self.info.rank, {**self._rank_state(), "rank_extra": rank_extra})
         barrier()  # every rank's files are on disk
         if self.info.is_main:
             meta = {
@@ -336,8 +342,33 @@ class TrainEngine(_ShardedModule):
             self.optimizer.optim.load_state_dict(state["zero1_optimizer"])
         if own:
             set_rng_state(state["rng"])
+        self.rank_extra = state.get("rank_extra") if own else None
         barrier()
         return meta["extra_state"]
+
+    # ------------------------------------------------------------ generation mode
+
+    @contextlib.contextmanager
+    def generation(self):
+        """Generation mode: yields a `Generator` over the whole (gathered) model. Collective.
+
+        Timeline: the parameters are all-gathered once on entry (stage 2/3; stage 0/1 hold them
+        whole), the module is put in eval mode for the duration, and on exit it returns to train
+        mode, the gathered copy is freed (resharded) and, on CUDA, the allocator cache released,
+        so training resumes with its usual memory. Inside, no collective runs: ranks may generate
+        for different numbers of steps.
+        """
+        from .generation import HFGenerator
+
+        with self.gathered_parameters():
+            was_training = self.unwrapped.training
+            self.unwrapped.eval()
+            try:
+                yield HFGenerator(self.unwrapped)
+            finally:
+                self.unwrapped.train(was_training)
+        if self.info.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------ memory
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -165,6 +166,90 @@ class RewardConfig:
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)
 
 
+@dataclass(kw_only=True)
+class TrainedModelConfig:
+    """The actor or the critic in PPO: where it starts, its LoRA, its optimizer and schedule."""
+
+    model: str = ""  # a HF directory / hub name / previous stage output_dir
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    scheduler: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(kw_only=True)
+class FrozenModelConfig:
+    """The reference or the reward model: where it comes from; CPU offload between uses."""
+
+    model: str | None = None  # null = the actor's (reference) / the critic's (reward) starting point
+    offload: bool = False
+
+
+@dataclass(kw_only=True)
+class PPOAlgoConfig:
+    kl_coef: float = 0.1
+    kl_estimator: str = "k1"  # k1 | k2 | k3
+    adaptive_kl: bool = False
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
+    clip_reward_value: float = 5.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    ppo_epochs: int = 1
+    whiten_advantages: bool = False
+    ptx_coef: float = 0.0  # > 0: add ptx_coef x the SFT loss on data.ptx_path to the actor loss
+    ema_decay: float = 0.0  # > 0: keep an EMA of the actor (saved as model_ema/)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    prompts_per_step: int = 64  # generation batch (global)
+    mini_batch_size: int = 32  # rows per optimizer step (global)
+    micro_batch_size: int = 16  # rows per forward on one rank
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(kw_only=True)
+class PPOTrainConfig:
+    epochs: int = 1  # passes over the prompts
+    max_steps: int = 0  # > 0: exactly this many PPO steps (generation + update)
+    log_every: int = 1
+    eval_every: int = 10
+    save_every: int = 0
+    keep_last_n: int = 2
+    resume: Any = False
+    max_consecutive_skips: int = 20
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    output_dir: str = "outputs/ppo"
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)  # shared: tokenizer, dtype, save_dtype, ...
+    data: DataConfig = field(default_factory=DataConfig)
+    ptx_path: str | None = None  # SFT data for the ptx loss (null = data/default's demonstrations)
+    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    actor: TrainedModelConfig = field(default_factory=TrainedModelConfig)
+    critic: TrainedModelConfig = field(default_factory=TrainedModelConfig)
+    reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)
+    reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)
+    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: PPOTrainConfig = field(default_factory=PPOTrainConfig)
+    eval: GenerationConfig = field(default_factory=GenerationConfig)
+
+
 # ----------------------------------------------------------------------------- conversion
 
 
@@ -173,6 +258,7 @@ def to_config(cfg: DictConfig | dict, schema: type[T]) -> T:
     raw = OmegaConf.create(cfg) if isinstance(cfg, dict) else cfg
     raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]) if "hydra" in raw else raw
     try:
+        raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))  # ${...} resolved before typing
         merged = OmegaConf.merge(OmegaConf.structured(schema), raw)
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
@@ -330,3 +416,48 @@ def validate_reward(cfg: RewardConfig, info) -> int:
     check_optim(cfg.train)
     engine_config(cfg.engine, info)
     return validate_train(cfg.train, info.world_size)
+
+
+def validate_ppo(cfg: PPOConfig, info) -> None:
+    """Everything a PPO run needs, checked before any model loads."""
+    from rlhf.ppo_math import KL_ESTIMATORS
+
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    for key in ("actor", "critic"):
+        group = getattr(cfg, key)
+        _need(bool(group.model), f"{key}.model must be set (a HF directory, hub name or a stage's output_dir)")
+        validate_model(dataclasses_replace(cfg.model, name_or_path=group.model, lora=group.lora,
+                                           fallback_to_config=False), prefix=key)
+        check_optim(group, prefix=key)
+    validate_data(cfg.data, needs_response=False)
+    validate_logger(cfg.logger)
+    validate_generation(cfg.eval, "eval")
+    p, r = cfg.ppo, cfg.rollout
+    _need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}")
+    _need(p.kl_estimator in KL_ESTIMATORS, f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {p.kl_estimator!r}")
+    if p.adaptive_kl:
+        _need(p.kl_target > 0 and p.kl_horizon > 0, "ppo.kl_target and ppo.kl_horizon must be > 0 with ppo.adaptive_kl")
+    _need(p.clip_reward_value > 0, f"ppo.clip_reward_value must be > 0, got {p.clip_reward_value}")
+    _need(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, f"ppo.gamma and ppo.lam must be in [0, 1], got {p.gamma}, {p.lam}")
+    _need(p.cliprange > 0 and p.cliprange_value > 0, "ppo.cliprange and ppo.cliprange_value must be > 0")
+    _need(p.ppo_epochs >= 1, f"ppo.ppo_epochs must be >= 1, got {p.ppo_epochs}")
+    _need(p.ptx_coef >= 0, f"ppo.ptx_coef must be >= 0, got {p.ptx_coef}")
+    _need(0 <= p.ema_decay < 1, f"ppo.ema_decay must be in [0, 1) (0 = off), got {p.ema_decay}")
+    _need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    _need(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    _need(r.top_k >= 0 and 0 < r.top_p <= 1, "rollout.top_k must be >= 0 and rollout.top_p in (0, 1]")
+    w = info.world_size
+    _need(r.micro_batch_size >= 1, f"rollout.micro_batch_size must be >= 1, got {r.micro_batch_size}")
+    _need(r.mini_batch_size % (r.micro_batch_size * w) == 0,
+          f"rollout.mini_batch_size ({r.mini_batch_size}) must be a multiple of rollout.micro_batch_size "
+          f"({r.micro_batch_size}) x world size ({w})")
+    _need(r.prompts_per_step % r.mini_batch_size == 0,
+          f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of rollout.mini_batch_size "
+          f"({r.mini_batch_size})")
+    t = cfg.train
+    _need(t.epochs >= 1 or t.max_steps > 0, f"train.epochs must be >= 1 (or set train.max_steps), got {t.epochs}")
+    for key in ("max_steps", "eval_every", "save_every", "keep_last_n"):
+        _need(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
+    _need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    _need(isinstance(t.resume, (bool, str)), f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    engine_config(cfg.engine, info)

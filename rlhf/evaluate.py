@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.distributed import all_reduce_sum
-from engine.generation import SamplingParams, hf_generate
+from engine.generation import SamplingParams
 from rlhf.config import DataConfig, GenerationConfig
 from rlhf.data import collate_prompts, collate_sft, load_rows, parse_prompts, tokenize_prompts
 from rlhf.data.tokenize import IGNORE_INDEX
@@ -73,7 +73,7 @@ def generate_texts(
 
 
 def gold_eval(
-    model: torch.nn.Module,
+    generator: Any,
     prompts: Sequence[EvalPrompt],
     tokenizer: Any,
     g: GenerationConfig,
@@ -85,29 +85,31 @@ def gold_eval(
 ) -> dict[str, Any]:
     """Generate for every prompt (rank r takes prompts[r::world]) and score with the gold judge.
 
-    Returns gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
-    characters) and `samples` (the first few prompt/response/score triples). `model` must be whole.
+    `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
+    gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
+    characters) and `samples` (the first few prompt/response/score triples). Torch's RNG is left
+    as it was (sampled evaluation must not shift the training run's random stream).
     """
     params = sampling_params(g)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
     def gen(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = hf_generate(model, ids, mask, params, eos_token_id=eos, pad_token_id=pad)
+        out = generator.generate(ids, mask, params, eos_token_id=eos, pad_token_id=pad)
         return out.responses.masked_fill(out.response_mask == 0, pad)
 
-    mine = list(prompts[rank::world])
+    idx = list(range(rank, len(prompts), world))
+    mine = [prompts[i] for i in idx]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
-    scored = [(p.text, t, judge(p.text, t, p.answer), p.task) for p, t in zip(mine, texts)]
-    order = {p.text: i for i, p in enumerate(prompts)}
-    merged = sorted((x for part in all_gather(scored) for x in part), key=lambda x: order[x[0]])
-    result: dict[str, Any] = {"response_len": sum(len(t) for _, t, _, _ in merged) / max(1, len(merged))}
-    judged = [(s, task) for _, _, s, task in merged if s is not None]
+    scored = [(i, p.text, t, judge(p.text, t, p.answer), p.task) for i, p, t in zip(idx, mine, texts)]
+    merged = sorted(x for part in all_gather(scored) for x in part)
+    result: dict[str, Any] = {"response_len": sum(len(x[2]) for x in merged) / max(1, len(merged))}
+    judged = [(s, task) for _, _, _, s, task in merged if s is not None]
     result["gold_score"] = 100.0 * sum(s for s, _ in judged) / len(judged) if judged else None
     for task in sorted({t for _, t in judged if t}):
         vals = [s for s, t in judged if t == task]
         result[f"gold_score/{task}"] = 100.0 * sum(vals) / len(vals)
-    result["samples"] = [{"prompt": p, "response": t, "score": s} for p, t, s, _ in merged[:n_samples]]
+    result["samples"] = [{"prompt": p, "response": t, "score": s} for _, p, t, s, _ in merged[:n_samples]]
     return result
 
 

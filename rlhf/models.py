@@ -180,10 +180,12 @@ def per_token_values(model: nn.Module) -> nn.Module:
     patched on the instance, so it runs inside the engine's wrappers (DDP, FSDP2 hooks) and the
     state-dict names do not change.
     """
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                **_: Any) -> torch.Tensor:
         base = self.get_base_model() if hasattr(self, "get_base_model") else self
         backbone = getattr(base, base.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
         return base.score(hidden).squeeze(-1).float()  # (B, T)
 
     model.forward = types.MethodType(forward, model)
@@ -267,3 +269,15 @@ def export_hf(
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
     return out_dir
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Zero every dropout (modules and HF's float `*dropout` attributes, as TRL does): in PPO the
+    old and new log-probs must come from the same deterministic function, or the ratio is noise."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for attr in ("dropout", "attention_dropout", "activation_dropout", "layerdrop"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    return model

@@ -52,12 +52,12 @@ def sft_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.T
 def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, prompts: list) -> dict[str, Any]:
     info = engine.info
     out: dict[str, Any] = {}
-    with engine.gathered_parameters():
+    with engine.generation() as generator:
         if eval_feats:
-            out.update(perplexity(engine.unwrapped, eval_feats, tok.pad_token_id, cfg.train.micro_batch_size,
+            out.update(perplexity(generator.module, eval_feats, tok.pad_token_id, cfg.train.micro_batch_size,
                                   rank=info.rank, world=info.world_size, device=info.device))
         if prompts:
-            out.update(gold_eval(engine.unwrapped, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
+            out.update(gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
                                  device=info.device))
     return out
 
