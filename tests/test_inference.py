@@ -31,6 +31,15 @@ SMALL = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_he
 LLAMA = dict(SMALL, intermediate_size=96)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The models are tiny: intra-op threads only add overhead (and stall on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def llama_untied_gqa():
     return LlamaForCausalLM, LlamaConfig(**LLAMA, num_key_value_heads=2, tie_word_embeddings=False)
 
@@ -272,7 +281,7 @@ class _FakeCudaGraph:
 def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
     """The graph path's host side on CPU, with torch.cuda faked: 'capture' runs the step once (a real
     capture only records it) and 'replay' re-runs it on the same state tensors. Checks capture before
-    the prefill, state restore, one graph per (batch, sampling), the whole-cache decode shape, the
+    the prefill, one graph per (batch, sampling), the whole-cache decode shape, the
     sparse "all done" check with trimming, and per-call seeding."""
     import contextlib
     import importlib

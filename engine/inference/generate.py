@@ -6,7 +6,8 @@
               already finished -> done |= EOS -> advance slot and positions. All state lives in
               device tensors, so the step has fixed shapes and no host sync; on CUDA it is captured
               once per (batch size, sampling settings) in a CUDA graph and replayed per token
-              (measured on an H100 for a 1.2B Llama: 15-19 ms/step eager vs 2.3-2.9 ms graphed).
+              (DESIGN.md's H100 reference, 1.2B Llama: a plain static-cache decoder takes 15-19
+              ms/step eager and 2.3-2.9 ms graphed; launch overhead dominates eager decode).
     stop      a row stops at its own EOS (kept, and counted in response_mask); later columns are pad.
               The host reads "all rows done" every `check_every` steps: on CUDA that read is the only
               sync in the loop, so it is taken every 8 steps (at most 7 wasted, all-pad steps, trimmed
@@ -65,8 +66,10 @@ class DecodeState:
             out_active=torch.zeros(batch_size, dtype=torch.bool, device=dev),
         )
 
-    def inputs(self) -> list[torch.Tensor]:
-        return [self.tokens, self.input_pos, self.position_ids, self.done]
+
+def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """tokens [B] -> bool [B]; a broadcast compare (no data-dependent path, empty eos = never)."""
+    return (tokens[:, None] == eos).any(-1)
 
 
 def decode_step(
@@ -83,7 +86,7 @@ def decode_step(
     tokens, logprobs = sample(logits, sampling, generator)
     active = ~st.done
     tokens = torch.where(active, tokens, pad_token_id)
-    st.done |= active & torch.isin(tokens, st.eos)
+    st.done |= active & is_eos(tokens, st.eos)
     st.out_tokens.copy_(tokens)
     st.out_logprobs.copy_(logprobs.masked_fill(~active, 0.0))
     st.out_active.copy_(active)
@@ -102,14 +105,15 @@ class DecodeGraph:
     def __init__(self, model: InferenceModel, state: DecodeState, sampling: SamplingParams, pad_token_id: int):
         self.state = state
         self.generator = torch.Generator(device=model.device)
-        snapshot = [t.clone() for t in state.inputs()]
 
         def step():
             decode_step(model, state, sampling, pad_token_id, self.generator)
 
+        self._step = step  # what the graph holds (kept for the CPU test that fakes torch.cuda)
+
         # NOTE: warm-up runs on a side stream before capture (cuBLAS / SDPA workspaces, allocator).
-        # It writes k/v and valid flags at the state's slot and the next one; generate() captures
-        # before its prefill, which rewrites those slots. The step inputs are restored afterwards.
+        # It advances `state` and writes k/v and valid flags at two cache slots: generate() captures
+        # before its prefill, which rewrites the cache, and sets every step input afterwards.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -122,8 +126,6 @@ class DecodeGraph:
         self.graph.register_generator_state(self.generator)
         with torch.cuda.graph(self.graph, pool=model.graph_pool):
             step()
-        for t, saved in zip(state.inputs(), snapshot):
-            t.copy_(saved)
 
     def seed(self, generator: torch.Generator | None) -> None:
         seed = torch.randint(0, 2**62, (1,), generator=generator, device=generator.device if generator else "cpu")
@@ -186,7 +188,7 @@ def generate(
     st.tokens.copy_(first[:, None])
     st.input_pos.fill_(P)
     st.position_ids.copy_(mask.sum(-1, keepdim=True))
-    st.done.copy_(torch.isin(first, eos))
+    st.done.copy_(is_eos(first, eos))
     if graph is not None:
         graph.seed(generator)
 
@@ -210,10 +212,14 @@ def generate(
     )
 
 
+def graphs_enabled(model: InferenceModel) -> bool:
+    return model.use_cuda_graphs and model.device.type == "cuda"
+
+
 def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos) -> DecodeGraph | None:
     """The captured decode step for this batch size and setting (capturing it on first use), or None
     off CUDA / when disabled."""
-    if model.device.type != "cuda" or not model.use_cuda_graphs:
+    if not graphs_enabled(model):
         return None
     key = (B, sampling, pad_token_id, tuple(eos_ids))
     if key not in model.graphs:

@@ -43,7 +43,7 @@ def filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
         cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove_sorted = cum < (1 - top_p)
+        remove_sorted = cum <= (1 - top_p)
         remove_sorted[..., -1:] = False  # keep at least the most likely token
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))

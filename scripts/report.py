@@ -1,0 +1,94 @@
+"""Write <root>/report.md and <root>/pipeline.png from a run_all.sh run (the three stages' outputs).
+
+    python scripts/report.py outputs [--total-s 812]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rlhf.runlog import plot_series, read_metrics, series  # noqa: E402
+
+STAGES = ("sft", "reward", "ppo")
+
+
+def load_summary(root: str, stage: str) -> dict:
+    path = os.path.join(root, stage, "summary.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"report.py: {path} is missing (did the {stage} stage finish?)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("root")
+    ap.add_argument("--total-s", type=float, default=None, help="wall time of the whole pipeline")
+    args = ap.parse_args()
+    root = args.root
+    s = {stage: load_summary(root, stage) for stage in STAGES}
+
+    # gold score across the pipeline: untrained -> SFT -> PPO (held-out prompts, greedy)
+    gold = [("untrained", s["sft"].get("gold_score_before")), ("after SFT", s["sft"].get("gold_score_after")),
+            ("after PPO", s["ppo"].get("gold_score_after"))]
+    ppo_eval = read_metrics(os.path.join(root, "ppo"), "eval")
+    plot_series(os.path.join(root, "pipeline.png"), "Held-out gold score", [
+        ("gold score (PPO steps)", [("", *series(ppo_eval, "gold_score"))]),
+    ])
+
+    total = args.total_s if args.total_s is not None else sum(s[k]["time_s"] for k in STAGES)
+    lines = [
+        "# RLHF pipeline report",
+        "",
+        f"Output root: `{os.path.abspath(root)}`. Total time: {total:.0f} s "
+        f"(SFT {s['sft']['time_s']:.0f} s, reward {s['reward']['time_s']:.0f} s, PPO {s['ppo']['time_s']:.0f} s).",
+        "",
+        "## Held-out gold score (greedy, % exact)",
+        "",
+        "| model | gold score |",
+        "|---|---|",
+        *[f"| {name} | {fmt(v)} |" for name, v in gold],
+    ]
+    if gold[1][1] is not None and gold[2][1] is not None:
+        lines += ["", f"PPO changed the gold score by **{gold[2][1] - gold[1][1]:+.1f} points** with a mean KL to the "
+                      f"reference of {fmt(s['ppo'].get('kl'))} nats per response."]
+    tasks = sorted({k.split("/")[1].rsplit("_", 1)[0] for k in s["ppo"] if k.startswith("gold_score/")})
+    if tasks:
+        lines += ["", "| task | after SFT | after PPO |", "|---|---|---|"]
+        lines += [f"| {t} | {fmt(s['ppo'].get(f'gold_score/{t}_before'))} | {fmt(s['ppo'].get(f'gold_score/{t}_after'))} |"
+                  for t in tasks]
+    r = s["reward"]
+    lines += [
+        "", "## Reward model", "",
+        f"Held-out pair accuracy {fmt(r.get('eval_accuracy'))}; mean chosen score {fmt(r.get('eval_chosen_score'))}, "
+        f"rejected {fmt(r.get('eval_rejected_score'))}; agreement with the gold judge {fmt(r.get('gold_agreement'))}, "
+        f"AUC of scores for correct vs incorrect responses {fmt(r.get('gold_auc'))}.",
+        "", "## PPO", "",
+        f"{s['ppo']['steps']} steps; reward (held-out, sampled) {fmt(s['ppo'].get('reward_before'))} -> "
+        f"{fmt(s['ppo'].get('reward_after'))}; final KL coefficient {fmt(s['ppo'].get('kl_coef_final'))}; "
+        f"empty responses dropped: {s['ppo'].get('empty_responses', 0)}.",
+        "",
+        "Time per PPO step: generation {:.3f} s, scoring {:.3f} s, training {:.3f} s.".format(
+            s["ppo"]["step_generation_s"], s["ppo"]["step_scoring_s"], s["ppo"]["step_training_s"]),
+        "", "## Plots", "",
+        "![SFT](sft/sft.png)", "", "![Reward model](reward/reward.png)", "", "![PPO](ppo/ppo.png)", "",
+        "![Gold score](pipeline.png)", "",
+        "## Summaries", "", "```json", json.dumps(s, indent=1), "```", "",
+    ]
+    with open(os.path.join(root, "report.md"), "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines[:20]))
+    print(f"report: {os.path.join(root, 'report.md')}")
+
+
+if __name__ == "__main__":
+    main()
