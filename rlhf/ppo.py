@@ -67,7 +67,8 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float):
         total = loss * n
         stats["entropy"] = ppo_math.masked_mean(entropy, mask)
         if ptx_coef:
-            ptx_sum, ptx_n = sft_loss(model, mb["ptx"])
+            device = mb["sequences"].device
+            ptx_sum, ptx_n, _ = sft_loss(model, {k: v.to(device) for k, v in mb["ptx"].items()})
             ptx = ptx_sum / ptx_n.clamp(min=1)
             total = total + ptx_coef * ptx * n  # its mean enters the mini-batch mean like a token loss
             stats["ptx_loss"] = ptx.detach()
@@ -251,7 +252,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     eos, pad = tok.eos_token_id, tok.pad_token_id
     per_rank, mini_rows = r.prompts_per_step // info.world_size, r.mini_batch_size // info.world_size
     bar = progress(total, start, "ppo", info.is_main)
-    skips, times, n_ptx = 0, {"generation_s": [], "scoring_s": [], "training_s": []}, 0
+    skips, times = 0, {"generation_s": [], "scoring_s": [], "training_s": []}
+    micro_per_step = p.ppo_epochs * minis * (mini_rows // r.micro_batch_size)
     for step in range(start, total):
         t0 = time.time()
         batch = collate_prompts([feats[i] for i in order.rank_rows(step, info.rank, info.world_size, 1)[0]], pad)
@@ -272,6 +274,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             world_whiten_(exp.advantages, exp.response_mask)
         t2 = time.time()
         a_stats, c_stats = [], []
+        n_ptx = step * micro_per_step  # the ptx data position follows from the step (exact resume)
         for _ in range(p.ppo_epochs):
             perm = torch.randperm(per_rank).tolist()
             for k in range(minis):

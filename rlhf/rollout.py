@@ -21,7 +21,8 @@ from rlhf.reward_math import sequence_scores
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L] -> [B, L]: 0, 1, 2, ... over real tokens (pads get 0, they are never attended)."""
+    """[B, L] -> [B, L]: 0, 1, 2, ... over real tokens (as `generate` numbers them; pad positions get
+    whatever is left over: they are never attended and never scored)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
