@@ -10,11 +10,11 @@ from .logprobs import fused_logprobs_entropy, logprobs_entropy_reference
 from .norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .rotary import apply_rotary, apply_rotary_reference
 from .sampling import keep_mask_reference, sample, sample_reference
-from .swiglu import swiglu, swiglu_reference
+from .swiglu import silu_mul, silu_mul_reference
 
 __all__ = [
     "apply_rotary", "apply_rotary_reference", "disabled", "fused_logprobs_entropy", "is_enabled",
     "keep_mask_reference", "layer_norm", "layer_norm_reference", "logprobs_entropy_reference", "rms_norm",
-    "rms_norm_reference", "sample", "sample_reference", "set_enabled", "swiglu", "swiglu_reference",
+    "rms_norm_reference", "sample", "sample_reference", "set_enabled", "silu_mul", "silu_mul_reference",
     "triton_available", "use_triton",
 ]

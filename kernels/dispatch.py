@@ -1,13 +1,14 @@
-"""When to run a Triton kernel, and the lazy `@jit` that lets `import kernels` work without Triton.
+"""When to run a Triton kernel instead of the PyTorch path.
 
-Rule: `use_triton(t)` = Triton importable AND not disabled AND (t is on CUDA OR TRITON_INTERPRET=1).
-Otherwise every op runs its PyTorch path. Disable globally with `set_enabled(False)` or by
-starting the process with `KERNELS_DISABLE_TRITON=1`.
+Rule: `use_triton(t)` = Triton importable AND not disabled AND (t is on CUDA OR Triton runs in its
+CPU interpreter). Disable globally with `set_enabled(False)` / `with disabled():`, or by starting
+the process with `KERNELS_DISABLE_TRITON=1`.
 
-`TRITON_INTERPRET=1` runs kernels in Triton's NumPy interpreter on CPU tensors (slow; tests only).
-`triton.jit` decides compiled-vs-interpreted when it decorates, so our `@jit` decorates at first
-launch and caches one object per mode: setting the variable in a test works whatever was
-imported before, and a process can run both modes.
+The interpreter (`TRITON_INTERPRET=1`, NumPy-based, slow: tests only) must be switched on before
+triton is first imported: `triton.jit` and Triton's own library functions pick compiled or
+interpreted when they are decorated, at import. `transformers` imports triton, so in a test session
+set it at process start; tests/test_kernels_*.py run their interpreter cases in a child process
+(kernels.testing.run_in_interpreter).
 """
 import contextlib
 import functools
@@ -15,11 +16,19 @@ import os
 
 import torch
 
-try:  # guarded so `import kernels` needs only torch; kernels are never launched without Triton
+try:  # guarded so that `import kernels` needs only torch
+    import triton
     import triton.language as tl
+
+    jit = triton.jit
 except ImportError:  # pragma: no cover - exercised on machines without triton
-    class tl:  # noqa: N801 - stands in for `triton.language` so `BLOCK: tl.constexpr` annotations evaluate
-        constexpr = None
+    triton = None
+
+    class tl:  # noqa: N801 - stands in for triton.language so `BLOCK: tl.constexpr` annotations evaluate
+        constexpr = float64 = float32 = None
+
+    def jit(fn):  # never launched: use_triton() is False and resolve_impl refuses "triton"
+        return fn
 
 _enabled = os.environ.get("KERNELS_DISABLE_TRITON", "0").lower() in ("", "0", "false", "no")
 
@@ -45,62 +54,41 @@ def disabled():
         set_enabled(old)
 
 
-@functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton is not None
 
 
+@functools.cache
 def interpret_mode() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    """True when Triton was imported with TRITON_INTERPRET=1, so kernels run on CPU tensors."""
+    if triton is None:
+        return False
+    try:  # the state that matters: were Triton's own jit functions built for the interpreter?
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(tl.standard.zeros, InterpretedFunction)
+    except (ImportError, AttributeError):  # layout of another Triton version: trust the variable
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when `impl="auto"` should launch the Triton kernel for these tensors."""
-    if not (_enabled and triton_available()):
+    if not (_enabled and triton is not None):
         return False
     return all(t.is_cuda for t in tensors) or interpret_mode()
 
 
 def resolve_impl(impl: str, fallback: str, *tensors: torch.Tensor) -> str:
-    """Map `impl="auto"` to "triton" or `fallback`; check an explicit "triton" can run at all."""
+    """Map `impl="auto"` to "triton" or `fallback`; check that an explicit "triton" can run."""
     if impl == "auto":
         return "triton" if use_triton(*tensors) else fallback
     if impl == "triton":
-        if not triton_available():
+        if triton is None:
             raise RuntimeError("impl='triton' but triton is not installed")
         if not (all(t.is_cuda for t in tensors) or interpret_mode()):
-            raise RuntimeError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+            raise RuntimeError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                               "triton is first imported (for CPU tensors)")
     return impl
-
-
-class jit:  # noqa: N801 - used as a decorator, like triton.jit
-    """`triton.jit`, applied on first launch (once per interpret/compiled mode).
-
-    Kernels decorated with it must not call other kernels: the compiled path resolves callees as
-    `triton.jit` functions, and these wrappers are not. Launch as `kernel[grid](...)`.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self._built = {}
-        functools.update_wrapper(self, fn)
-
-    def __getitem__(self, grid):
-        mode = interpret_mode()
-        if mode not in self._built:
-            import triton
-
-            self._built[mode] = triton.jit(self.fn)
-        return self._built[mode][grid]
-
-
-def num_warps_for(block: int) -> int:
-    """Warps for a one-row-per-program kernel of `block` elements (Liger's rule of thumb)."""
-    return 4 if block < 2048 else 8 if block < 8192 else 16
 
 
 def cdiv(a: int, b: int) -> int:
@@ -109,3 +97,8 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def num_warps_for(block: int) -> int:
+    """Warps for a one-row-per-program kernel of `block` elements (Liger's rule of thumb)."""
+    return 4 if block < 2048 else 8 if block < 8192 else 16

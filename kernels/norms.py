@@ -59,7 +59,7 @@ def _norm_fwd_kernel(
     RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64 offsets: N * D can pass 2**31
     cols = tl.arange(0, BLOCK)
     ok = cols < D
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -70,12 +70,12 @@ def _norm_fwd_kernel(
     xf = x.to(ACC)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(ACC)
     if RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+        rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)  # torch.rsqrt in LlamaRMSNorm
         y = w * (xf * rstd).to(x.dtype).to(ACC)  # LlamaRMSNorm: weight * h.to(input_dtype)
     else:
         mean = tl.sum(xf, 0) / D
         xc = tl.where(ok, xf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / D + eps)
+        rstd = tl.rsqrt(tl.sum(xc * xc, 0) / D + eps)
         y = xc * rstd * w
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=ok, other=0.0).to(ACC)
@@ -98,7 +98,8 @@ def _norm_bwd_kernel(
     dw = tl.zeros((BLOCK,), ACC)
     db = tl.zeros((BLOCK,), ACC)
     r0 = pid * rows_per_program
-    for row in range(r0, tl.minimum(r0 + rows_per_program, N)):
+    for i in range(r0, tl.minimum(r0 + rows_per_program, N)):
+        row = tl.cast(i, tl.int64)  # int64 offsets: N * D can pass 2**31
         x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         dy = tl.load(dy_ptr + row * stride_dy + cols, mask=ok, other=0.0).to(ACC)
         rstd = tl.load(rstd_ptr + row)

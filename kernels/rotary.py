@@ -39,7 +39,7 @@ def _rope_kernel(
     T, NH, HALF, sx_b, sx_h, sx_t, sc_b, sc_t, ss_b, ss_t,
     BACKWARD: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # one (batch, position): all heads share its cos/sin row
+    pid = tl.program_id(0).to(tl.int64)  # one (batch, position): all heads share its cos/sin row
     b = pid // T
     t = pid % T
     heads = tl.arange(0, BLOCK_H)

@@ -11,7 +11,7 @@ Meaning (`sample_reference` defines it):
   token iff the probability mass of the tokens strictly above it is < p, i.e. the smallest set of
   most likely tokens whose mass reaches p, always >= 1 token. transformers breaks ties at the
   threshold by sort order; here all tied tokens are kept.
-- The draw is Gumbel-max with uniform noise u [B, V] in (0, 1):
+- The draw is Gumbel-max with uniform noise u [B, V] in [0, 1) (clamped to >= 2**-126):
   token = argmax over kept tokens of z - log(-log u), an exact sample of softmax(z) restricted to the
   kept set. `noise` is taken as given, else drawn with `torch.rand(..., generator=generator)`, so a
   seeded generator makes sampling reproducible and the same noise gives the same token in every
@@ -23,11 +23,16 @@ Triton: one program per row, passes over the vocabulary in BLOCK_V chunks. The t
 thresholds are found by bisection instead of a sort: floats are mapped to int32 keys with the same
 order, and 32 halvings of the key range pin the exact threshold (top-k: the largest key with
 count(z >= key) >= k; top-p: the largest key with mass(z >= key) >= p * mass(kept by top-k)). Each
-halving re-reads the row, which for decode batches stays in L2.
+halving re-reads the row (up to 66 passes with both filters on); a decode batch's logits should stay
+in L2, but this is not timed yet — a radix select (4 passes of 8-bit histograms) is the next step
+if it shows up in the decode step.
 """
 import torch
 
 from .dispatch import jit, next_pow2, resolve_impl, tl
+
+
+_TINY = torch.finfo(torch.float32).tiny  # 1.1754944e-38, also hard-coded in the kernel
 
 
 def _greedy(temperature):
@@ -60,7 +65,7 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, noise=None, ge
     keep = keep_mask_reference(z, top_k, top_p)
     if noise is None:
         noise = torch.rand(B, V, generator=generator, device=logits.device)
-    gumbel = -torch.log(-torch.log(noise.float()))
+    gumbel = -torch.log(-torch.log(noise.float().clamp_min(_TINY)))  # u = 0 must not veto a token
     tokens = torch.where(keep, z + gumbel, float("-inf")).argmax(-1)
     return tokens, z.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
 
@@ -71,7 +76,7 @@ def _sample_kernel(
     V, stride_z, stride_u, temp, top_k, top_p,
     GREEDY: tl.constexpr, TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     zrow = z_ptr + row * stride_z
     offs = tl.arange(0, BLOCK_V)
     # pass 1: max, sum exp (online), min key
@@ -152,7 +157,7 @@ def _sample_kernel(
             cols = v0 + offs
             ok = cols < V
             z = tl.div_rn(tl.load(zrow + cols, mask=ok, other=0.0).to(tl.float32), temp)
-            u = tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.5).to(tl.float32)
+            u = tl.maximum(tl.load(u_ptr + row * stride_u + cols, mask=ok, other=0.5).to(tl.float32), 1.1754944e-38)
             score = z - tl.log(-tl.log(u))
             keep = ok
             if TOP_K or TOP_P:

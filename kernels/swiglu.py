@@ -13,7 +13,7 @@ from .dispatch import cdiv, jit, resolve_impl, tl
 _BLOCK = 1024
 
 
-def swiglu_reference(gate, up):
+def silu_mul_reference(gate, up):
     """gate, up [..., I] -> silu(gate) * up."""
     return F.silu(gate) * up
 
@@ -21,7 +21,7 @@ def swiglu_reference(gate, up):
 @jit
 def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, C, stride_g, stride_u,
                        ACC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # rows of [R, C]; axis 1 tiles the columns
+    row = tl.program_id(0).to(tl.int64)  # rows of [R, C]; axis 1 tiles the columns (int64: R * C > 2**31)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < C
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(ACC)
@@ -33,7 +33,7 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, y_ptr, C, stride_g, stride_u,
 @jit
 def _swiglu_bwd_kernel(g_ptr, u_ptr, dy_ptr, dg_ptr, du_ptr, C, stride_g, stride_u, stride_dy,
                        ACC: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < C
     g = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(ACC)
@@ -80,13 +80,13 @@ class _SwiGLU(torch.autograd.Function):
         return dg.view(shape), du.view(shape)
 
 
-def swiglu(gate, up, impl="auto"):
+def silu_mul(gate, up, impl="auto"):
     """silu(gate) * up for gate, up [..., I] of the same shape. impl: "auto" | "triton" | "reference"."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match")
     impl = resolve_impl(impl, "reference", gate, up)
     if impl == "reference":
-        return swiglu_reference(gate, up)
+        return silu_mul_reference(gate, up)
     if impl != "triton":
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
     return _SwiGLU.apply(gate, up)

@@ -1,4 +1,9 @@
 """Helpers for comparing an op with its reference (used by tests/test_kernels_*.py and benchmarks)."""
+import atexit
+import os
+import pickle
+import sys
+
 import torch
 
 
@@ -29,3 +34,68 @@ def outputs_and_grads(fn, inputs, grad_outputs=None, seed=0):
     params = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return [o.detach() for o in outs], [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+# ----------------------------------------------------------------------------- interpreter worker
+# Triton's interpreter must be on before triton is first imported, and in a pytest session
+# something (transformers, another test module) has usually imported it already. So interpreter
+# cases run in one child Python started with TRITON_INTERPRET=1, fed (file, function, args) over a
+# pipe; each test still passes, fails or skips on its own.
+
+_WORKER = r"""
+import importlib.util, os, pickle, sys, traceback
+out = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)  # the cases' prints go to stderr; stdout carries only results
+inp = sys.stdin.buffer
+sys.path[:0] = pickle.load(inp)
+while True:
+    try:
+        path, module, name, args = pickle.load(inp)
+    except EOFError:
+        break
+    try:
+        if module not in sys.modules:
+            spec = importlib.util.spec_from_file_location(module, path)
+            sys.modules[module] = mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+        getattr(sys.modules[module], name)(*args)
+        res = ("ok", "")
+    except BaseException as e:  # pytest.skip raises a BaseException
+        res = ("skip", str(e)) if type(e).__name__ == "Skipped" else ("fail", traceback.format_exc())
+    pickle.dump(res, out)
+    out.flush()
+"""
+
+_worker = None
+
+
+def _start_worker():
+    import subprocess
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}  # keep CPU use modest
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    pickle.dump(sys.path, proc.stdin)
+    proc.stdin.flush()
+    atexit.register(lambda: proc.poll() is None and (proc.stdin.close(), proc.wait(timeout=30)))
+    return proc
+
+
+def run_in_interpreter(fn, *args):
+    """Call module-level `fn(*args)` in the interpreter child; re-raise its failure or skip here."""
+    import pytest
+
+    global _worker
+    if _worker is None or _worker.poll() is not None:
+        _worker = _start_worker()
+    module = sys.modules[fn.__module__]
+    try:
+        pickle.dump((module.__file__, fn.__module__, fn.__qualname__, args), _worker.stdin)
+        _worker.stdin.flush()
+        kind, msg = pickle.load(_worker.stdout)
+    except (EOFError, BrokenPipeError):
+        _worker = None
+        pytest.fail("interpreter worker died (see captured stderr)", pytrace=False)
+    if kind == "skip":
+        pytest.skip(msg)
+    if kind == "fail":
+        pytest.fail(f"in the TRITON_INTERPRET=1 child:\n{msg}", pytrace=False)

@@ -135,6 +135,20 @@ def test_threshold_matches_reference_interpreter(interp, top_k, top_p, V):
     interp(_case_threshold, top_k, top_p, V)
 
 
+def _case_zero_noise():
+    """torch.rand can return 0: that token must still be drawable (here it is the only one kept)."""
+    logits = torch.randn(3, 300)
+    noise = torch.rand(3, 300)
+    noise[torch.arange(3), logits.argmax(-1)] = 0.0
+    for impl in ("triton", "reference"):
+        tok, _ = S.sample(logits, 1.0, 1, 1.0, noise=noise, impl=impl)
+        assert torch.equal(tok, logits.argmax(-1)), impl
+
+
+def test_zero_noise_interpreter(interp):
+    interp(_case_zero_noise)
+
+
 def _case_greedy_ties():
     logits = torch.randn(3, 300)
     logits[0, 5] = logits[0, 200] = 50.0  # across blocks: first wins
@@ -156,6 +170,7 @@ def test_gpu_sampling_bf16_vocab_128k(temperature, top_k, top_p):
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(64, 128256, device="cuda", generator=g) * 3).to(torch.bfloat16)
     noise = torch.rand(64, 128256, device="cuda", generator=g)
+    S.sample(logits, temperature, top_k, top_p, noise=noise, impl="triton")  # compile outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host sync inside raises
     try:
