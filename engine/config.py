@@ -5,7 +5,7 @@ build them from Hydra YAML once, at start, and pass them down.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:

@@ -147,3 +147,23 @@ class Throughput:
         rate = total / max(now - self.t0, 1e-9)
         self.tokens, self.t0 = 0, now
         return rate
+
+
+def open_run(engine: Any, resume: bool | str, output_dir: str, logger_cfg: Any, config: Any) -> tuple[Any, int, bool]:
+    """Resume `engine` (train.resume) or start clean; open the metrics log; save config.yaml.
+
+    Returns (log, first step to run, whether it resumed).
+    """
+    from rlhf.runlog import RunLog
+
+    path = resolve_resume(resume, output_dir)
+    if path:
+        engine.load_checkpoint(path)
+        logger.info("resumed from %s at step %d", path, engine.global_step)
+    else:
+        fresh_checkpoints(output_dir, engine.info.is_main)
+    start = engine.global_step
+    log = RunLog(output_dir, logger_cfg, is_main=engine.info.is_main, resume_step=start if path else None)
+    if engine.info.is_main:
+        save_config(output_dir, config)
+    return log, start, bool(path)

@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 
 from engine import TrainEngine, format_memory_report, init_distributed
 from rlhf.app import (
-    CONF_DIR, Throughput, count_skips, fresh_checkpoints, maybe_checkpoint, progress, resolve_resume, save_config,
-    seed_everything, setup_logging, user_errors,
+    CONF_DIR, Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
+    user_errors,
 )
 from rlhf.config import RewardConfig, engine_config, optim_config, to_config, validate_reward
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
@@ -35,7 +35,7 @@ from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model, per_token_values
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
-from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.runlog import format_summary, plot_series, read_metrics, series, write_summary
 from rlhf.task import judge
 
 logger = logging.getLogger("rlhf.reward")
@@ -125,16 +125,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     # ---- model + engine
     model = per_token_values(load_value_model(cfg.model, tok, seed=cfg.seed))
     engine = TrainEngine(model, engine_cfg, optim_config(cfg.train), total_steps=total, info=info)
-    resume = resolve_resume(cfg.train.resume, out_dir)
-    if resume:
-        engine.load_checkpoint(resume)
-        logger.info("resumed from %s at step %d", resume, engine.global_step)
-    else:
-        fresh_checkpoints(out_dir, info.is_main)
-    start = engine.global_step
-    log = RunLog(out_dir, cfg.logger, is_main=info.is_main, resume_step=start if resume else None)
-    if info.is_main:
-        save_config(out_dir, cfg)
+    log, start, resumed = open_run(engine, cfg.train.resume, out_dir, cfg.logger, cfg)
     eval_bs = cfg.train.micro_batch_size
     if start == 0:
         before = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)

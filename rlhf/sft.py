@@ -26,8 +26,8 @@ from omegaconf import DictConfig
 
 from engine import TrainEngine, format_memory_report, init_distributed
 from rlhf.app import (
-    CONF_DIR, Throughput, count_skips, fresh_checkpoints, maybe_checkpoint, progress, resolve_resume, save_config,
-    seed_everything, setup_logging, user_errors,
+    CONF_DIR, Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
+    user_errors,
 )
 from rlhf.config import SFTConfig, engine_config, optim_config, to_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
@@ -35,7 +35,7 @@ from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
 from rlhf.models import MODEL_SUBDIR, export_hf, load_causal_lm, load_tokenizer
-from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.runlog import format_summary, plot_series, read_metrics, series, write_summary
 
 logger = logging.getLogger("rlhf.sft")
 
@@ -87,19 +87,10 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     # ---- model + engine
     model = load_causal_lm(cfg.model, tok, seed=cfg.seed)
     engine = TrainEngine(model, engine_cfg, optim_config(cfg.train), total_steps=total, info=info)
-    resume = resolve_resume(cfg.train.resume, out_dir)
-    if resume:
-        engine.load_checkpoint(resume)
-        logger.info("resumed from %s at step %d", resume, engine.global_step)
-    else:
-        fresh_checkpoints(out_dir, info.is_main)
-    start = engine.global_step
-    log = RunLog(out_dir, cfg.logger, is_main=info.is_main, resume_step=start if resume else None)
-    if info.is_main:
-        save_config(out_dir, cfg)
+    log, start, resumed = open_run(engine, cfg.train.resume, out_dir, cfg.logger, cfg)
 
     # ---- evaluation of the untrained model (kept from the first run when resuming)
-    before = next((r for r in read_metrics(out_dir, "eval") if r["step"] == 0), None) if resume else None
+    before = next((r for r in read_metrics(out_dir, "eval") if r["step"] == 0), None) if resumed else None
     if before is None:
         before = evaluate(engine, cfg, tok, eval_feats, prompts)
         log.log(0, "eval", **{k: v for k, v in before.items() if k != "samples"})

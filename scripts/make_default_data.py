@@ -4,9 +4,13 @@
 
 Prompts are drawn without repetition from one pool and partitioned, so held-out evaluation prompts
 never appear in any training file. SFT demonstrations are imperfect on purpose, with a stated error
-rate per task (DEMO_ERROR_RATE; ≈22.5% of all demonstrations are wrong). The count task's
-demonstrator usually over-counts by one, so supervised learning alone inherits a systematic bias that
-preference data (correct answer chosen, a plausible wrong one rejected) and PPO can remove.
+rate per task (DEMO_ERROR_RATE; ≈35% of all demonstrations are wrong). On two tasks the demonstrator
+has a habit, and is wrong more often than right: it over-counts by one, and it leaves the last two
+distinct digits of a sorted list swapped. Supervised learning copies the habit (greedy decoding
+picks the demonstrator's most frequent answer), while preference data (correct answer chosen, a
+plausible wrong one rejected: the habit, other slips, or an off-task answer) teaches a reward model to catch it:
+an out-of-order pair is visible in the response itself, so judging a sort is easier than doing
+one, which is the situation in which RLHF beats imitation. PPO must remove the habits.
 """
 from __future__ import annotations
 
@@ -29,8 +33,9 @@ SIZES = {  # rows per file; every prompt is unique across all files
     "prompts_train": 2000,
     "eval_prompts": 200,
 }
-DEMO_ERROR_RATE = {"add": 0.10, "reverse": 0.10, "sort": 0.10, "count": 0.60}
+DEMO_ERROR_RATE = {"add": 0.10, "reverse": 0.10, "sort": 0.60, "count": 0.60}
 LETTERS = "abc"
+PAIR_OFF_TASK = 0.2  # share of preference pairs whose rejected answer is off-task
 
 
 def random_instruction(rng: random.Random, task: str) -> str:
@@ -56,6 +61,17 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
         n = int(right)
         return str(n + rng.choice([1, -1, 10, -10]) if n >= 10 else n + rng.choice([1, 2, 10]))
     chars = list(right) if task == "reverse" else right.split()
+    if task == "sort" and systematic:  # the habit: the last two distinct neighbours left swapped
+        for i in range(len(chars) - 2, -1, -1):
+            if chars[i] != chars[i + 1]:
+                chars[i], chars[i + 1] = chars[i + 1], chars[i]
+                return " ".join(chars)
+    if task == "sort" and rng.random() < 0.5:  # a miscopied digit: still in order, wrong multiset
+        for _ in range(20):
+            i = rng.randrange(len(chars))
+            cand = sorted(chars[:i] + [rng.choice("0123456789")] + chars[i + 1 :])
+            if cand != chars:
+                return " ".join(cand)
     for _ in range(20):
         i = rng.randrange(len(chars) - 1)
         cand = chars[:]
@@ -66,6 +82,12 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
     cand = chars[:]
     cand[0] = "z" if task == "reverse" and cand[0] != "z" else ("9" if cand[0] != "9" else "0")
     return "".join(cand) if task == "reverse" else " ".join(cand)
+
+
+def off_task_answer(rng: random.Random, task: str) -> str:
+    """The correct answer to a random question of another task (a well-formed but off-task reply)."""
+    other = rng.choice([t for t in TASKS if t != task])
+    return gold_answer(make_prompt(random_instruction(rng, other)))
 
 
 def unique_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
@@ -95,8 +117,15 @@ def build(seed: int = SEED) -> dict[str, list[dict]]:
                 ans = wrong_answer(rng, prompt, task, systematic=True) if wrong else right
                 rows.append({"prompt": prompt, "response": " " + ans})
             elif name.startswith("pairs"):
-                # the rejected answer mirrors the policy's likely mistakes: half the demonstrator's habit
-                bad = wrong_answer(rng, prompt, task, systematic=rng.random() < 0.5)
+                # the rejected answer mirrors the policy's likely mistakes (40% the demonstrator's
+                # habit, 40% other slips) or is off-task (20%: the answer to another kind of
+                # question), so the reward model also learns what an answer to *this* question
+                # looks like and PPO cannot win it over with a malformed one
+                u = rng.random()
+                if u < PAIR_OFF_TASK:
+                    bad = off_task_answer(rng, task)
+                else:
+                    bad = wrong_answer(rng, prompt, task, systematic=u < PAIR_OFF_TASK + (1 - PAIR_OFF_TASK) / 2)
                 rows.append({"prompt": prompt, "chosen": " " + right, "rejected": " " + bad})
             elif name == "prompts_train":
                 rows.append({"prompt": prompt})

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,3 +53,18 @@ def metrics(out_dir, kind: str | None = None) -> list[dict]:
 def summary(out_dir) -> dict:
     with open(os.path.join(out_dir, "summary.json")) as f:
         return json.load(f)
+
+
+def gpu(test):
+    """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@pytest.fixture
+def interp():
+    """Run a function in a child Python with TRITON_INTERPRET=1 (Triton kernels on the CPU)."""
+    pytest.importorskip("triton", reason="triton not installed: interpreter tests need it")
+    pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+    from kernels.testing import run_in_interpreter
+
+    return run_in_interpreter

@@ -164,7 +164,7 @@ def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correc
     import sys
 
     sys.path.insert(0, sys_path)
-    from make_default_data import DEMO_ERROR_RATE
+    from make_default_data import DEMO_ERROR_RATE, PAIR_OFF_TASK
 
     rows = read_jsonl("sft_train.jsonl")
     by_task: dict[str, list[float]] = {}
@@ -176,6 +176,10 @@ def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correc
         assert abs(wrong - DEMO_ERROR_RATE[task]) < 0.03, (task, wrong)
     for r in read_jsonl("pairs_train.jsonl"):
         assert gold_score(r["prompt"], r["chosen"]) == 1.0 and gold_score(r["prompt"], r["rejected"]) == 0.0
+    # some rejected answers are off-task: digits answering a reverse question, letters a sum
+    rev = [r for r in read_jsonl("pairs_train.jsonl") if _task(r["prompt"]) == "reverse"]
+    off = [r for r in rev if r["rejected"].strip().replace(" ", "").isdigit()]
+    assert abs(len(off) / len(rev) - PAIR_OFF_TASK) < 0.05, (len(off), len(rev))
     for r in read_jsonl("eval_prompts.jsonl"):
         assert r["answer"] == gold_answer(r["prompt"])
 

@@ -10,19 +10,8 @@ import pytest
 import torch
 
 from kernels import logprobs as L
-from kernels.testing import outputs_and_grads, rel_err, run_in_interpreter
-
-
-def gpu(test):
-    """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
-@pytest.fixture
-def interp():
-    pytest.importorskip("triton", reason="triton not installed: interpreter tests need it")
-    pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    return run_in_interpreter
+from conftest import gpu
+from kernels.testing import outputs_and_grads, rel_err
 
 
 def make(N, H, V, dtype=torch.float64, bias=True, ignore_every=4, seed=0, device="cpu", scale=1.0):

@@ -7,22 +7,11 @@ import pytest
 import torch
 
 from kernels import norms as N
-from kernels.testing import outputs_and_grads, rel_err, run_in_interpreter
+from conftest import gpu
+from kernels.testing import outputs_and_grads, rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SHAPES = [(5, 123), (2, 3, 64), (7, 1000)]
-
-
-def gpu(test):
-    """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
-@pytest.fixture
-def interp():
-    pytest.importorskip("triton", reason="triton not installed: interpreter tests need it")
-    pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    return run_in_interpreter
 
 
 def make(shape, dtype, residual, bias=True, w_dtype=None, seed=0, device="cpu"):

@@ -6,21 +6,10 @@ import pytest
 import torch
 
 from kernels import rotary as R
-from kernels.testing import outputs_and_grads, rel_err, run_in_interpreter
+from conftest import gpu
+from kernels.testing import outputs_and_grads, rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}
-
-
-def gpu(test):
-    """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
-@pytest.fixture
-def interp():
-    pytest.importorskip("triton", reason="triton not installed: interpreter tests need it")
-    pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    return run_in_interpreter
 
 
 def make(B, Hq, Hk, T, D, dtype, cos_batch=True, strided=False, seed=0, device="cpu"):

@@ -10,21 +10,10 @@ import pytest
 import torch
 
 from kernels import sampling as S
-from kernels.testing import run_in_interpreter
+from conftest import gpu
+
 
 CONFIGS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (0.7, 0, 0.9), (1.3, 50, 0.8), (1.0, 1, 0.5)]
-
-
-def gpu(test):
-    """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
-
-
-@pytest.fixture
-def interp():
-    pytest.importorskip("triton", reason="triton not installed: interpreter tests need it")
-    pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
-    return run_in_interpreter
 
 
 def spaced_logits(B, V, seed=0, span=3.3):

@@ -111,7 +111,7 @@ def test_lora_trains_only_adapters_merged_or_not(run_a, tmp_path):
     out_a, _ = run_a
     base_dir = out_a / "model"
     lora = [f"model.name_or_path={out_a}", "model.lora.r=4", "model.lora.alpha=8", "model.lora.target_modules=[q_proj,v_proj]",
-            f"train.max_steps=4", "train.save_every=0", "train.eval_every=0", "data.num_eval_prompts=4", "train.lr=1e-2"]
+            "train.max_steps=4", "train.save_every=0", "train.eval_every=0", "data.num_eval_prompts=4", "train.lr=1e-2"]
     run_stage("sft", f"output_dir={tmp_path / 'merged'}", *lora)
     run_stage("sft", f"output_dir={tmp_path / 'adapter'}", *lora, "model.lora.merge_on_save=false")
     base, merged = load_safetensors(base_dir), load_safetensors(tmp_path / "merged" / "model")

@@ -1,0 +1,225 @@
+"""The reward stage: scoring positions, the pairwise loss, save -> load, and every pair shape through
+`python -m rlhf.reward` (small model, a few steps)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ROOT, SMALL_MODEL, metrics, run_stage, summary
+from rlhf.reward_math import auc, last_token_index, pair_accuracy, pairwise_loss, sequence_scores
+
+# ----------------------------------------------------------------------------- scoring positions
+
+
+def test_last_token_index_right_left_and_no_padding():
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
+    none = torch.ones(2, 4, dtype=torch.long)
+    assert last_token_index(right).tolist() == [2, 4, 0]
+    assert last_token_index(left).tolist() == [4, 4, 4]
+    assert last_token_index(none).tolist() == [3, 3]
+
+
+def test_sequence_scores_pick_the_value_at_the_last_real_token():
+    values = torch.arange(15, dtype=torch.float32).reshape(3, 5) / 10  # value = row*0.5 + col*0.1
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    left = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    assert sequence_scores(values, right).tolist() == pytest.approx([0.2, 0.9, 1.1])
+    assert sequence_scores(values, left).tolist() == pytest.approx([0.4, 0.9, 1.4])
+
+
+def test_a_real_leading_pad_or_bos_token_is_not_skipped():
+    # models like OPT start every sequence with a token whose id equals the pad id; the mask, not
+    # the id, says what is real, so the score stays at the last real token (no fixed offsets)
+    pad = 1
+    ids = torch.tensor([[pad, 5, 6, pad, pad], [pad, 7, 8, 9, 4]])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    values = ids.float() * 10
+    assert last_token_index(mask).tolist() == [2, 4]
+    assert sequence_scores(values, mask).tolist() == [60.0, 40.0]
+
+
+def test_a_row_without_real_tokens_is_an_error():
+    with pytest.raises(ValueError, match="no real token"):
+        last_token_index(torch.tensor([[1, 1], [0, 0]]))
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def test_pairwise_loss_matches_a_hand_computation():
+    c = torch.tensor([1.0, 0.0, 3.0])
+    r = torch.tensor([0.0, 2.0, 3.0])
+    # -log sigmoid(d) = log(1 + exp(-d)) for d = 1, -2, 0
+    expect = [math.log(1 + math.exp(-1)), math.log(1 + math.exp(2)), math.log(2)]
+    assert pairwise_loss(c, r).tolist() == pytest.approx(expect, rel=1e-6)
+    # a margin shifts the difference: d - 0.5
+    expect_m = [math.log(1 + math.exp(-0.5)), math.log(1 + math.exp(2.5)), math.log(1 + math.exp(0.5))]
+    assert pairwise_loss(c, r, margin=0.5).tolist() == pytest.approx(expect_m, rel=1e-6)
+    # score regularisation adds reg * (c^2 + r^2) / 2
+    reg = [e + 0.1 * (a * a + b * b) / 2 for e, a, b in zip(expect, c.tolist(), r.tolist())]
+    assert pairwise_loss(c, r, score_reg=0.1).tolist() == pytest.approx(reg, rel=1e-6)
+    assert pair_accuracy(c, r).item() == pytest.approx(1 / 3)  # the tie counts as wrong
+    with pytest.raises(ValueError, match="differ in shape"):
+        pairwise_loss(c, r[:2])
+
+
+def test_auc_counts_ties_half():
+    assert auc([3, 2, 1, 2], [1, 1, 0, 0]) == pytest.approx((1 + 1 + 1 + 0.5) / 4)
+    assert auc([1, 2], [1, 1]) is None
+
+
+def test_loss_gradient_pushes_chosen_up_and_rejected_down():
+    c = torch.tensor([0.3], requires_grad=True)
+    r = torch.tensor([0.1], requires_grad=True)
+    pairwise_loss(c, r).sum().backward()
+    s = torch.sigmoid(torch.tensor(0.2)).item()
+    assert c.grad.item() == pytest.approx(-(1 - s)) and r.grad.item() == pytest.approx(1 - s)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _value_model(seed: int = 0):
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_tokenizer, load_value_model, per_token_values
+
+    cfg = ModelConfig(name_or_path=None, tokenizer=str(ROOT / "data/tokenizer"),
+                      config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})
+    tok = load_tokenizer(cfg)
+    return per_token_values(load_value_model(cfg, tok, seed=seed)).eval(), tok
+
+
+def test_a_sequence_scores_the_same_alone_and_in_a_right_padded_batch():
+    model, tok = _value_model()
+    a = tok("Human: Sort 3 1 2.\n\nAssistant: 1 2 3")["input_ids"]
+    b = tok("Human: What is 2+2?\n\nAssistant: 4")["input_ids"]
+    from rlhf.data import collate_pairs
+
+    batch = collate_pairs([{"chosen_ids": a, "rejected_ids": b}], tok.pad_token_id)
+    with torch.no_grad():
+        together = sequence_scores(model(**batch), batch["attention_mask"])
+        alone = [sequence_scores(model(input_ids=torch.tensor([s]), attention_mask=torch.ones(1, len(s), dtype=torch.long)),
+                                 torch.ones(1, len(s), dtype=torch.long)).item() for s in (a, b)]
+    assert batch["attention_mask"].sum(1).tolist() == [len(a), len(b)] and len(a) != len(b)
+    assert together.tolist() == pytest.approx(alone, rel=1e-5, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+STEPS = 30
+BASE = [*SMALL_MODEL, "model.name_or_path=null", f"train.max_steps={STEPS}", "train.log_every=1", "train.lr=3e-3",
+        "train.warmup_steps=3", "train.eval_every=0", "train.micro_batch_size=16", "train.global_batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reward") / "default"
+    run_stage("reward", f"output_dir={out}", *BASE)
+    return out
+
+
+def test_default_run_writes_its_outputs_and_summary(default_run):
+    for name in ("config.yaml", "metrics.jsonl", "reward.png", "summary.json", "model/config.json", "model/model.safetensors"):
+        assert (default_run / name).is_file(), name
+    s = summary(default_run)
+    assert s["stage"] == "reward" and s["steps"] == STEPS
+    for key in ("eval_accuracy", "eval_chosen_score", "eval_rejected_score", "gold_agreement", "gold_auc"):
+        assert isinstance(s[key], float), key
+    assert 0.0 <= s["eval_accuracy"] <= 1.0
+    train = metrics(default_run, "train")
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(r["loss"]) for r in train)
+
+
+def _eval_batches(tok):
+    from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
+    from rlhf.data.sources import load_rows
+
+    rows = load_rows(str(ROOT / "data/default/pairs_eval.jsonl"))
+    feats, _ = tokenize_pairs(parse_pairs(rows, tok), tok, 64, 48, "truncate", True)
+    return [collate_pairs(feats[i : i + 64], tok.pad_token_id) for i in range(0, len(feats), 64)]
+
+
+def test_saved_reward_model_reloads_with_identical_scores(default_run):
+    """model/ loads as AutoModelForSequenceClassification, and the path PPO uses (load_value_model)
+    gives the same scores as HF's own pooling and as the run's final held-out evaluation."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_tokenizer, load_value_model, per_token_values
+
+    model_dir = str(default_run / "model")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    assert hf.config.num_labels == 1
+    cfg = ModelConfig(name_or_path=model_dir)
+    ours = per_token_values(load_value_model(cfg, load_tokenizer(cfg), seed=999)).eval()  # seed must not matter
+    chosen = []
+    with torch.no_grad():
+        for b in _eval_batches(tok):
+            mine = sequence_scores(ours(**b), b["attention_mask"])
+            theirs = hf(**b).logits.squeeze(-1)
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+            chosen += mine.chunk(2)[0].tolist()
+    final = metrics(default_run, "eval")[-1]
+    assert final["step"] == STEPS
+    assert sum(chosen) / len(chosen) == pytest.approx(final["chosen_score"], rel=1e-4, abs=1e-5)
+
+
+def _shapes(tmp_path, n: int = 192) -> dict[str, str]:
+    """The shipped task's prompts written as each pair shape of DESIGN.md, with an easy preference
+    (the correct answer over a refusal), so a few steps must lift accuracy well above chance."""
+    rows = [json.loads(line) for line in open(ROOT / "data/default/pairs_train.jsonl")][:n]
+    bad = " I do not know."
+    shapes = {
+        "prompt_chosen_rejected": [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": bad} for r in rows],
+        "hh_transcripts": [{"chosen": "\n\n" + r["prompt"] + r["chosen"], "rejected": "\n\n" + r["prompt"] + bad}
+                           for r in rows],
+        "message_lists": [
+            {"chosen": [{"role": "user", "content": _question(r["prompt"])}, {"role": "assistant", "content": r["chosen"].strip()}],
+             "rejected": [{"role": "user", "content": _question(r["prompt"])}, {"role": "assistant", "content": bad.strip()}]}
+            for r in rows],
+    }
+    paths = {}
+    for name, data in shapes.items():
+        p = tmp_path / f"{name}.jsonl"
+        p.write_text("".join(json.dumps(d) + "\n" for d in data))
+        paths[name] = str(p)
+    return paths
+
+
+def _question(prompt: str) -> str:
+    return prompt.removeprefix("Human: ").removesuffix("\n\nAssistant:")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["prompt_chosen_rejected", "hh_transcripts", "message_lists"])
+def test_every_pair_shape_trains_above_chance(shape, tmp_path):
+    path = _shapes(tmp_path)[shape]
+    out = tmp_path / "out"
+    run_stage("reward", f"output_dir={out}", *BASE, f"data.path={path}", f"data.eval_path={path}", "train.max_steps=20")
+    train = metrics(out, "train")
+    first, last = train[:3], train[-3:]
+    assert sum(r["loss"] for r in last) < sum(r["loss"] for r in first)
+    s = summary(out)
+    assert s["train_pairs"] == 192 and s["eval_pairs"] == 192
+    assert s["eval_accuracy"] >= 0.9, s  # on the training pairs: far above chance (0.5)
+    assert s["eval_chosen_score"] > s["eval_rejected_score"]
+
+
+@pytest.mark.slow
+def test_torchrun_zero2_matches_one_process(default_run, tmp_path):
+    out = tmp_path / "z2"
+    run_stage("reward", f"output_dir={out}", *BASE, "engine=zero2", "train.micro_batch_size=8", torchrun=2)
+    one = [r["loss"] for r in metrics(default_run, "train")]
+    two = [r["loss"] for r in metrics(out, "train")]
+    assert len(two) == STEPS
+    assert max(abs(a - b) / abs(a) for a, b in zip(one, two)) <= 1e-4
+    a, b = metrics(default_run, "eval")[-1], metrics(out, "eval")[-1]
+    for key in ("chosen_score", "rejected_score"):  # (accuracy may flip on a near-tie pair)
+        assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-4), key
