@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from .distributed import DistInfo
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+GENERATION_PATHS = ("auto", "injected", "hf")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,6 +33,13 @@ class EngineConfig:
     # stage 0/1 (DDP): set when some trainable params get no gradient in a step (e.g. an unused head);
     # costs a graph traversal per step. FSDP2 (stage 2/3) needs no such flag.
     find_unused_parameters: bool = False
+    # Generation mode (`TrainEngine.generation()`): "injected" = engine.inference (fused weights,
+    # static KV cache, CUDA graphs) for supported architectures, "hf" = transformers `generate`,
+    # "auto" = injected on CUDA, hf elsewhere. An unsupported model falls back to hf, logged once.
+    generation: str = "auto"
+    # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
+    # for training) instead of keeping them for the next phase (an in-place weight refresh).
+    release_inference_cache: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,6 +70,8 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.stage must be 0, 1, 2 or 3 (ZeRO stages), got {cfg.stage!r}")
     if cfg.precision not in PRECISIONS:
         raise ValueError(f"engine.precision must be one of {PRECISIONS}, got {cfg.precision!r}")
+    if cfg.generation not in GENERATION_PATHS:
+        raise ValueError(f"engine.generation must be one of {GENERATION_PATHS}, got {cfg.generation!r}")
     if cfg.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(
             f"engine.precision=fp16 needs a CUDA device (device here: {info.device}); "

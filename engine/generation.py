@@ -119,3 +119,27 @@ class HFGenerator:
                  eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False) -> Generated:
         return hf_generate(self.module, prompt_ids, prompt_mask, params, eos_token_id=eos_token_id,
                            pad_token_id=pad_token_id, return_logprobs=return_logprobs)
+
+
+class InjectedGenerator:
+    """The injected path: `engine.inference.InferenceModel` (fused weights, static KV cache, CUDA
+    graphs on CUDA), same interface and output layout as `HFGenerator`."""
+
+    name = "injected"
+
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
+                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False) -> Generated:
+        from .inference import SamplingParams as DrawParams
+        from .inference import generate
+
+        draw = DrawParams(greedy=True) if params.greedy else DrawParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        out = generate(self.model, prompt_ids, prompt_mask, params.max_new_tokens, eos_token_id=eos_token_id,
+                       pad_token_id=pad_token_id, sampling=draw, return_logprobs=return_logprobs)
+        resp_mask = out.response_mask.long()
+        logprobs = out.logprobs.float() * resp_mask if return_logprobs else None
+        return Generated(sequences=out.sequences, attention_mask=out.attention_mask.long(), response_mask=resp_mask,
+                         prompt_len=prompt_ids.shape[1], logprobs=logprobs)

@@ -15,6 +15,7 @@ their normalised size in the meantime (which matters for fp16).
 from __future__ import annotations
 
 import contextlib
+import logging
 import json
 import math
 import os
@@ -42,6 +43,8 @@ from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
 from .parallelize import clean_name, hf_base_model, parallelize
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, "torch.Tensor | float", dict]]
 
@@ -350,25 +353,81 @@ class TrainEngine(_ShardedModule):
 
     @contextlib.contextmanager
     def generation(self):
-        """Generation mode: yields a `Generator` over the whole (gathered) model. Collective.
+        """Generation mode: yields a generator over the whole (gathered) model. Collective.
 
-        Timeline: the parameters are all-gathered once on entry (stage 2/3; stage 0/1 hold them
-        whole), the module is put in eval mode for the duration, and on exit it returns to train
-        mode, the gathered copy is freed (resharded) and, on CUDA, the allocator cache released,
-        so training resumes with its usual memory. Inside, no collective runs: ranks may generate
-        for different numbers of steps.
+        Path (`engine.generation`, chosen once and logged once): the injected model
+        (engine/inference: fused weights, static KV cache, CUDA graphs) for supported architectures
+        without unmerged LoRA adapters, else `transformers` `generate` on the unsharded module.
+
+        Injected timeline: on entry the weights are streamed one FSDP unit at a time into the
+        injected model's fused slots (allocated on first use, refreshed in place afterwards, so
+        captured graphs stay valid); the sharded training module is left as it was. On exit, with
+        `engine.release_inference_cache=true`, the injected weights, cache and graphs are freed.
+        Generic timeline: the parameters are all-gathered once, the module is put in eval mode, and
+        on exit the gathered copy is freed (resharded). Either way, on CUDA the allocator cache is
+        released on exit so training resumes with its usual memory. Inside, no collective runs.
         """
-        from .generation import HFGenerator
+        from .generation import HFGenerator, InjectedGenerator
 
-        with self.gathered_parameters():
-            was_training = self.unwrapped.training
-            self.unwrapped.eval()
+        if self._generation_path() == "injected":
+            model = self._refresh_inference_model()
             try:
-                yield HFGenerator(self.unwrapped)
+                yield InjectedGenerator(model)
             finally:
-                self.unwrapped.train(was_training)
+                if self.cfg.release_inference_cache:
+                    model.release()
+                    self._inference = None
+        else:
+            with self.gathered_parameters():
+                was_training = self.unwrapped.training
+                self.unwrapped.eval()
+                try:
+                    yield HFGenerator(self.unwrapped)
+                finally:
+                    self.unwrapped.train(was_training)
         if self.info.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    @property
+    def generation_path(self) -> str:
+        """'injected' or 'hf': what `generation()` uses for this module (see `engine.generation`)."""
+        return self._generation_path()
+
+    def _generation_path(self) -> str:
+        """'injected' or 'hf' for this module; the choice and its reason are logged once."""
+        if getattr(self, "_gen_path", None) is None:
+            self._gen_path, why = self._choose_generation_path()
+            if self.info.is_main:
+                logger.info("generation mode: %s path (%s)", self._gen_path, why)
+        return self._gen_path
+
+    def _choose_generation_path(self) -> tuple[str, str]:
+        from .inference import supports
+
+        want = self.cfg.generation
+        if want == "hf":
+            return "hf", "engine.generation=hf"
+        if want == "auto" and self.info.device.type != "cuda":
+            return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {self.info.device})"
+        base = hf_base_model(self.unwrapped)
+        if base is not self.unwrapped:
+            return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
+        ok, reason = supports(getattr(base, "config", None))
+        if not ok:
+            return "hf", f"falling back: {reason}"
+        return "injected", f"engine.generation={want}, {base.config.model_type} is supported"
+
+    def _refresh_inference_model(self):
+        from .inference import InferenceModel
+
+        named = ((name, t) for name, t in self.named_full_parameters())
+        if getattr(self, "_inference", None) is None:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision, torch.float32)
+            self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named, dtype=dtype,
+                                             device=self.info.device)
+        else:
+            self._inference.load_weights(named)
+        return self._inference
 
     # ------------------------------------------------------------ memory
 

@@ -93,6 +93,8 @@ class EngineGroupConfig:
     loss_scale_window: int = 1000
     min_loss_scale: float = 1.0
     find_unused_parameters: bool = False
+    generation: str = "auto"  # auto | injected | hf (see engine/config.py)
+    release_inference_cache: bool = False
 
 
 @dataclass(kw_only=True)
@@ -386,6 +388,7 @@ def engine_config(e: EngineGroupConfig, info, *, frozen: bool = False):
         stage=e.stage, offload=e.offload, precision=precision, activation_checkpointing=e.activation_checkpointing,
         initial_loss_scale=e.initial_loss_scale, loss_scale_window=e.loss_scale_window,
         min_loss_scale=e.min_loss_scale, find_unused_parameters=e.find_unused_parameters,
+        generation=e.generation, release_inference_cache=e.release_inference_cache,
     )
     try:
         validate_engine_config(cfg, info, frozen=frozen)

@@ -375,6 +375,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             "reward_after": after.get("reward"),
             "kl_coef_final": kl_ctl.value,
             "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
+            "generation_path": models.actor.generation_path,
             "step_generation_s": sum(times["generation_s"]) / n,
             "step_scoring_s": sum(times["scoring_s"]) / n,
             "step_training_s": sum(times["training_s"]) / n,

@@ -195,6 +195,19 @@ def test_ppo_run_outputs(ppo_run):
     assert 0 < (ema[k] - start[k]).norm() < (end[k] - start[k]).norm() * 1.5
 
 
+def test_ppo_with_the_injected_generation_path(stages, ppo_run, tmp_path):
+    """engine.generation=injected on CPU: rollouts and evals through engine/inference; the greedy
+    held-out evaluation before training is the one the transformers path gave, token for token."""
+    out_a, _ = ppo_run
+    out = tmp_path / "inj"
+    ppo(stages, out, "ppo.ema_decay=0.9", "ppo.ptx_coef=0.5", "engine.generation=injected")
+    a, b = summary(out_a), summary(out)
+    assert a["generation_path"] == "hf" and b["generation_path"] == "injected"
+    assert b["gold_score_before"] == a["gold_score_before"]  # (sampled figures differ: another sampler)
+    train = metrics(out, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["response_len"] > 0 for r in train)
+
+
 def test_ppo_resume_is_exact(stages, ppo_run, tmp_path):
     out_a, _ = ppo_run
     out_r = tmp_path / "r"

@@ -1,0 +1,135 @@
+"""`TrainEngine.generation()` with `engine.generation=injected|hf|auto`: the injected model built from
+the engine's (possibly sharded) weights gives what `transformers` gives, refreshes in place after a
+training step, releases on request, and anything unsupported falls back with one logged reason."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed, validate_engine_config
+from engine.generation import SamplingParams, hf_generate
+
+EOS, PAD = 2, 0
+
+
+def tiny(kind: str = "llama", seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "opt":
+        cfg = OPTConfig(vocab_size=40, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                        max_position_embeddings=64, word_embed_proj_dim=32, bos_token_id=1, eos_token_id=EOS,
+                        pad_token_id=PAD, dropout=0.0, attention_dropout=0.0)
+        return OPTForCausalLM(cfg)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+                      tie_word_embeddings=(kind == "llama_tied"))
+    return LlamaForCausalLM(cfg)
+
+
+def prompts():
+    ids = torch.tensor([[0, 0, 1, 5, 9], [1, 7, 3, 4, 8], [0, 1, 6, 6, 6]])
+    return ids, (ids != 0).long()
+
+
+def engine_for(model, **cfg) -> TrainEngine:
+    return TrainEngine(model, EngineConfig(**cfg), OptimConfig(lr=1e-2, scheduler="constant"), total_steps=4,
+                       info=init_distributed())
+
+
+def lm_loss(model, batch):
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+    return loss, ids[:, 1:].numel(), {}
+
+
+GREEDY = SamplingParams(max_new_tokens=12, greedy=True)
+
+
+@pytest.mark.parametrize("kind,stage", [("llama", 0), ("llama_tied", 0), ("opt", 0), ("llama", 3)])
+def test_injected_greedy_equals_transformers_and_refreshes_after_a_step(kind, stage):
+    engine = engine_for(tiny(kind), stage=stage, generation="injected")
+    ids, mask = prompts()
+    for round_ in range(2):  # before and after a training step: the weights are refreshed in place
+        with engine.generation() as gen:
+            assert gen.name == "injected"
+            out = gen.generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True)
+        with engine.gathered_parameters():
+            want = hf_generate(engine.unwrapped, ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True)
+        assert torch.equal(out.sequences, want.sequences), round_
+        assert torch.equal(out.attention_mask, want.attention_mask) and torch.equal(out.response_mask, want.response_mask)
+        torch.testing.assert_close(out.logprobs, want.logprobs, rtol=1e-4, atol=1e-5)
+        slots = engine._inference.weight_tensors()
+        engine.train_step([{"input_ids": torch.randint(3, 40, (4, 10), generator=torch.Generator().manual_seed(round_))}], lm_loss)
+    assert all(a is b for a, b in zip(slots, engine._inference.weight_tensors()))  # same storage, refreshed
+    assert engine.unwrapped.training
+
+
+def test_sampling_through_the_injected_path_is_seeded_and_masked():
+    engine = engine_for(tiny(), generation="injected")
+    ids, mask = prompts()
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        with engine.generation() as gen:
+            outs.append(gen.generate(ids, mask, params, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True))
+    a, b = outs
+    assert torch.equal(a.sequences, b.sequences)
+    assert (a.logprobs <= 0).all() and (a.logprobs[a.response_mask == 0] == 0).all()
+    # the log-prob of each sampled token is log softmax(logits / T) under the HF model
+    with torch.no_grad():
+        logits = engine.unwrapped(input_ids=a.sequences, attention_mask=a.attention_mask,
+                                  position_ids=(a.attention_mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
+    P = ids.shape[1]
+    lp = torch.log_softmax(logits[:, P - 1 : -1] / 0.8, -1).gather(-1, a.responses[..., None]).squeeze(-1) * a.response_mask
+    torch.testing.assert_close(a.logprobs, lp, rtol=1e-4, atol=1e-4)
+
+
+def test_release_inference_cache_frees_the_injected_model():
+    engine = engine_for(tiny(), generation="injected", release_inference_cache=True)
+    ids, mask = prompts()
+    with engine.generation() as gen:
+        gen.generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD)
+        assert engine._inference is not None and engine._inference.cache is not None
+    assert engine._inference is None
+
+
+def test_auto_is_hf_off_cuda_and_lora_falls_back_with_a_reason(caplog):
+    from peft import LoraConfig, get_peft_model
+
+    caplog.set_level(logging.INFO, logger="engine.train_engine")
+    auto = engine_for(tiny(), generation="auto")
+    with auto.generation() as gen:
+        assert gen.name == ("injected" if torch.cuda.is_available() else "hf")
+    lora = get_peft_model(tiny(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    eng = engine_for(lora, generation="injected")
+    ids, mask = prompts()
+    for _ in range(2):
+        with eng.generation() as gen:
+            assert gen.name == "hf"
+            gen.generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD)
+    reasons = [r.getMessage() for r in caplog.records if "generation mode" in r.getMessage()]
+    assert sum("LoRA" in m for m in reasons) == 1  # logged once, with the reason
+
+
+def test_unsupported_architecture_falls_back(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    caplog.set_level(logging.INFO, logger="engine.train_engine")
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=4, eos_token_id=EOS, pad_token_id=PAD))
+    eng = engine_for(model, generation="injected")
+    ids, mask = prompts()
+    with eng.generation() as gen:
+        assert gen.name == "hf"
+        out = gen.generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD)
+    assert out.sequences.shape[0] == 3
+    assert any("falling back" in r.getMessage() and "gpt2" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_generation_value_names_the_key():
+    with pytest.raises(ValueError, match="engine.generation"):
+        validate_engine_config(EngineConfig(generation="vllm"), init_distributed())
