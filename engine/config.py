@@ -37,6 +37,9 @@ class EngineConfig:
     # static KV cache, CUDA graphs) for supported architectures, "hf" = transformers `generate`,
     # "auto" = injected on CUDA, hf elsewhere. An unsupported model falls back to hf, logged once.
     generation: str = "auto"
+    # Fused kernels (kernels/) in the model's forwards: norms, SwiGLU, rotary, and log-probs/entropy
+    # straight from hidden states (engine/kernel_injection.py). Triton on CUDA, references elsewhere.
+    kernels: bool = False
     # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
     # for training) instead of keeping them for the next phase (an in-place weight refresh).
     release_inference_cache: bool = False

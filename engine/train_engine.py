@@ -70,6 +70,18 @@ def _materialize_meta(model: nn.Module, info: DistInfo) -> None:
             dist.broadcast(t.data, src=0)
 
 
+def _maybe_inject_kernels(model: nn.Module, cfg: EngineConfig, info: DistInfo) -> None:
+    """engine.kernels=true: fused kernels into the module's forwards (engine/kernel_injection.py)."""
+    if not cfg.kernels:
+        return
+    from .kernel_injection import inject_kernels
+
+    replaced = inject_kernels(model)
+    if info.is_main:
+        logger.info("engine.kernels=true: %s (%s)", ", ".join(replaced) or "nothing to replace",
+                    "Triton" if info.device.type == "cuda" else "PyTorch references off CUDA")
+
+
 class _ShardedModule:
     """What TrainEngine and FrozenEngine share: gathering and exporting a possibly sharded module."""
 
@@ -172,6 +184,7 @@ class TrainEngine(_ShardedModule):
         validate_optim_config(optim_cfg, total_steps)
         self.cfg, self.optim_cfg, self.info = engine_cfg, optim_cfg, info
         _materialize_meta(model, info)
+        _maybe_inject_kernels(model, engine_cfg, info)
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
             model.float()  # fp32 master weights; compute dtype comes from the precision policy
         model.train()
@@ -451,6 +464,7 @@ class FrozenEngine(_ShardedModule):
         validate_engine_config(engine_cfg, info, frozen=True)
         self.cfg, self.info = engine_cfg, info
         _materialize_meta(model, info)
+        _maybe_inject_kernels(model, engine_cfg, info)
         model.requires_grad_(False)
         model.eval()
         par = parallelize(model, engine_cfg, info, frozen=True)

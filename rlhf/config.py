@@ -94,6 +94,7 @@ class EngineGroupConfig:
     min_loss_scale: float = 1.0
     find_unused_parameters: bool = False
     generation: str = "auto"  # auto | injected | hf (see engine/config.py)
+    kernels: bool = False  # fused kernels in all four models (engine/kernel_injection.py)
     release_inference_cache: bool = False
 
 
@@ -388,7 +389,7 @@ def engine_config(e: EngineGroupConfig, info, *, frozen: bool = False):
         stage=e.stage, offload=e.offload, precision=precision, activation_checkpointing=e.activation_checkpointing,
         initial_loss_scale=e.initial_loss_scale, loss_scale_window=e.loss_scale_window,
         min_loss_scale=e.min_loss_scale, find_unused_parameters=e.find_unused_parameters,
-        generation=e.generation, release_inference_cache=e.release_inference_cache,
+        generation=e.generation, release_inference_cache=e.release_inference_cache, kernels=e.kernels,
     )
     try:
         validate_engine_config(cfg, info, frozen=frozen)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from engine.kernel_injection import has_fused_logprobs
 from rlhf import ppo_math
 from rlhf.reward_math import sequence_scores
 
@@ -58,6 +59,11 @@ def token_logprobs(model: torch.nn.Module, batch: dict, temperature: float, with
     """log p(response token) under `model` (logits / temperature): [B, T] (and entropy [B, T])."""
     seqs, P = batch["sequences"], batch["prompt_len"]
     T = seqs.shape[1] - P
+    if has_fused_logprobs(model):  # engine.kernels: from hidden states, no [B, T, vocab] logits
+        logp, entropy = model(input_ids=seqs, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                              logprob_targets=seqs[:, P:], logprob_start=P - 1, temperature=temperature,
+                              with_entropy=with_entropy)
+        return (logp, entropy.detach()) if with_entropy else logp
     logits = model(input_ids=seqs, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
                    use_cache=False).logits
     logits = response_logits(logits, P, T).float() / temperature

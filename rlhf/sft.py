@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from engine import TrainEngine, format_memory_report, init_distributed
+from engine.kernel_injection import has_fused_logprobs
 from rlhf.app import (
     CONF_DIR, Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
     user_errors,
@@ -41,7 +42,13 @@ logger = logging.getLogger("rlhf.sft")
 
 
 def sft_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Summed next-token cross-entropy over response tokens, and their count (the engine's weight)."""
+    """Summed next-token cross-entropy over response tokens, and their count (the engine's weight).
+    With engine.kernels the log-probs come from hidden states (no [B, L, vocab] logits)."""
+    labels = batch["labels"][:, 1:]
+    if has_fused_logprobs(model):
+        logp, _ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                        logprob_targets=labels, logprob_start=0)
+        return -logp.sum(), (labels != IGNORE_INDEX).sum(), {}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
     loss_sum = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
