@@ -36,7 +36,7 @@ from rlhf.evaluate import all_gather
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model, per_token_values
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
 from rlhf.runlog import format_summary, plot_series, read_metrics, series, write_summary
-from rlhf.task import judge
+from rlhf.task import judge, task_of
 
 logger = logging.getLogger("rlhf.reward")
 
@@ -85,15 +85,19 @@ def evaluate(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int
     out: dict[str, Any] = {"accuracy": pair_accuracy(c, r).item(), "chosen_score": c.mean().item(),
                            "rejected_score": r.mean().item(), "score_std": torch.cat([c, r]).std().item()}
     agree, scores, labels = [], [], []
+    by_task: dict[str, list[float]] = {}
     for (i, sc, sr) in scored:
         ex = examples[i]
         gc, gr = judge(ex.prompt, ex.chosen), judge(ex.prompt, ex.rejected)
         if gc is None or gr is None:
             continue
+        by_task.setdefault(task_of(ex.prompt), []).append(float(sc > sr))
         scores += [sc, sr]
         labels += [gc, gr]
         if gc != gr:
             agree.append(float((sc > sr) == (gc > gr)))
+    for task, hits in sorted(by_task.items()):  # the default task: held-out accuracy per kind of question
+        out[f"accuracy/{task}"] = sum(hits) / len(hits)
     if agree:
         out["gold_agreement"] = sum(agree) / len(agree)
     if labels:
@@ -176,6 +180,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
             "eval_accuracy": after.get("accuracy"),
             "eval_chosen_score": after.get("chosen_score"),
             "eval_rejected_score": after.get("rejected_score"),
+            **{k.replace("accuracy/", "eval_accuracy/"): v for k, v in after.items() if k.startswith("accuracy/")},
             "gold_agreement": after.get("gold_agreement"),
             "gold_auc": after.get("gold_auc"),
             "skipped_steps": engine.skipped_steps,

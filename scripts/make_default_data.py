@@ -56,10 +56,12 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
         n = int(right)
         if systematic:
             return str(n + 1)
-        return str(rng.choice([n + 1, max(n - 1, 0) if n > 0 else n + 2, n + 2]))
+        # other slips under-count, balancing the habit's over-count: "the smaller answer is
+        # better" must not be a shortcut a reward model can learn instead of counting
+        return str(n - rng.choice([1, 2][: n]) if n > 0 else rng.choice([1, 2]))
     if task == "add":
         n = int(right)
-        return str(n + rng.choice([1, -1, 10, -10]) if n >= 10 else n + rng.choice([1, 2, 10]))
+        return str(n + rng.choice([1, -1, 10, -10]) if n >= 10 else n + rng.choice([1, -1, 2, -2] if n >= 2 else [1, 2]))
     chars = list(right) if task == "reverse" else right.split()
     if task == "sort" and systematic:  # the habit: the last two distinct neighbours left swapped
         for i in range(len(chars) - 2, -1, -1):

@@ -71,7 +71,9 @@ def main() -> None:
         "", "## Reward model", "",
         f"Held-out pair accuracy {fmt(r.get('eval_accuracy'))}; mean chosen score {fmt(r.get('eval_chosen_score'))}, "
         f"rejected {fmt(r.get('eval_rejected_score'))}; agreement with the gold judge {fmt(r.get('gold_agreement'))}, "
-        f"AUC of scores for correct vs incorrect responses {fmt(r.get('gold_auc'))}.",
+        f"AUC of scores for correct vs incorrect responses {fmt(r.get('gold_auc'))}."
+        + ("".join(f" {k.split('/')[1]}: {fmt(v)}" for k, v in r.items() if k.startswith("eval_accuracy/"))
+           and " Per task:" + ",".join(f" {k.split('/')[1]} {fmt(v)}" for k, v in r.items() if k.startswith("eval_accuracy/")) + "."),
         "", "## PPO", "",
         f"{s['ppo']['steps']} steps; reward (held-out, sampled) {fmt(s['ppo'].get('reward_before'))} -> "
         f"{fmt(s['ppo'].get('reward_after'))}; final KL coefficient {fmt(s['ppo'].get('kl_coef_final'))}; "
