@@ -108,8 +108,7 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
         row["step_over_floor"] = row["injected_ms_per_decode_step"] / row["floor_ms_per_step"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    inj.release()
-    del hf
+    inj.release()  # (the HF model is freed on return)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows

@@ -140,7 +140,7 @@ def bench_train_step(s: dict, device, kernels_on: bool, precision: str, peak_tfl
 
 
 def bench_scoring(s: dict, device, kernels_on: bool, precision: str) -> dict:
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import LlamaForSequenceClassification
 
     from engine import EngineConfig, FrozenEngine, init_distributed
 
@@ -168,7 +168,6 @@ def bench_scoring(s: dict, device, kernels_on: bool, precision: str) -> dict:
         reward.model(input_ids=seqs, attention_mask=mask).logits
 
     t, peak = measure(score, device, repeat=2)
-    del actor, ref, critic, reward
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
