@@ -192,6 +192,8 @@ class TrainEngine(_ShardedModule):
         self.model, self.unwrapped, self._fsdp_units = par.model, par.unwrapped, par.fsdp_units
         self._sharded = engine_cfg.stage >= 2  # gradients are shards (FSDP2) rather than replicas (DDP)
         self._zero1 = engine_cfg.stage == 1
+        self._gen_path: str | None = None  # generation(): "injected" | "hf", chosen on first use
+        self._inference = None  # the injected InferenceModel, kept between generation phases
         self.optimizer = build_optimizer(self.unwrapped, optim_cfg, zero1=self._zero1)
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
         self.scaler = DynamicLossScaler(
@@ -408,7 +410,7 @@ class TrainEngine(_ShardedModule):
 
     def _generation_path(self) -> str:
         """'injected' or 'hf' for this module; the choice and its reason are logged once."""
-        if getattr(self, "_gen_path", None) is None:
+        if self._gen_path is None:
             self._gen_path, why = self._choose_generation_path()
             if self.info.is_main:
                 logger.info("generation mode: %s path (%s)", self._gen_path, why)
@@ -433,8 +435,8 @@ class TrainEngine(_ShardedModule):
     def _refresh_inference_model(self):
         from .inference import InferenceModel
 
-        named = ((name, t) for name, t in self.named_full_parameters())
-        if getattr(self, "_inference", None) is None:
+        named = self.named_full_parameters()
+        if self._inference is None:
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision, torch.float32)
             self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named, dtype=dtype,
                                              device=self.info.device)
