@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .parallelize import hf_base_model
+
 ROTARY_MODULES = ("llama", "mistral", "qwen2")
 
 
@@ -56,7 +58,7 @@ def inject_kernels(model: nn.Module) -> list[str]:
         bump(type(module).__name__)
     if _patch_rotary():
         bump("rotary")
-    base = _hf_model(model)
+    base = hf_base_model(model)
     if hasattr(base, "get_output_embeddings") and base.get_output_embeddings() is not None:
         fused_logprobs_forward(model)
         bump("fused_logprobs")
@@ -75,7 +77,7 @@ def fused_logprobs_forward(model: nn.Module) -> nn.Module:
             return original(*args, **kwargs)
         from kernels import fused_logprobs_entropy
 
-        base = _hf_model(self)
+        base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
         kwargs.pop("use_cache", None)
         hidden = backbone(*args, use_cache=False, **kwargs).last_hidden_state
@@ -88,11 +90,6 @@ def fused_logprobs_forward(model: nn.Module) -> nn.Module:
     model.forward = types.MethodType(forward, model)
     model._fused_logprobs = True
     return model
-
-
-def _hf_model(model: nn.Module) -> nn.Module:
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _is_rms_norm(m: nn.Module) -> bool:

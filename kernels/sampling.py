@@ -71,6 +71,20 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, noise=None, ge
 
 
 @jit
+def _order_key(z):
+    """fp32 -> int32 whose integer order is the float order (for bisection on thresholds)."""
+    bits = z.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@jit
+def _scaled_tile(zrow, cols, V, temp):
+    """(z / temp as fp32, in-bounds mask) for one block of a row; IEEE division as the reference."""
+    ok = cols < V
+    return tl.div_rn(tl.load(zrow + cols, mask=ok, other=0.0).to(tl.float32), temp), ok
+
+
+@jit
 def _sample_kernel(
     z_ptr, u_ptr, tok_ptr, lp_ptr,  # logits [B, V], noise [B, V], tokens [B], logprobs [B]
     V, stride_z, stride_u, temp, top_k, top_p,
@@ -101,8 +115,7 @@ def _sample_kernel(
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
         m = m_new
         if TOP_K or TOP_P:
-            bits = z.to(tl.int32, bitcast=True)
-            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order == float order
+            key = _order_key(z)
             kmin = tl.minimum(kmin, tl.min(tl.where(ok, key, 2147483647), 0))
             kmax = tl.maximum(kmax, tl.max(tl.where(ok, key, -2147483647 - 1), 0))
     lse = m + tl.log(s)
@@ -116,11 +129,8 @@ def _sample_kernel(
                 mid = lo + (hi - lo) // 2
                 cnt = tl.zeros((), tl.int32)
                 for v0 in range(0, V, BLOCK_V):
-                    cols = v0 + offs
-                    ok = cols < V
-                    z = tl.div_rn(tl.load(zrow + cols, mask=ok, other=0.0).to(tl.float32), temp)
-                    bits = z.to(tl.int32, bitcast=True)
-                    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                    z, ok = _scaled_tile(zrow, v0 + offs, V, temp)
+                    key = _order_key(z)
                     cnt += tl.sum(tl.where(ok & (key >= mid), 1, 0), 0)
                 big = cnt >= top_k
                 lo = tl.where(big, mid, lo)
@@ -129,11 +139,8 @@ def _sample_kernel(
             # mass (relative to exp(-m)) of the top-k set, then of z >= mid; lo starts at the top-k cut
             kept = tl.zeros((), tl.float32)
             for v0 in range(0, V, BLOCK_V):
-                cols = v0 + offs
-                ok = cols < V
-                z = tl.div_rn(tl.load(zrow + cols, mask=ok, other=0.0).to(tl.float32), temp)
-                bits = z.to(tl.int32, bitcast=True)
-                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                z, ok = _scaled_tile(zrow, v0 + offs, V, temp)
+                key = _order_key(z)
                 kept += tl.sum(tl.where(ok & (key >= lo), tl.exp(z - m), 0.0), 0)
             need = top_p * kept
             hi = kmax.to(tl.int64) + 1
@@ -141,11 +148,8 @@ def _sample_kernel(
                 mid = lo + (hi - lo) // 2
                 mass = tl.zeros((), tl.float32)
                 for v0 in range(0, V, BLOCK_V):
-                    cols = v0 + offs
-                    ok = cols < V
-                    z = tl.div_rn(tl.load(zrow + cols, mask=ok, other=0.0).to(tl.float32), temp)
-                    bits = z.to(tl.int32, bitcast=True)
-                    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+                    z, ok = _scaled_tile(zrow, v0 + offs, V, temp)
+                    key = _order_key(z)
                     mass += tl.sum(tl.where(ok & (key >= mid), tl.exp(z - m), 0.0), 0)
                 big = mass >= need
                 lo = tl.where(big, mid, lo)
@@ -161,9 +165,7 @@ def _sample_kernel(
             score = z - tl.log(-tl.log(u))
             keep = ok
             if TOP_K or TOP_P:
-                bits = z.to(tl.int32, bitcast=True)
-                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-                keep = keep & (key >= lo)
+                keep = keep & (_order_key(z) >= lo)
             score = tl.where(keep, score, float("-inf"))
             bv, bi = tl.max(score, 0, return_indices=True)  # first index on ties
             take = bv > best

@@ -140,14 +140,20 @@ class GenerationConfig:
 
 
 @dataclass(kw_only=True)
-class SFTConfig:
-    output_dir: str = "outputs/sft"
+class StageConfig:
+    """What the SFT and reward stages share: one model trained on one dataset."""
+    output_dir: str
     seed: int = 1234
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass(kw_only=True)
+class SFTConfig(StageConfig):
+    output_dir: str = "outputs/sft"
     eval: GenerationConfig = field(default_factory=GenerationConfig)
 
 
@@ -158,14 +164,8 @@ class RewardLossConfig:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
+class RewardConfig(StageConfig):
     output_dir: str = "outputs/reward"
-    seed: int = 1234
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)
 
 
