@@ -1,12 +1,20 @@
 """The embedded default task: small verifiable instructions in a Human/Assistant format.
 
-Four kinds of prompt, each with exactly one correct answer that `gold_answer` derives from the
+Six kinds of prompt, each with exactly one correct answer that `gold_answer` derives from the
 prompt text alone (so the judge scores any response, not just the shipped ones):
 
-    Human: What is 23+19?\\n\\nAssistant:          -> " 42"
     Human: Reverse kqzt.\\n\\nAssistant:            -> " tzqk"
     Human: Sort 5 2 9 1.\\n\\nAssistant:            -> " 1 2 5 9"
+    Human: Uppercase kqzt.\\n\\nAssistant:          -> " KQZT"
+    Human: Shift kqzt by one.\\n\\nAssistant:       -> " lrau"   (each letter's successor, z -> a)
+    Human: What is 23+19?\\n\\nAssistant:          -> " 42"
     Human: How many a in abacab?\\n\\nAssistant:    -> " 3"
+
+The shipped data (scripts/make_default_data.py) uses the first four, DEFAULT_TASKS: their
+correctness can be judged from the response by matching characters, which a ~1M-parameter reward
+model learns on a CPU in minutes. Addition and counting stay judged (a user's data may use them),
+but are not shipped: a model that size verifies neither a sum nor a count in that budget (measured:
+held-out pair accuracy at chance for sums and ~0.74 for counts after 20 epochs on those pairs alone).
 
 `gold_score(prompt, response)` is 1.0 when the response (surrounding whitespace stripped) is exactly
 the answer, else 0.0. A run's gold score is 100 × the mean over held-out prompts.
@@ -18,13 +26,16 @@ from collections.abc import Sequence
 
 PROMPT_PREFIX = "Human: "
 PROMPT_SUFFIX = "\n\nAssistant:"
-TASKS = ("add", "reverse", "sort", "count")
+TASKS = ("reverse", "sort", "upper", "shift", "add", "count")  # every kind the judge knows
+DEFAULT_TASKS = ("reverse", "sort", "upper", "shift")  # the kinds in the shipped data
 
 _PATTERNS = {
     "add": re.compile(r"What is (\d+)\+(\d+)\?"),
     "reverse": re.compile(r"Reverse ([a-z]+)\."),
     "sort": re.compile(r"Sort ((?:\d )*\d)\."),
     "count": re.compile(r"How many ([a-z]) in ([a-z]+)\?"),
+    "upper": re.compile(r"Uppercase ([a-z]+)\."),
+    "shift": re.compile(r"Shift ([a-z]+) by one\."),
 }
 
 
@@ -53,6 +64,10 @@ def gold_answer(prompt: str) -> str:
         return g[0][::-1]
     if task == "sort":
         return " ".join(sorted(g[0].split()))
+    if task == "upper":
+        return g[0].upper()
+    if task == "shift":
+        return "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in g[0])
     return str(g[1].count(g[0]))  # count
 
 

@@ -4,13 +4,16 @@
 
 Prompts are drawn without repetition from one pool and partitioned, so held-out evaluation prompts
 never appear in any training file. SFT demonstrations are imperfect on purpose, with a stated error
-rate per task (DEMO_ERROR_RATE; ≈35% of all demonstrations are wrong). On two tasks the demonstrator
-has a habit, and is wrong more often than right: it over-counts by one, and it leaves the last two
-distinct digits of a sorted list swapped. Supervised learning copies the habit (greedy decoding
-picks the demonstrator's most frequent answer), while preference data (correct answer chosen, a
-plausible wrong one rejected: the habit, other slips, or an off-task answer) teaches a reward model to catch it:
-an out-of-order pair is visible in the response itself, so judging a sort is easier than doing
-one, which is the situation in which RLHF beats imitation. PPO must remove the habits.
+rate per task (DEMO_ERROR_RATE; 35% of all demonstrations are wrong). On two tasks the demonstrator
+has a habit, and is wrong more often than right: it leaves the last letter of an upper-cased word in
+lower case, and it leaves the last two distinct digits of a sorted list swapped. Supervised learning
+copies the habits (greedy decoding picks the demonstrator's most frequent answer), while preference
+data (correct answer chosen; a plausible wrong one rejected: the habit, another slip, or an off-task
+answer) teaches a reward model to catch them: a lower-case letter or an out-of-order pair is visible
+in the response itself, so judging is easier than doing, which is the situation in which RLHF beats
+imitation. PPO must remove the habits. All four kinds (rlhf.task.DEFAULT_TASKS) are judged by
+matching characters of the response against the prompt; addition and counting are not shipped,
+because a reward model of this size does not learn to verify them on a CPU in minutes (rlhf/task.py).
 """
 from __future__ import annotations
 
@@ -23,46 +26,42 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rlhf.task import TASKS, gold_answer, make_prompt  # noqa: E402
+from rlhf.task import DEFAULT_TASKS, gold_answer, make_prompt, parse_prompt  # noqa: E402
 
 SEED = 1234
 SIZES = {  # rows per file; every prompt is unique across all files
     "sft_train": 8000,
-    "pairs_train": 4000,
+    "pairs_train": 8000,
     "pairs_eval": 400,
     "prompts_train": 2000,
     "eval_prompts": 200,
 }
-DEMO_ERROR_RATE = {"add": 0.10, "reverse": 0.10, "sort": 0.60, "count": 0.60}
-LETTERS = "abc"
+DEMO_ERROR_RATE = {"reverse": 0.10, "sort": 0.60, "upper": 0.60, "shift": 0.10}
 PAIR_OFF_TASK = 0.2  # share of preference pairs whose rejected answer is off-task
 
 
 def random_instruction(rng: random.Random, task: str) -> str:
-    if task == "add":
-        return f"What is {rng.randint(0, 99)}+{rng.randint(0, 99)}?"
-    if task == "reverse":
-        return "Reverse " + "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6))) + "."
     if task == "sort":
         return "Sort " + " ".join(rng.choices("0123456789", k=rng.randint(3, 6))) + "."
-    word = "".join(rng.choices(LETTERS, k=rng.randint(4, 8)))
-    return f"How many {rng.choice(LETTERS)} in {word}?"
+    word = "".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 6)))
+    return {"reverse": f"Reverse {word}.", "upper": f"Uppercase {word}.",
+            "shift": f"Shift {word} by one."}[task]
 
 
 def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -> str:
     """A plausible mistake. systematic=True gives the demonstrator's habitual error."""
     right = gold_answer(prompt)
-    if task == "count":
-        n = int(right)
-        if systematic:
-            return str(n + 1)
-        # other slips under-count, balancing the habit's over-count: "the smaller answer is
-        # better" must not be a shortcut a reward model can learn instead of counting
-        return str(n - rng.choice([1, 2][: n]) if n > 0 else rng.choice([1, 2]))
-    if task == "add":
-        n = int(right)
-        return str(n + rng.choice([1, -1, 10, -10]) if n >= 10 else n + rng.choice([1, -1, 2, -2] if n >= 2 else [1, 2]))
-    chars = list(right) if task == "reverse" else right.split()
+    if task == "upper":
+        if systematic:  # the habit: the last letter left in lower case
+            return right[:-1] + right[-1].lower()
+        if rng.random() < 0.5:  # a miscopied letter (still all upper case)
+            i = rng.randrange(len(right))
+            return right[:i] + rng.choice(string.ascii_uppercase.replace(right[i], "")) + right[i + 1 :]
+    if task == "shift" and rng.random() < 0.5:  # one letter copied instead of shifted
+        word = parse_prompt(prompt)[1][0]
+        i = rng.randrange(len(word))
+        return right[:i] + word[i] + right[i + 1 :]
+    chars = right.split() if task == "sort" else list(right)
     if task == "sort" and systematic:  # the habit: the last two distinct neighbours left swapped
         for i in range(len(chars) - 2, -1, -1):
             if chars[i] != chars[i + 1]:
@@ -79,16 +78,20 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
         cand = chars[:]
         cand[i], cand[i + 1] = cand[i + 1], cand[i]
         if cand != chars:
-            return "".join(cand) if task == "reverse" else " ".join(cand)
+            return " ".join(cand) if task == "sort" else "".join(cand)
     # all equal characters/digits: change one instead
     cand = chars[:]
-    cand[0] = "z" if task == "reverse" and cand[0] != "z" else ("9" if cand[0] != "9" else "0")
-    return "".join(cand) if task == "reverse" else " ".join(cand)
+    if task == "sort":
+        cand[0] = "9" if cand[0] != "9" else "0"
+        return " ".join(cand)
+    other = {"upper": "Z", "shift": "z", "reverse": "z"}[task]
+    cand[0] = other if cand[0] != other else other.lower() if task == "upper" else "a"
+    return "".join(cand)
 
 
 def off_task_answer(rng: random.Random, task: str) -> str:
     """The correct answer to a random question of another task (a well-formed but off-task reply)."""
-    other = rng.choice([t for t in TASKS if t != task])
+    other = rng.choice([t for t in DEFAULT_TASKS if t != task])
     return gold_answer(make_prompt(random_instruction(rng, other)))
 
 
@@ -96,7 +99,7 @@ def unique_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
     seen: set[str] = set()
     out = []
     while len(out) < n:
-        task = TASKS[len(out) % len(TASKS)]
+        task = DEFAULT_TASKS[len(out) % len(DEFAULT_TASKS)]
         p = make_prompt(random_instruction(rng, task))
         if p not in seen:
             seen.add(p)

@@ -129,6 +129,9 @@ def test_judge_scores_exact_answers_only():
     assert gold_answer("Human: Reverse kqzt.\n\nAssistant:") == "tzqk"
     assert gold_answer("Human: Sort 5 2 9 1.\n\nAssistant:") == "1 2 5 9"
     assert gold_answer("Human: How many a in abacab?\n\nAssistant:") == "3"
+    assert gold_answer("Human: Uppercase kqzt.\n\nAssistant:") == "KQZT"
+    assert gold_answer("Human: Shift kqzt by one.\n\nAssistant:") == "lrau"  # z wraps to a
+    assert gold_answer("Human: Shift zaz by one.\n\nAssistant:") == "aba"
     p = "Human: What is 23+19?\n\nAssistant:"
     assert gold_score(p, " 42") == 1.0 and gold_score(p, " 42 ") == 1.0
     assert gold_score(p, " 43") == 0.0 and gold_score(p, " 42 42") == 0.0 and gold_score(p, "") == 0.0
@@ -176,10 +179,10 @@ def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correc
         assert abs(wrong - DEMO_ERROR_RATE[task]) < 0.03, (task, wrong)
     for r in read_jsonl("pairs_train.jsonl"):
         assert gold_score(r["prompt"], r["chosen"]) == 1.0 and gold_score(r["prompt"], r["rejected"]) == 0.0
-    # some rejected answers are off-task: digits answering a reverse question, letters a sum
-    rev = [r for r in read_jsonl("pairs_train.jsonl") if _task(r["prompt"]) == "reverse"]
-    off = [r for r in rev if r["rejected"].strip().replace(" ", "").isdigit()]
-    assert abs(len(off) / len(rev) - PAIR_OFF_TASK) < 0.05, (len(off), len(rev))
+    # some rejected answers are off-task: letters (the answer to a word question) answering a sort
+    srt = [r for r in read_jsonl("pairs_train.jsonl") if _task(r["prompt"]) == "sort"]
+    off = [r for r in srt if not r["rejected"].strip().replace(" ", "").isdigit()]
+    assert abs(len(off) / len(srt) - PAIR_OFF_TASK) < 0.05, (len(off), len(srt))
     for r in read_jsonl("eval_prompts.jsonl"):
         assert r["answer"] == gold_answer(r["prompt"])
 

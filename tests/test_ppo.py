@@ -1,6 +1,7 @@
 """PPO: scoring layout on left-padded ragged batches, generation mode, and the app end to end."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
 
@@ -178,7 +179,11 @@ def test_ppo_run_outputs(ppo_run):
     for key in ("gold_score_before", "gold_score_after", "kl", "reward_before", "reward_after",
                 "step_generation_s", "step_scoring_s", "step_training_s"):
         assert s[key] is not None, key
-    assert s["stage"] == "ppo" and s["steps"] == 4 and s["kl"] >= -1e-6
+    assert s["stage"] == "ppo" and s["steps"] == 4 and math.isfinite(s["kl"])
+    # the held-out KL is a sampled (k1) estimate, so after training it may be slightly negative on 8
+    # prompts; before training the actor is the reference, and the estimate is exactly zero
+    first = metrics(out, "eval")[0]
+    assert first["step"] == 0 and abs(first["kl"]) < 1e-6, first
     assert "sample:" in proc.stdout and "gold_score_after" in proc.stdout
     for name in ("ppo.png", "model/config.json", "critic/config.json", "model_ema/config.json", "metrics.jsonl"):
         assert os.path.isfile(out / name), name

