@@ -84,8 +84,8 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
     if task == "sort":
         cand[0] = "9" if cand[0] != "9" else "0"
         return " ".join(cand)
-    other = {"upper": "Z", "shift": "z", "reverse": "z"}[task]
-    cand[0] = other if cand[0] != other else other.lower() if task == "upper" else "a"
+    first, second = ("Z", "Y") if task == "upper" else ("z", "a")
+    cand[0] = first if cand[0] != first else second
     return "".join(cand)
 
 
