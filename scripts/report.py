@@ -67,13 +67,13 @@ def main() -> None:
         lines += [f"| {t} | {fmt(s['ppo'].get(f'gold_score/{t}_before'))} | {fmt(s['ppo'].get(f'gold_score/{t}_after'))} |"
                   for t in tasks]
     r = s["reward"]
+    per_task = [f"{k.split('/')[1]} {fmt(v)}" for k, v in r.items() if k.startswith("eval_accuracy/")]
     lines += [
         "", "## Reward model", "",
         f"Held-out pair accuracy {fmt(r.get('eval_accuracy'))}; mean chosen score {fmt(r.get('eval_chosen_score'))}, "
         f"rejected {fmt(r.get('eval_rejected_score'))}; agreement with the gold judge {fmt(r.get('gold_agreement'))}, "
         f"AUC of scores for correct vs incorrect responses {fmt(r.get('gold_auc'))}."
-        + ("".join(f" {k.split('/')[1]}: {fmt(v)}" for k, v in r.items() if k.startswith("eval_accuracy/"))
-           and " Per task:" + ",".join(f" {k.split('/')[1]} {fmt(v)}" for k, v in r.items() if k.startswith("eval_accuracy/")) + "."),
+        + (" Per task: " + ", ".join(per_task) + "." if per_task else ""),
         "", "## PPO", "",
         f"{s['ppo']['steps']} steps; reward (held-out, sampled) {fmt(s['ppo'].get('reward_before'))} -> "
         f"{fmt(s['ppo'].get('reward_after'))}; final KL coefficient {fmt(s['ppo'].get('kl_coef_final'))}; "
