@@ -30,10 +30,20 @@ def _root_path(sub: str = "") -> str:
     return str(ROOT / sub) if sub else str(ROOT)
 
 
+def _tokenizer_unless_model(name_or_path: str | None, fallback_to_config: bool, tokenizer: str) -> str | None:
+    """`tokenizer` for a model built from `model.config` (no name_or_path, or the fallback case),
+    else null: a loaded model brings its own tokenizer unless `model.tokenizer` is set explicitly."""
+    if name_or_path is None or (fallback_to_config and not os.path.exists(name_or_path)):
+        return tokenizer
+    return None
+
+
 if not OmegaConf.has_resolver("root"):
     # ${root:data/default/sft_train.jsonl} -> an absolute path inside the checkout, so the shipped
     # data is found from any working directory.
     OmegaConf.register_new_resolver("root", _root_path)
+    # The tiny preset's tokenizer: ${tokenizer_unless_model:${.name_or_path},${.fallback_to_config},...}
+    OmegaConf.register_new_resolver("tokenizer_unless_model", _tokenizer_unless_model)
 
 
 # ----------------------------------------------------------------------------- groups
@@ -54,8 +64,10 @@ class ModelConfig:
     # A local HF directory, a hub name, or a previous stage's output directory (its model/ is
     # used); null = build from `config` with random weights.
     name_or_path: str | None = None
-    tokenizer: str | None = None  # null = the tokenizer saved with name_or_path
-    config: dict[str, Any] = field(default_factory=dict)  # HF config kwargs (model_type, sizes...)
+    tokenizer: str | None = None  # null = the tokenizer saved with name_or_path (must fit the model)
+    # HF config kwargs (model_type, sizes...) of a model built without weights (name_or_path null);
+    # keys the family's config class does not have are an error; ignored when a model is loaded.
+    config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "auto"  # weights as loaded/stored for frozen models; trainable ones keep fp32 masters
     save_dtype: str = "fp32"  # dtype of the exported HF weights
     trust_remote_code: bool = False

@@ -74,10 +74,9 @@ def load_tokenizer(cfg: ModelConfig, key: str = "model") -> Any:
     which = f"{key}.tokenizer" if cfg.tokenizer else f"{key}.name_or_path"
     _check_exists(source, which)
     source = resolve_model_path(source, require_model=False) if os.path.isdir(source) else source
-    if os.path.exists(os.path.join(source, "adapter_config.json")) and not os.path.exists(
-        os.path.join(source, "tokenizer_config.json")
-    ):
-        source = _adapter_base(source)
+    while _is_adapter(source) and not os.path.exists(os.path.join(source, "tokenizer_config.json")):
+        base = _adapter_base(source)  # an adapter saved without a tokenizer: its base's
+        source = resolve_model_path(base, require_model=False) if os.path.isdir(base) else base
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -109,6 +108,80 @@ def _from_config_kwargs(cfg: ModelConfig, tok: Any) -> dict[str, Any]:
     return kw
 
 
+def _check_config_keys(model_type: str, keys: list[str], key: str) -> None:
+    """Every `model.config` key must exist for the family (OPT has `ffn_dim`, not `intermediate_size`):
+    transformers would keep an unknown key as a stray attribute and build the default size."""
+    import difflib
+    import inspect
+
+    from transformers import AutoConfig
+
+    try:
+        cls = type(AutoConfig.for_model(model_type))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{key}.config: unknown or invalid model_type {model_type!r} ({e})") from None
+    known = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | set(inspect.signature(cls.__init__).parameters)
+    for k in keys:
+        if k not in known:
+            close = difflib.get_close_matches(k, sorted(known), n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"{key}.config.{k}: {cls.__name__} (model_type {model_type!r}) has no key {k!r}{hint}")
+
+
+def check_tokenizer_fits(model: nn.Module, tok: Any, key: str) -> None:
+    """A tokenizer that does not belong to the model is an error, not a silent resize: every id must
+    have an embedding row, and the tokenizer's bos/eos must be the ones the model was trained with."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    rows = base.get_input_embeddings().weight.shape[0]
+    fix = f"use the model's own tokenizer (leave {key}.tokenizer null) or a model trained with this one"
+    if len(tok) > rows:
+        raise ConfigError(f"{key}: the tokenizer has {len(tok)} tokens but the model's embedding has only {rows} rows: "
+                          f"they do not belong together; {fix}")
+    for name in ("bos", "eos"):
+        want, have = getattr(base.config, f"{name}_token_id", None), getattr(tok, f"{name}_token_id")
+        if want is None or have is None:
+            continue
+        if have not in (want if isinstance(want, (list, tuple)) else [want]):
+            raise ConfigError(f"{key}: the tokenizer's {name} token is {getattr(tok, f'{name}_token')!r} (id {have}) "
+                              f"but the model's config says {name}_token_id={want}; {fix}")
+
+
+def _is_adapter(path: str) -> bool:
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, "adapter_config.json"))
+
+
+def _adapter_chain(path: str) -> tuple[str, list[str]]:
+    """A model path -> (the plain base model, adapter dirs to apply from the base outwards).
+
+    An adapter trained on top of another stage's unmerged adapter names that adapter's directory as
+    its base, so SFT adapter -> reward/PPO adapter chains load whole."""
+    adapters: list[str] = []
+    while _is_adapter(path):
+        adapters.append(path)
+        if len(adapters) > 8:
+            raise ConfigError(f"{adapters[0]}: adapter chain longer than 8 (a cycle?): {adapters}")
+        base = _adapter_base(path)
+        path = resolve_model_path(base) if os.path.isdir(base) else base
+    return path, adapters[::-1]
+
+
+def _merge_adapter(model: nn.Module, path: str) -> nn.Module:
+    """Put the peft adapter at `path` onto `model` and merge it. A causal-LM adapter (an SFT output)
+    also fits the backbone of a value model: it is loaded as a task-less adapter there."""
+    from peft import PeftConfig, PeftModel
+
+    pcfg = PeftConfig.from_pretrained(path)
+    if pcfg.task_type == "CAUSAL_LM" and not hasattr(model, "prepare_inputs_for_generation"):
+        pcfg.task_type = None
+    merged = PeftModel.from_pretrained(model, path, config=pcfg).merge_and_unload()
+    # NOTE: peft freezes the base; the merged weights are the new base and train unless LoRA freezes them.
+    for p in merged.parameters():
+        p.requires_grad_(True)
+    # A new adapter trained on top names this one as its base (peft reads `name_or_path`).
+    merged.name_or_path = merged.config._name_or_path = os.path.abspath(path)
+    return merged
+
+
 def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key: str, seed: int) -> nn.Module:
     """Load `cfg.name_or_path` (adapter dirs merged onto their base) or build from `cfg.config`."""
     from transformers import AutoConfig
@@ -121,6 +194,7 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
     if cfg.name_or_path is None:
         kw = _from_config_kwargs(cfg, tok)
         model_type = kw.pop("model_type")
+        _check_config_keys(model_type, list(cfg.config), key)
         try:
             hf_cfg = AutoConfig.for_model(model_type, **kw, **extra)
         except (KeyError, ValueError) as e:
@@ -129,26 +203,24 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
         model = auto_cls.from_config(hf_cfg, trust_remote_code=cfg.trust_remote_code)
         logger.info("built %s from %s.config with random weights (%s params)",
                     type(model).__name__, key, f"{sum(p.numel() for p in model.parameters()):,}")
+        check_tokenizer_fits(model, tok, key)
         return model
     _check_exists(cfg.name_or_path, f"{key}.name_or_path")
     path = resolve_model_path(cfg.name_or_path) if os.path.isdir(cfg.name_or_path) else cfg.name_or_path
     dtype = "auto" if cfg.dtype == "auto" else TORCH_DTYPES[cfg.dtype]
-    adapter = os.path.isdir(path) and os.path.exists(os.path.join(path, "adapter_config.json"))
-    source = _adapter_base(path) if adapter else path
+    source, adapters = _adapter_chain(path)
+    if cfg.config:
+        logger.info("%s.config is ignored: the model is loaded from %s (it describes a model built without weights)",
+                    key, source)
     torch.manual_seed(seed)  # heads that the checkpoint lacks (e.g. a new value head) init reproducibly
     try:
         model = auto_cls.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{key}.name_or_path={source!r}: cannot load a model ({type(e).__name__}: {e})") from None
-    if adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, path).merge_and_unload()
-        logger.info("loaded the LoRA adapter %s onto %s and merged it", path, source)
-    if model.get_input_embeddings().weight.shape[0] < len(tok):
-        logger.warning("resizing token embeddings %d -> %d to fit the tokenizer",
-                       model.get_input_embeddings().weight.shape[0], len(tok))
-        model.resize_token_embeddings(len(tok))
+    for adapter in adapters:
+        model = _merge_adapter(model, adapter)
+        logger.info("loaded the LoRA adapter %s onto its base and merged it", adapter)
+    check_tokenizer_fits(model, tok, key)
     return model
 
 
@@ -218,6 +290,38 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, key: str, seed: int, task_typ
 # ----------------------------------------------------------------------------- export
 
 
+PROBE_TEXT = "Human: Reverse abc.\n\nAssistant: cba"  # for checking that an exported tokenizer encodes as training
+
+
+def export_tokenizer(tokenizer: Any, *, add_bos: bool, add_eos: bool) -> Any:
+    """A copy of `tokenizer` whose plain `tokenizer(text)` gives what the stages trained on.
+
+    The stages tokenize without special tokens and add them by hand (rlhf/data/tokenize.py):
+    `[bos] + prompt + response + [eos]`, with bos only when `data.add_bos` and the tokenizer has one.
+    The exported copy adds bos the same way, and eos too for a reward/value model, which scores
+    whole sequences at their last token; a causal LM's copy adds no eos, so `tokenizer(prompt)` ->
+    `generate` continues the prompt exactly as in training. Where a tokenizer cannot be told to
+    (a slow tokenizer without these switches) the mismatch is logged once with the fix.
+    """
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    bos = add_bos and tok.bos_token_id is not None
+    try:
+        tok.add_bos_token, tok.add_eos_token = bos, add_eos
+    except (AttributeError, ValueError):
+        pass
+    want = ([tok.bos_token_id] if bos else []) + tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"] + (
+        [tok.eos_token_id] if add_eos else [])
+    got = tok(PROBE_TEXT)["input_ids"]
+    if got != want:
+        logger.warning("the exported tokenizer (%s) cannot be set to add %s itself: with plain transformers, "
+                       "add them by hand to match training (encoded %s, trained on %s)", type(tok).__name__,
+                       " and ".join(n for n, on in (("bos", bos), ("eos", add_eos)) if on) or "no special tokens",
+                       got, want)
+    return tok
+
+
 def export_hf(
     state_dict: dict[str, torch.Tensor],
     like: nn.Module,
@@ -225,12 +329,17 @@ def export_hf(
     out_dir: str,
     cfg: ModelConfig,
     extra_files: dict[str, str] | None = None,
+    *,
+    add_bos: bool = True,
 ) -> str:
     """Write a consolidated state dict as a Hugging Face directory, atomically; returns out_dir.
 
     `state_dict`: clean names of `like` (the unwrapped training module, possibly a peft model), as
     `engine.full_state_dict()` returns on rank 0. LoRA: merged into the base weights
-    (`lora.merge_on_save`) or saved as a peft adapter. Weights are cast to `cfg.save_dtype`.
+    (`lora.merge_on_save`) or saved as a peft adapter naming its base by absolute path (a stage's
+    merged adapter input, when there was one: see `_merge_adapter`). Weights are cast to
+    `cfg.save_dtype`. The tokenizer is saved so that it encodes as training did (`export_tokenizer`;
+    `add_bos` = the run's `data.add_bos`).
     """
     from engine import atomic_directory
 
@@ -262,13 +371,29 @@ def export_hf(
         skeleton = skeleton.merge_and_unload()
     if hasattr(skeleton, "tie_weights"):
         skeleton.tie_weights()
+    is_value_model = "ForSequenceClassification" in type(base_like).__name__
+    tok = export_tokenizer(tokenizer, add_bos=add_bos, add_eos=is_value_model)
     with atomic_directory(out_dir) as tmp:
         skeleton.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if peft_cfg and not cfg.lora.merge_on_save:
+            _absolute_adapter_base(tmp)
         for name, text in (extra_files or {}).items():
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
     return out_dir
+
+
+def _absolute_adapter_base(adapter_dir: str) -> None:
+    """A local base path in adapter_config.json made absolute, so the adapter loads from any cwd."""
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    with open(path) as f:
+        meta = json.load(f)
+    base = meta.get("base_model_name_or_path")
+    if base and os.path.exists(base):
+        meta["base_model_name_or_path"] = os.path.abspath(base)
+        with open(path, "w") as f:
+            json.dump(meta, f, indent=2)
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

@@ -355,11 +355,13 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     if info.is_main:
         actor_cfg = model_cfg(cfg, cfg.actor.model, cfg.actor.lora)
-        export_hf(actor_sd, models.actor.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), actor_cfg)
+        export_hf(actor_sd, models.actor.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), actor_cfg,
+                  add_bos=cfg.data.add_bos)
         export_hf(critic_sd, models.critic.unwrapped, tok, os.path.join(out_dir, "critic"),
-                  model_cfg(cfg, cfg.critic.model, cfg.critic.lora))
+                  model_cfg(cfg, cfg.critic.model, cfg.critic.lora), add_bos=cfg.data.add_bos)
         if ema_sd is not None:
-            export_hf(ema_sd, models.actor.unwrapped, tok, os.path.join(out_dir, "model_ema"), actor_cfg)
+            export_hf(ema_sd, models.actor.unwrapped, tok, os.path.join(out_dir, "model_ema"), actor_cfg,
+                      add_bos=cfg.data.add_bos)
         _plot(out_dir)
         n = max(len(times["generation_s"]), 1)
         summary = {

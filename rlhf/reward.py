@@ -167,7 +167,8 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     state = engine.full_state_dict()
     summary: dict[str, Any] = {}
     if info.is_main:
-        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model)
+        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model,
+                  add_bos=cfg.data.add_bos)
         _plot(out_dir)
         summary = {
             "stage": "reward",

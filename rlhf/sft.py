@@ -135,7 +135,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     state = engine.full_state_dict()  # collective; rank 0 gets the consolidated CPU copy
     summary: dict[str, Any] = {}
     if info.is_main:
-        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model)
+        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model,
+                  add_bos=cfg.data.add_bos)
         _plot(out_dir)
         summary = {
             "stage": "sft",

@@ -1,0 +1,293 @@
+"""A user's own Hugging Face model directory through the three stages (issue: the README's promises
+outside the embedded default): its tokenizer follows it, mismatches are errors, LoRA adapters
+chain SFT -> reward -> PPO, and exported directories behave the same under plain transformers.
+
+The user model is an OPT (not the default's Llama) with a byte-pair tokenizer built here whose ids,
+merges and special tokens differ from the shipped character tokenizer's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import string
+
+import pytest
+import torch
+
+from conftest import ROOT, run_stage, summary
+
+PAIRS_EVAL = str(ROOT / "data/default/pairs_eval.jsonl")
+EVAL_PROMPTS = 40
+SPECIALS = ["<|bos|>", "<|eot|>", "<|pad|>"]  # the shipped tokenizer has <s>, </s>, <pad>, <unk>
+
+
+def make_user_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable[:95]) + ["\n"]  # digits, letters, punctuation, space, newline
+    merged = ["Hu", "Hum", "an", "As", "nt", "ss"]
+    vocab = {t: i for i, t in enumerate(list(reversed(chars)) + merged + SPECIALS)}
+    merges = [("H", "u"), ("Hu", "m"), ("a", "n"), ("A", "s"), ("n", "t"), ("s", "s")]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|bos|>", eos_token="<|eot|>", pad_token="<|pad|>")
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    return tok
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory):
+    """A local OPT directory with its own tokenizer, as a user would bring (random weights)."""
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    tok = make_user_tokenizer()
+    cfg = OPTConfig(vocab_size=len(tok), hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                    word_embed_proj_dim=32, max_position_embeddings=128, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    path = tmp_path_factory.mktemp("user") / "opt-user"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def vocab(path) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).get_vocab()
+
+
+SFT = ["train.max_steps=4", "train.save_every=0", "train.eval_every=0", "data.num_eval_prompts=8",
+       "train.micro_batch_size=8", "train.global_batch_size=8", "train.lr=1e-2", "eval.max_new_tokens=6"]
+RM = ["train.max_steps=4", "train.save_every=0", "train.eval_every=0", "train.micro_batch_size=8",
+      "train.global_batch_size=8", "train.lr=1e-2", "model.fallback_to_config=false"]
+PPO = ["train.max_steps=1", "train.eval_every=0", "data.num_eval_prompts=8", "rollout.prompts_per_step=8",
+       "rollout.mini_batch_size=8", "rollout.micro_batch_size=8", "rollout.max_new_tokens=6", "eval.max_new_tokens=6"]
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.merge_on_save=false"]
+
+
+# ----------------------------------------------------------------------------- the tokenizer follows the model
+
+
+def test_a_model_path_brings_its_own_tokenizer_through_all_three_stages(user_model, tmp_path):
+    user_vocab = vocab(user_model)
+    assert user_vocab != vocab(ROOT / "data/tokenizer")
+    sft, rm, ppo = tmp_path / "sft", tmp_path / "rm", tmp_path / "ppo"
+    run_stage("sft", f"output_dir={sft}", f"model.name_or_path={user_model}", *SFT)
+    run_stage("reward", f"output_dir={rm}", f"model.name_or_path={sft}", *RM)
+    run_stage("ppo", f"output_dir={ppo}", f"actor.model={sft}", f"critic.model={rm}", *PPO)
+    for out in (sft / "model", rm / "model", ppo / "model", ppo / "critic"):
+        assert vocab(out) == user_vocab, out
+    with open(sft / "config.yaml") as f:
+        assert "tokenizer: null" in f.read()  # resolved: the model's own, not the tiny preset's
+    assert json.load(open(sft / "model" / "config.json"))["model_type"] == "opt"
+
+
+def test_cfg_job_shows_which_tokenizer_a_run_uses(user_model):
+    shipped = run_stage("sft", "--cfg", "job").stdout
+    assert f"tokenizer: {ROOT / 'data/tokenizer'}" in shipped
+    assert "tokenizer: null" in run_stage("sft", f"model.name_or_path={user_model}", "--cfg", "job").stdout
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_an_error(user_model, tmp_path):
+    proc = run_stage("sft", f"output_dir={tmp_path}", f"model.name_or_path={user_model}",
+                     f"model.tokenizer={ROOT / 'data/tokenizer'}", *SFT, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "model: the tokenizer's bos token is '<s>'" in proc.stderr and "bos_token_id=" in proc.stderr
+
+
+def test_vocabulary_larger_than_the_embedding_is_an_error(user_model):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.config import ConfigError
+    from rlhf.models import check_tokenizer_fits
+
+    model = AutoModelForCausalLM.from_pretrained(user_model)
+    tok = AutoTokenizer.from_pretrained(user_model)
+    check_tokenizer_fits(model, tok, "model")  # its own tokenizer fits
+    tok.add_tokens(["<|new|>"])
+    with pytest.raises(ConfigError, match=rf"has {len(tok)} tokens but the model's embedding has only {len(tok) - 1} rows"):
+        check_tokenizer_fits(model, tok, "model")
+
+
+# ----------------------------------------------------------------------------- presets: keys of the family
+
+
+@pytest.mark.parametrize("key,hint", [("intermediate_size", None), ("ffn_dimm", "ffn_dim")])
+def test_opt_preset_rejects_keys_opt_does_not_have(key, hint, tmp_path):
+    proc = run_stage("sft", f"output_dir={tmp_path}", "model=opt", "model.name_or_path=null",
+                     f"model.tokenizer={ROOT / 'data/tokenizer'}", "+model.config.model_type=opt",
+                     f"+model.config.{key}=64", *SFT, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"model.config.{key}: OPTConfig (model_type 'opt') has no key '{key}'" in proc.stderr
+    if hint:
+        assert f"did you mean {hint}" in proc.stderr
+
+
+def test_the_family_s_own_keys_are_used():
+    from transformers import AutoTokenizer
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_causal_lm
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
+    cfg = ModelConfig(config={"model_type": "opt", "hidden_size": 32, "ffn_dim": 48, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "word_embed_proj_dim": 32})
+    model = load_causal_lm(cfg, tok, seed=0)
+    assert model.config.ffn_dim == 48 and model.model.decoder.layers[0].fc1.out_features == 48
+
+
+# ----------------------------------------------------------------------------- LoRA across the stages
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model.eval()(input_ids=ids)
+    return out.logits
+
+
+@pytest.fixture(scope="module")
+def adapter_chain(user_model, tmp_path_factory):
+    """SFT -> reward -> PPO, every stage training LoRA and saving only its adapter."""
+    root = tmp_path_factory.mktemp("chain")
+    sft, rm, ppo = root / "sft", root / "rm", root / "ppo"
+    run_stage("sft", f"output_dir={sft}", f"model.name_or_path={user_model}", *SFT, *LORA)
+    run_stage("reward", f"output_dir={rm}", f"model.name_or_path={sft}", *RM, *LORA)
+    run_stage("ppo", f"output_dir={ppo}", f"actor.model={sft}", f"critic.model={rm}", *PPO, *LORA,
+              "actor.lr=1e-2", "critic.lr=1e-2")
+    return user_model, sft, rm, ppo
+
+
+def test_adapter_chain_saves_adapters_naming_their_real_base(adapter_chain):
+    user_model, sft, rm, ppo = adapter_chain
+    base_of = {d: json.load(open(d / "adapter_config.json"))["base_model_name_or_path"]
+               for d in (sft / "model", rm / "model", ppo / "model", ppo / "critic")}
+    assert base_of[sft / "model"] == str(user_model)
+    assert base_of[rm / "model"] == str(sft / "model")  # the reward adapter sits on the SFT adapter
+    assert base_of[ppo / "model"] == str(sft / "model")
+    assert base_of[ppo / "critic"] == str(rm / "model")
+    for d in base_of:
+        assert not os.path.exists(d / "model.safetensors")
+
+
+def test_each_stage_loads_exactly_what_the_previous_one_saved(adapter_chain):
+    """Our loader on an adapter chain = plain transformers + peft applying the same adapters by hand."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import load_causal_lm, load_tokenizer, load_value_model
+
+    user_model, sft, rm, ppo = adapter_chain
+    tok = AutoTokenizer.from_pretrained(sft / "model")
+    ids = torch.tensor([tok("Human: Reverse abc.\n\nAssistant: cba")["input_ids"]])
+
+    def by_hand(cls, *adapters):
+        m = cls.from_pretrained(user_model, **({"num_labels": 1} if cls is AutoModelForSequenceClassification else {}))
+        for a in adapters:
+            m = PeftModel.from_pretrained(m, a).merge_and_unload()
+        return m
+
+    ours_sft = load_causal_lm(ModelConfig(name_or_path=str(sft)), load_tokenizer(ModelConfig(name_or_path=str(sft))), seed=0)
+    ref_sft = by_hand(AutoModelForCausalLM, sft / "model")
+    torch.testing.assert_close(_logits(ours_sft, ids), _logits(ref_sft, ids), rtol=0, atol=0)
+    assert not torch.allclose(_logits(ref_sft, ids), _logits(AutoModelForCausalLM.from_pretrained(user_model), ids))
+
+    ours_ppo = load_causal_lm(ModelConfig(name_or_path=str(ppo)), tok, seed=0)
+    ref_ppo = by_hand(AutoModelForCausalLM, sft / "model", ppo / "model")
+    torch.testing.assert_close(_logits(ours_ppo, ids), _logits(ref_ppo, ids), rtol=0, atol=0)
+    assert not torch.allclose(_logits(ours_ppo, ids), _logits(ref_sft, ids))  # PPO's adapter is not lost
+
+    # the reward model: the SFT adapter merged into the backbone, then the reward adapter (+ its head)
+    ours_rm = load_value_model(ModelConfig(name_or_path=str(rm)), tok, seed=0).eval()
+    backbone = by_hand(AutoModelForCausalLM, sft / "model").model
+    ref_rm = AutoModelForSequenceClassification.from_pretrained(user_model, num_labels=1)
+    ref_rm.model.load_state_dict(backbone.state_dict())
+    ref_rm = PeftModel.from_pretrained(ref_rm, rm / "model").merge_and_unload().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours_rm(input_ids=ids).logits, ref_rm(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_stages_train_from_an_adapter_without_new_lora(adapter_chain, tmp_path):
+    """Loading an adapter merges it into weights that train (no frozen base left behind)."""
+    _, sft, rm, _ = adapter_chain
+    run_stage("sft", f"output_dir={tmp_path / 'sft2'}", f"model.name_or_path={sft}", *SFT)
+    run_stage("ppo", f"output_dir={tmp_path / 'ppo2'}", f"actor.model={sft}", f"critic.model={rm}", *PPO)
+    assert summary(tmp_path / "sft2")["steps"] == 4 and summary(tmp_path / "ppo2")["stage"] == "ppo"
+
+
+# ----------------------------------------------------------------------------- plain transformers = the run
+
+
+@pytest.fixture(scope="module")
+def default_outputs(tmp_path_factory):
+    """A short SFT + reward run on the embedded default (shipped tokenizer), as the README's user does."""
+    root = tmp_path_factory.mktemp("plain")
+    sft, rm = root / "sft", root / "rm"
+    # A few steps from scratch score 0 on the task; memorising half of the eval prompts' answers
+    # makes the gold score non-trivial, so that "equal" below is not 0 == 0.
+    rows = [json.loads(line) for line in open(ROOT / "data/default/eval_prompts.jsonl")][:EVAL_PROMPTS // 2]
+    with open(root / "memorise.jsonl", "w") as f:
+        for r in rows * 16:
+            f.write(json.dumps({"prompt": r["prompt"], "response": " " + r["answer"]}) + "\n")
+    run_stage("sft", f"output_dir={sft}", f"data.path={root / 'memorise.jsonl'}", "data.eval_fraction=0",
+              "train.max_steps=80", "train.save_every=0", "train.eval_every=0", "train.lr=3e-3",
+              "train.warmup_steps=5", f"data.num_eval_prompts={EVAL_PROMPTS}")
+    run_stage("reward", f"output_dir={rm}", f"model.name_or_path={sft}", "train.max_steps=40", "train.save_every=0",
+              "train.eval_every=0", "model.fallback_to_config=false")
+    return sft, rm
+
+
+def test_exported_tokenizers_encode_as_training(default_outputs):
+    from transformers import AutoTokenizer
+
+    sft, rm = default_outputs
+    shipped = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
+    text = "Human: Sort 3 1 2.\n\nAssistant: 1 2 3"
+    body = shipped(text, add_special_tokens=False)["input_ids"]
+    assert AutoTokenizer.from_pretrained(sft / "model")(text)["input_ids"] == [shipped.bos_token_id] + body
+    assert AutoTokenizer.from_pretrained(rm / "model")(text)["input_ids"] == [shipped.bos_token_id] + body + [
+        shipped.eos_token_id]
+
+
+def test_plain_transformers_reward_scores_give_the_run_s_accuracy(default_outputs):
+    """The README's snippet: AutoModelForSequenceClassification + tokenizer(prompt + response)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _, rm = default_outputs
+    tok = AutoTokenizer.from_pretrained(rm / "model")
+    model = AutoModelForSequenceClassification.from_pretrained(rm / "model").eval()
+    rows = [json.loads(line) for line in open(PAIRS_EVAL)]
+
+    def scores(texts):
+        batch = tok(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            return model(**batch).logits[:, 0]
+
+    wins = 0
+    for i in range(0, len(rows), 50):
+        chunk = rows[i : i + 50]
+        wins += int((scores([r["prompt"] + r["chosen"] for r in chunk]) > scores([r["prompt"] + r["rejected"] for r in chunk])).sum())
+    assert wins / len(rows) == pytest.approx(summary(rm)["eval_accuracy"], abs=1e-6)  # stored as float32
+
+
+def test_plain_transformers_generation_gives_the_run_s_gold_score(default_outputs):
+    """The README's snippet: tokenizer(prompts) -> generate (greedy) -> decode, scored by the judge."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.task import judge
+
+    sft, _ = default_outputs
+    tok = AutoTokenizer.from_pretrained(sft / "model", padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(sft / "model").eval()
+    rows = [json.loads(line) for line in open(ROOT / "data/default/eval_prompts.jsonl")][:EVAL_PROMPTS]
+    batch = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+    gold = 100.0 * sum(judge(r["prompt"], t, r.get("answer")) for r, t in zip(rows, texts)) / len(rows)
+    assert gold == pytest.approx(summary(sft)["gold_score_after"], abs=1e-9)
+    assert gold > 0  # a trained model, so the equality is not 0 == 0
