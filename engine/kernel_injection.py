@@ -84,8 +84,11 @@ def fused_logprobs_forward(model: nn.Module) -> nn.Module:
         T = logprob_targets.shape[1]
         hidden = hidden[:, logprob_start : logprob_start + T]
         head = base.get_output_embeddings()
-        return fused_logprobs_entropy(hidden, head.weight.to(hidden.dtype), logprob_targets, bias=head.bias,
-                                      temperature=temperature, compute_entropy=with_entropy)
+        logp, entropy = fused_logprobs_entropy(hidden, head.weight.to(hidden.dtype), logprob_targets, bias=head.bias,
+                                               temperature=temperature, compute_entropy=with_entropy)
+        # NOTE: the op returns its flat [B*T] results `.view`ed to [B, T]; FSDP2 warns when a module
+        # returns a view (an in-place op on it would skip the pre-backward hook), so [B, T] copies leave.
+        return logp.clone(), None if entropy is None else entropy.clone()
 
     model.forward = types.MethodType(forward, model)
     model._fused_logprobs = True

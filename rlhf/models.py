@@ -258,7 +258,10 @@ def per_token_values(model: nn.Module) -> nn.Module:
         backbone = getattr(base, base.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
-        return base.score(hidden).squeeze(-1).float()  # (B, T)
+        # NOTE: a new tensor, never a view: `.squeeze(-1).float()` is a view of the head's [B, T, 1]
+        # output in fp32, and FSDP2 warns when a module returns a view (an in-place op on it would skip
+        # the pre-backward hook). One [B, T] copy in every dtype (bf16 already paid it in `.float()`).
+        return base.score(hidden).squeeze(-1).to(torch.float32, copy=True)  # (B, T)
 
     model.forward = types.MethodType(forward, model)
     return model

@@ -235,10 +235,48 @@ def test_ppo_resume_is_exact(stages, ppo_run, tmp_path):
 @pytest.mark.slow
 def test_ppo_torchrun_zero3(stages, tmp_path):
     out = tmp_path / "z3"
-    ppo(stages, out, "engine=zero3", "train.save_every=0", "rollout.micro_batch_size=2", torchrun=2)
+    proc = ppo(stages, out, "engine=zero3", "train.save_every=0", "rollout.micro_batch_size=2", torchrun=2)
+    assert "view tensor" not in proc.stderr  # FSDP2's warning about a forward that returns a view
     s = summary(out)
     assert s["steps"] == 4 and s["gold_score_after"] is not None
     assert len(metrics(out, "train")) == 4
+
+
+@pytest.mark.slow
+def test_zero3_ppo_gradients_equal_one_process(tmp_path):
+    """Actor and critic gradients of one PPO mini-batch (rlhf/ppo.py's losses, kernels off and on):
+    ZeRO-3 on 2 ranks = ZeRO-3 in 1 process = plain autograd, and no forward that FSDP wraps returns
+    a view (FSDP2's "returned a view tensor" warning; see tests/engine_scripts/ppo_grads.py)."""
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    script = str(ROOT / "tests" / "engine_scripts" / "ppo_grads.py")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+             "--master_port", str(port), script, str(tmp_path)], [sys.executable, script, str(tmp_path)]]
+    procs = [subprocess.Popen(c, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for cmd, proc, output in zip(cmds, procs, outputs):
+        assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{output[-4000:]}"
+        assert "view tensor" not in output, output[-4000:]
+    two, one = torch.load(tmp_path / "grads_w2.pt"), torch.load(tmp_path / "grads_w1.pt")
+    plain = torch.load(tmp_path / "grads_plain.pt")
+    assert two.pop("view_warnings") == [] and one.pop("view_warnings") == []
+    for key in ("kernels=False", "kernels=True"):
+        for role in ("actor", "critic"):
+            got, ref, want = two[key][role], one[key][role], plain[key][role]
+            assert sorted(got) == sorted(ref) == sorted(want) and len(want) == 21, (key, role)
+            for name, w in want.items():
+                assert w.abs().max() > 0, (key, role, name)  # every parameter takes part
+                scale = w.abs().max().item()
+                for label, g in (("2 ranks", got[name]), ("1 process", ref[name])):
+                    err = (g - w).abs().max().item()
+                    assert err <= 1e-5 * scale, f"{key} {role} {name}: {label} off by {err:.2e} (max |grad| {scale:.2e})"
 
 
 def test_missing_sft_output_is_a_clear_error(tmp_path):
