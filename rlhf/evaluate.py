@@ -15,7 +15,8 @@ stage's own held-out figures (same names in summary.json). mode=policy: `gold_ev
 `data.eval_prompts_path` (a prompt is scored by exact match with its `answer` field, else by the default
 task's judge; a file none of whose prompts can be scored is an error, some unscorable ones a warning)
 and `perplexity` on SFT rows (`data.eval_path`, else the held-out share of `data.path` carved as the SFT
-stage carves it). mode=reward: the reward stage's held-out pair figures on `data.eval_path`.
+stage carves it). mode=reward: the reward stage's held-out pair figures on `data.eval_path` (null =
+`default_pairs_path`, the shipped held-out pairs in conf/evaluate.yaml).
 Writes to `output_dir`: config.yaml, metrics.jsonl, samples.jsonl (every prompt or pair), summary.json.
 """
 from __future__ import annotations
