@@ -265,6 +265,22 @@ class PPOConfig:
     eval: GenerationConfig = field(default_factory=GenerationConfig)
 
 
+@dataclass(kw_only=True)
+class EvaluateConfig:
+    """`python -m rlhf.evaluate`: one model scored on held-out data exactly as the stages score theirs."""
+
+    output_dir: str = "outputs/evaluate"  # config.yaml, metrics.jsonl, samples.jsonl and summary.json go here
+    mode: str = "auto"  # auto (reward when the model's architectures end in ForSequenceClassification) | policy | reward
+    seed: int = 1234  # seeds torch before loading (and the draws of eval.greedy=false)
+    batch_size: int = 32  # rows per forward for perplexity and pair scoring (the stages: train.micro_batch_size)
+    default_pairs_path: str | None = None  # mode=reward with data.eval_path=null scores these pairs
+    model: ModelConfig = field(default_factory=ModelConfig)  # name_or_path: a HF dir, hub name or a stage's output_dir
+    data: DataConfig = field(default_factory=DataConfig)  # eval_prompts_path, eval_path, tokenization as the stages
+    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)  # sharding, precision, generation path
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics.jsonl also goes (wandb)
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # mode=policy: generation (the SFT stage's eval.*)
+
+
 # ----------------------------------------------------------------------------- conversion
 
 
@@ -476,4 +492,38 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
         _need(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     _need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     _need(isinstance(t.resume, (bool, str)), f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    engine_config(cfg.engine, info)
+
+
+EVALUATE_MODES = ("auto", "policy", "reward")
+
+
+def validate_evaluate(cfg: EvaluateConfig, info) -> None:
+    """Everything an evaluation needs, checked before any model loads."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.mode in EVALUATE_MODES, f"mode must be one of {EVALUATE_MODES}, got {cfg.mode!r}")
+    _need(cfg.batch_size >= 1, f"batch_size must be >= 1, got {cfg.batch_size}")
+    m = cfg.model
+    _need(bool(m.name_or_path), "model.name_or_path must be set: the model to evaluate (a HF directory, "
+                                "a hub name or a stage's output_dir such as outputs/sft)")
+    _need(not m.fallback_to_config, "model.fallback_to_config must be false: evaluate a trained model, "
+                                    "not one built with random weights")
+    _need(m.lora.r == 0, f"model.lora.r must be 0 (an adapter directory is loaded merged), got {m.lora.r}")
+    validate_model(m)
+    d = cfg.data
+    _need(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    _need(d.num_eval_prompts >= 0, f"data.num_eval_prompts must be >= 0, got {d.num_eval_prompts}")
+    _need(d.max_prompt_len >= 1, f"data.max_prompt_len must be >= 1, got {d.max_prompt_len}")
+    _need(d.max_len > d.max_prompt_len,
+          f"data.max_len ({d.max_len}) must exceed data.max_prompt_len ({d.max_prompt_len})")
+    _need(d.overlong in ("truncate", "drop"), f"data.overlong must be 'truncate' or 'drop', got {d.overlong!r}")
+    if d.data_split is not None:
+        from rlhf.data.split import parse_data_split
+
+        try:
+            parse_data_split(d.data_split)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    validate_logger(cfg.logger)
+    validate_generation(cfg.eval, "eval")
     engine_config(cfg.engine, info)

@@ -1,24 +1,58 @@
-"""Held-out evaluation shared by the stages: generations scored by the gold judge, and perplexity.
+"""Held-out evaluation: the helpers the stages share, and the command that runs them on any model.
 
-Both run on the gathered (unsharded) model and split their rows over the ranks, so ranks may take
-different numbers of decode steps without any collective in between; results are all-gathered.
+    python -m rlhf.evaluate model.name_or_path=outputs/sft             # gold score + held-out perplexity
+    python -m rlhf.evaluate model.name_or_path=outputs/ppo data.eval_prompts_path=my_prompts.jsonl
+    python -m rlhf.evaluate model.name_or_path=outputs/reward data.eval_path=pairs.jsonl   # mode auto -> reward
+    torchrun --nproc_per_node 2 -m rlhf.evaluate engine=zero3 model.name_or_path=/models/opt-1.3b
+
+Helpers (the stages call them): `gold_eval` (generations scored by the gold judge) and `perplexity`. Both
+run on the gathered (unsharded) model and split their rows over the ranks, so ranks may take different
+numbers of decode steps without any collective in between; results are all-gathered.
+
+The command loads the model into a `TrainEngine` whose optimizer never steps: the same wrappers,
+precision policy and `engine.generation()` path as the stage that trained it, so its figures are the
+stage's own held-out figures (same names in summary.json). mode=policy: `gold_eval` on
+`data.eval_prompts_path` (a prompt is scored by exact match with its `answer` field, else by the default
+task's judge; a file none of whose prompts can be scored is an error, some unscorable ones a warning)
+and `perplexity` on SFT rows (`data.eval_path`, else the held-out share of `data.path` carved as the SFT
+stage carves it). mode=reward: the reward stage's held-out pair figures on `data.eval_path` (null =
+`default_pairs_path`, the shipped held-out pairs in conf/evaluate.yaml).
+Writes to `output_dir`: config.yaml, metrics.jsonl, samples.jsonl (every prompt or pair), summary.json.
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import hydra
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 
+from engine import OptimConfig, TrainEngine, init_distributed
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
-from rlhf.config import DataConfig, GenerationConfig
-from rlhf.data import collate_prompts, collate_sft, load_rows, parse_prompts, tokenize_prompts
+from rlhf.app import CONF_DIR, save_config, seed_everything, setup_logging, user_errors
+from rlhf.config import (
+    ConfigError, DataConfig, EvaluateConfig, GenerationConfig, ModelConfig, engine_config, to_config, validate_evaluate,
+)
+from rlhf.data import (
+    collate_prompts, collate_sft, load_rows, parse_pairs, parse_prompts, parse_sft, tokenize_pairs, tokenize_prompts,
+    tokenize_sft,
+)
+from rlhf.data.stage import stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
+from rlhf.models import load_causal_lm, load_tokenizer, load_value_model, per_token_values, resolve_model_path
+from rlhf.runlog import RunLog, format_summary, write_summary
 from rlhf.task import judge
+
+logger = logging.getLogger("rlhf.evaluate")
 
 
 @dataclass(slots=True)
@@ -140,3 +174,172 @@ def perplexity(
     all_reduce_sum(acc)
     loss = (acc[0] / acc[1]).item() if acc[1] > 0 else float("nan")
     return {"loss": loss, "perplexity": math.exp(loss) if loss < 50 else float("inf")}
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def check_model_path(m: ModelConfig) -> None:
+    """A local path that does not exist (one under outputs/ where the stages write, or under an existing
+    directory) is a clear error here, not a failed hub lookup later."""
+    path = m.name_or_path
+    first = path.split("/", 1)[0]
+    local = path.startswith(("/", "./", "../", "~", "outputs/")) or (first != path and os.path.isdir(first))
+    if local and not os.path.exists(os.path.expanduser(path)):
+        raise ConfigError(f"model.name_or_path={path!r}: no such file or directory (has the stage that writes "
+                          "it run? a stage's output_dir, a HF directory or a hub name is expected)")
+
+
+def detect_mode(m: ModelConfig) -> str:
+    """'reward' when the model's config names a *ForSequenceClassification architecture (an adapter
+    directory: task_type SEQ_CLS), else 'policy'."""
+    path = m.name_or_path
+    if os.path.isdir(path):
+        path = resolve_model_path(path)
+        adapter = os.path.join(path, "adapter_config.json")
+        if os.path.exists(adapter):
+            with open(adapter) as f:
+                return "reward" if json.load(f).get("task_type") == "SEQ_CLS" else "policy"
+        with open(os.path.join(path, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    else:
+        from transformers import AutoConfig
+
+        try:
+            archs = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code).architectures or []
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.name_or_path={path!r}: cannot read its config ({e}); set mode=policy or "
+                              "mode=reward") from None
+    return "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "policy"
+
+
+def held_out_sft_rows(d: DataConfig) -> list:
+    """SFT rows for perplexity: data.eval_path, else the SFT stage's held-out share of data.path."""
+    if d.eval_path:
+        return load_rows(d.eval_path, d.eval_split, d.cache_dir)
+    return stage_rows(d, stage=0)[1] if d.path else []
+
+
+def scorable(prompts: Sequence[EvalPrompt], key: str) -> None:
+    """Error when no prompt can be scored (no `answer` field and not a default-task prompt); a warning
+    when some cannot (the gold score is then the mean over those that can, as in the stages)."""
+    unscored = [p for p in prompts if judge(p.text, "", p.answer) is None]
+    if prompts and len(unscored) == len(prompts):
+        raise ConfigError(f"{key}: none of its {len(prompts)} prompts can be scored: give each an `answer` "
+                          "field (exact match) or use the default task's prompts (the gold judge), or set "
+                          f"{key}=null to measure perplexity only")
+    if unscored:
+        logger.warning("%s: %d of %d prompts have no `answer` and no gold judge: the gold score is over the other %d",
+                       key, len(unscored), len(prompts), len(prompts) - len(unscored))
+
+
+def eval_engine(model: torch.nn.Module, cfg: EvaluateConfig, info) -> TrainEngine:
+    """The model in the engine the stages train it in (its optimizer is built, never stepped)."""
+    return TrainEngine(model, engine_config(cfg.engine, info), OptimConfig(), total_steps=1, info=info)
+
+
+def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
+    d = cfg.data
+    prompts = load_eval_prompts(d, tok)
+    scorable(prompts, "data.eval_prompts_path")
+    feats, stats = tokenize_sft(parse_sft(held_out_sft_rows(d), tok), tok, d.max_len, d.max_prompt_len, d.overlong,
+                                d.add_bos)
+    if not prompts and not feats:
+        raise ConfigError("nothing to evaluate: set data.eval_prompts_path (generations) and/or data.eval_path "
+                          "or data.path with data.eval_fraction > 0 (perplexity)")
+    logger.info("evaluating a policy: %d eval prompts, %d held-out SFT rows (%s)", len(prompts), len(feats), stats)
+    engine = eval_engine(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), cfg, info)
+    out: dict[str, Any] = {"eval_prompts": len(prompts), "gold_score": None, "eval_rows": len(feats),
+                           "eval_loss": None, "perplexity": None}
+    samples: list[dict] = []
+    if feats:
+        with engine.gathered_parameters():  # what the SFT stage's generation() gathers for its perplexity
+            ppl = perplexity(engine.unwrapped, feats, tok.pad_token_id, cfg.batch_size, rank=info.rank,
+                             world=info.world_size, device=info.device)
+        out.update(eval_loss=ppl["loss"], perplexity=ppl["perplexity"])
+    if prompts:
+        with engine.generation() as generator:
+            ev = gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
+                           device=info.device, n_samples=len(prompts))
+        samples = [{**s, "answer": p.answer, "task": p.task} for s, p in zip(ev.pop("samples"), prompts)]
+        out.update(ev)
+        out["generation_path"] = engine.generation_path
+    return out, samples
+
+
+def evaluate_reward(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
+    from rlhf.reward import held_out_summary, pair_metrics, score_pairs  # (rlhf.reward imports this module)
+
+    d = cfg.data
+    path = d.eval_path or cfg.default_pairs_path
+    if not path:
+        raise ConfigError("mode=reward needs preference pairs: set data.eval_path (or default_pairs_path)")
+    examples = parse_pairs(load_rows(path, d.eval_split, d.cache_dir), tok)
+    feats, stats = tokenize_pairs(examples, tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    if not feats:
+        raise ConfigError(f"{path}: no pairs left to score ({stats})")
+    logger.info("evaluating a reward model: %d held-out pairs from %s (%s)", len(feats), path, stats)
+    model = load_value_model(cfg.model, tok, seed=cfg.seed, lora=False)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if base.config.num_labels != 1:
+        raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} has {base.config.num_labels} outputs: "
+                          "a reward model has one (num_labels=1)")
+    if not any(a.endswith("ForSequenceClassification") for a in (base.config.architectures or [])):
+        logger.warning("%s is not a sequence-classification checkpoint: its score head is freshly initialised, "
+                       "so these figures are those of an untrained head", cfg.model.name_or_path)
+    engine = eval_engine(per_token_values(model), cfg, info)
+    scored = score_pairs(engine, feats, tok.pad_token_id, cfg.batch_size)
+    ev = pair_metrics(scored, examples)
+    out = {"eval_pairs": len(feats), **held_out_summary(ev), "eval_score_std": ev["score_std"]}
+    samples = [{"prompt": examples[i].prompt, "chosen": examples[i].chosen, "rejected": examples[i].rejected,
+                "chosen_score": c, "rejected_score": r} for i, c, r in scored]
+    return out, samples
+
+
+def write_jsonl(path: str, rows: Sequence[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def run(cfg: EvaluateConfig) -> dict[str, Any]:
+    t_start = time.time()
+    info = init_distributed()
+    setup_logging(info.is_main)
+    validate_evaluate(cfg, info)
+    check_model_path(cfg.model)
+    seed_everything(cfg.seed)
+    out_dir = cfg.output_dir
+    mode = detect_mode(cfg.model) if cfg.mode == "auto" else cfg.mode
+    logger.info("mode=%s%s", mode, " (detected from the model's config)" if cfg.mode == "auto" else "")
+    tok = load_tokenizer(cfg.model)
+    figures, samples = (evaluate_policy if mode == "policy" else evaluate_reward)(cfg, tok, info)
+    summary: dict[str, Any] = {}
+    if info.is_main:
+        save_config(out_dir, cfg)
+        log = RunLog(out_dir, cfg.logger, is_main=True)
+        log.log(0, "eval", mode=mode, **figures)
+        log.finish()
+        write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
+        summary = {"stage": "evaluate", "mode": mode, "model": cfg.model.name_or_path,
+                   "time_s": round(time.time() - t_start, 1), **figures}
+        write_summary(out_dir, summary)
+        for s in samples[:3]:
+            if mode == "policy":
+                print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['score']})")
+            else:
+                print(f"  pair: {s['prompt']!r}: chosen {s['chosen_score']:.3f}, rejected {s['rejected_score']:.3f}")
+        print(f"evaluation done ({out_dir}):\n{format_summary(summary)}", flush=True)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="evaluate")
+def main(raw: DictConfig) -> None:
+    with user_errors():
+        run(to_config(raw, EvaluateConfig))
+
+
+if __name__ == "__main__":
+    main()

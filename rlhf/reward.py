@@ -79,7 +79,11 @@ def evaluate(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int
     """Held-out accuracy and mean scores; agreement with / AUC against the gold judge where it applies."""
     if not feats:
         return {}
-    scored = score_pairs(engine, feats, pad_id, batch_size)
+    return pair_metrics(score_pairs(engine, feats, pad_id, batch_size), examples)
+
+
+def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict[str, Any]:
+    """`evaluate`'s figures from `score_pairs`' (index, chosen score, rejected score) of `examples`."""
     c = torch.tensor([s[1] for s in scored])
     r = torch.tensor([s[2] for s in scored])
     out: dict[str, Any] = {"accuracy": pair_accuracy(c, r).item(), "chosen_score": c.mean().item(),
@@ -178,12 +182,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
             "eval_pairs": len(eval_feats),
             "final_train_loss": last.get("loss"),
             "final_train_accuracy": last.get("accuracy"),
-            "eval_accuracy": after.get("accuracy"),
-            "eval_chosen_score": after.get("chosen_score"),
-            "eval_rejected_score": after.get("rejected_score"),
-            **{k.replace("accuracy/", "eval_accuracy/"): v for k, v in after.items() if k.startswith("accuracy/")},
-            "gold_agreement": after.get("gold_agreement"),
-            "gold_auc": after.get("gold_auc"),
+            **held_out_summary(after),
             "skipped_steps": engine.skipped_steps,
             "model_dir": os.path.join(out_dir, MODEL_SUBDIR),
         }
@@ -191,6 +190,18 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
         print(f"reward model done ({out_dir}):\n{format_summary(summary)}", flush=True)
     log.finish()
     return summary
+
+
+def held_out_summary(ev: dict[str, Any]) -> dict[str, Any]:
+    """`evaluate`'s figures under their summary.json names (the reward stage's and rlhf.evaluate's)."""
+    return {
+        "eval_accuracy": ev.get("accuracy"),
+        "eval_chosen_score": ev.get("chosen_score"),
+        "eval_rejected_score": ev.get("rejected_score"),
+        **{k.replace("accuracy/", "eval_accuracy/"): v for k, v in ev.items() if k.startswith("accuracy/")},
+        "gold_agreement": ev.get("gold_agreement"),
+        "gold_auc": ev.get("gold_auc"),
+    }
 
 
 def _eval_line(ev: dict) -> str:

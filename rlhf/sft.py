@@ -59,11 +59,13 @@ def sft_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.T
 def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, prompts: list) -> dict[str, Any]:
     info = engine.info
     out: dict[str, Any] = {}
-    with engine.generation() as generator:
-        if eval_feats:
-            out.update(perplexity(generator.module, eval_feats, tok.pad_token_id, cfg.train.micro_batch_size,
+    if eval_feats:
+        # NOTE: on the gathered training module, not the generator: the injected generator has no module
+        with engine.gathered_parameters():
+            out.update(perplexity(engine.unwrapped, eval_feats, tok.pad_token_id, cfg.train.micro_batch_size,
                                   rank=info.rank, world=info.world_size, device=info.device))
-        if prompts:
+    if prompts:
+        with engine.generation() as generator:
             out.update(gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
                                  device=info.device))
     return out
