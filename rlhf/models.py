@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rlhf.config import ConfigError, ModelConfig
+from rlhf.hub import ensure_hub
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ def load_tokenizer(cfg: ModelConfig, key: str = "model") -> Any:
         os.path.join(source, "tokenizer_config.json")
     ):
         source = _adapter_base(source)
+    ensure_hub(source, which)  # a hub name without a reachable hub: fails in seconds, not minutes
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -136,6 +138,7 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
     adapter = os.path.isdir(path) and os.path.exists(os.path.join(path, "adapter_config.json"))
     source = _adapter_base(path) if adapter else path
     torch.manual_seed(seed)  # heads that the checkpoint lacks (e.g. a new value head) init reproducibly
+    ensure_hub(source, f"{key}.name_or_path")  # a hub name without a reachable hub: fails in seconds
     try:
         model = auto_cls.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra)
     except (OSError, ValueError, KeyError) as e:
