@@ -6,12 +6,13 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from rlhf.config import ROOT, ConfigError, as_yaml
+from rlhf.config import ROOT, ConfigError, as_yaml, to_config
 from rlhf.data.records import DataFormatError
 
 logger = logging.getLogger("rlhf")
@@ -34,6 +35,69 @@ def user_errors():
         kind = "training" if isinstance(e, TrainingError) else "configuration/data"
         print(f"error ({kind}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> None:
+    """The entry of a stage app: `python -m rlhf.<stage> [key=value ...]` -> `run(typed config)`.
+
+    Hydra composes conf/<config_name>.yaml with the overrides (`@hydra.main` as before: same run
+    directory, log file and flags), `to_config` types it as the dataclass `schema`, hub names are
+    checked (rlhf/hub.py), then `run` gets the config. Around Hydra: `--help` lists every key of
+    `schema` with its current value and description (rlhf/cli.py); an override naming a key that
+    `schema` lacks (`train.lrr=1`, `+train.lrr=1`) stops with exit code 2 and the closest valid key,
+    before Hydra would suggest `+key` or merge it; `--cfg` prints values resolved (no `${root:...}`).
+    """
+    import hydra
+    from hydra._internal.utils import get_args_parser
+
+    from rlhf import cli
+    from rlhf.hub import check_sources
+
+    module = _stage_module(run)
+    args = get_args_parser().parse_args(sys.argv[1:])
+    with user_errors():
+        if args.help:
+            print(_help_page(args.config_name or config_name, schema, module, args.overrides, run), end="")
+            return
+        rewrites = cli.check_overrides(args.overrides, schema, CONF_DIR, module)
+    sys.argv[1:] = [rewrites.get(a, a) for a in sys.argv[1:]]
+    if args.cfg and not args.resolve:
+        sys.argv.append("--resolve")  # NOTE: resolves only what is printed; config.yaml keeps ${...}
+
+    def task(raw: Any) -> None:
+        with user_errors():
+            config = to_config(raw, schema)
+            check_sources(config)
+            run(config)
+
+    task.__module__ = module  # Hydra names the job (and its .log file) after this module, as before
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)()
+
+
+def _stage_module(run: Callable) -> str:
+    """The module that defines `run` ("rlhf.sft"), also under `python -m` (where it is "__main__")."""
+    spec = getattr(sys.modules.get(run.__module__), "__spec__", None)
+    return spec.name if spec is not None else run.__module__
+
+
+def _help_page(config_name: str, schema: type, module: str, overrides: list[str], run: Callable) -> str:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    from rlhf import cli
+
+    rewrites = cli.check_overrides(overrides, schema, CONF_DIR, module)
+    overrides = [rewrites.get(o, o) for o in overrides]
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR, job_name=module.rsplit(".", 1)[-1]):
+            raw = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except HydraException as e:
+        raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
+    choices = cli.config_groups(CONF_DIR)
+    chosen = {g: raw.hydra.runtime.choices.get(g) for g in choices}
+    choices = {g: opts for g, opts in choices.items() if chosen[g] is not None}  # groups this stage uses
+    doc = (sys.modules[run.__module__].__doc__ or "").strip().split("\n")[0]
+    return cli.help_text(module, doc, to_config(raw, schema), schema, choices, chosen)
 
 
 def seed_everything(seed: int) -> None:

@@ -4,6 +4,10 @@ Every key lives in the YAML with its default (so `--cfg job` shows everything); 
 are the schema: a misspelt key or a value of the wrong type fails in `to_config`, and `validate_*`
 check ranges and the batch-size arithmetic, each error naming the key (`train.lr`, ...), before any
 model is loaded. A function receives only the sub-config it uses.
+
+Each field's trailing `# comment` (else the comment block above it) is its one-line description in
+`--help` (rlhf/cli.py): write one for every new field. `metadata={"hub": "model"|"dataset"}` marks
+a key that may hold a hub name, checked up front when the hub is unreachable (rlhf/hub.py).
 """
 from __future__ import annotations
 
@@ -52,8 +56,8 @@ if not OmegaConf.has_resolver("root"):
 @dataclass(kw_only=True)
 class LoraConfig:
     r: int = 0  # 0 = no LoRA
-    alpha: int = 16
-    dropout: float = 0.0
+    alpha: int = 16  # LoRA scaling: the update is (alpha / r) * B @ A
+    dropout: float = 0.0  # dropout on the LoRA input
     target_modules: Any = "all-linear"  # a list of module names, or "all-linear" (peft)
     only_adapters: bool = True  # train only the adapters (base frozen); false = base trains too
     merge_on_save: bool = True  # save the merged full model; false = peft adapter dir on the base
@@ -63,110 +67,117 @@ class LoraConfig:
 class ModelConfig:
     # A local HF directory, a hub name, or a previous stage's output directory (its model/ is
     # used); null = build from `config` with random weights.
-    name_or_path: str | None = None
-    tokenizer: str | None = None  # null = the tokenizer saved with name_or_path (must fit the model)
+    name_or_path: str | None = field(default=None, metadata={"hub": "model"})
+    # A local tokenizer directory or hub name; null = the tokenizer saved with name_or_path. It must
+    # fit the model (every id has an embedding row, the same bos/eos ids).
+    tokenizer: str | None = field(default=None, metadata={"hub": "model"})
     # HF config kwargs (model_type, sizes...) of a model built without weights (name_or_path null);
-    # keys the family's config class does not have are an error; ignored when a model is loaded.
+    # a key the family's config class does not have is an error; ignored when a model is loaded.
     config: dict[str, Any] = field(default_factory=dict)
     dtype: str = "auto"  # weights as loaded/stored for frozen models; trainable ones keep fp32 masters
     save_dtype: str = "fp32"  # dtype of the exported HF weights
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # let transformers run the model repo's own Python code
     # When name_or_path is a local path that does not exist, build from `config` instead (logged).
     # The reward stage's default, so that it runs before the SFT stage has; off everywhere else.
-    fallback_to_config: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    fallback_to_config: bool = False  # name_or_path missing on disk -> build from config (logged)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (r=0: none)
 
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: str = ""  # a .jsonl/.json/.parquet file, a directory, or a `datasets` hub name
+    # A .jsonl/.json/.parquet file, a directory, or a `datasets` hub name
+    path: str = field(default="", metadata={"hub": "dataset"})
     split: str = "train"  # for directories and hub names
-    eval_path: str | None = None  # held-out rows; null = carve eval_fraction of `path` off
+    # Held-out rows; null = carve eval_fraction of `path` off
+    eval_path: str | None = field(default=None, metadata={"hub": "dataset"})
     eval_split: str = "test"  # split of eval_path when it is a directory or hub name
-    eval_fraction: float = 0.02
-    eval_prompts_path: str | None = None  # prompts (with `answer` or default-task) for the gold score
+    eval_fraction: float = 0.02  # share of `path` held out when eval_path is null
+    # Prompts (with `answer` or default-task) for the gold score
+    eval_prompts_path: str | None = field(default=None, metadata={"hub": "dataset"})
     num_eval_prompts: int = 200  # first N of eval_prompts_path; 0 = all
     data_split: Any = None  # "2,4,4" or [2,4,4]: this stage takes its share (DeepSpeed-Chat)
-    split_seed: int = 1234
+    split_seed: int = 1234  # seed of the data_split shares and the eval_fraction hold-out
     max_len: int = 64  # tokens of prompt + response (+ bos/eos)
-    max_prompt_len: int = 48
+    max_prompt_len: int = 48  # prompt tokens (+ bos); longer prompts follow `overlong`
     overlong: str = "truncate"  # truncate | drop (see rlhf/data/tokenize.py)
-    add_bos: bool = True
+    add_bos: bool = True  # prepend the tokenizer's bos token (when it has one)
     cache_dir: str | None = None  # datasets cache for hub names
 
 
 @dataclass(kw_only=True)
 class EngineGroupConfig:
-    stage: int = 0
-    offload: bool = False
+    stage: int = 0  # ZeRO stage: 0 DDP, 1 + sharded optimizer, 2 FSDP2 (grads), 3 FSDP2 (params)
+    offload: bool = False  # params/grads/optimizer step on the CPU (stage 2/3; frozen models: any stage)
     precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
-    activation_checkpointing: bool = False
-    initial_loss_scale: float = 65536.0
-    loss_scale_window: int = 1000
-    min_loss_scale: float = 1.0
-    find_unused_parameters: bool = False
+    activation_checkpointing: bool = False  # recompute each transformer block in backward (less memory)
+    initial_loss_scale: float = 65536.0  # fp16 only: the first loss scale
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    min_loss_scale: float = 1.0  # fp16: the scale never goes below this
+    find_unused_parameters: bool = False  # stage 0/1 (DDP): some trainable params get no gradient
     generation: str = "auto"  # auto | injected | hf (see engine/config.py)
     kernels: bool = False  # fused kernels in all four models (engine/kernel_injection.py)
-    release_inference_cache: bool = False
+    release_inference_cache: bool = False  # free generation weights/KV cache/graphs after each use
 
 
 @dataclass(kw_only=True)
 class LoggerConfig:
     backend: str = "local"  # local | wandb (both write metrics.jsonl)
-    project: str = "rlhf"
-    entity: str | None = None
-    name: str | None = None
+    project: str = "rlhf"  # wandb project
+    entity: str | None = None  # wandb entity (team or user); null = the default one
+    name: str | None = None  # wandb run name; null = wandb picks one
     mode: str = "offline"  # wandb: online | offline | disabled
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    epochs: int = 1
+    epochs: int = 1  # passes over the training rows
     max_steps: int = 0  # > 0 caps the optimizer steps (also with several epochs)
     micro_batch_size: int = 32  # rows per forward on one rank
     global_batch_size: int = 32  # rows per optimizer step = micro x accumulation x world size
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
     scheduler: str = "cosine"  # constant | linear | cosine
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    warmup_steps: int = 0  # linear warmup from 0 to lr over these optimizer steps
+    min_lr_ratio: float = 0.1  # linear/cosine decay ends at lr x this
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
     log_every: int = 10  # steps between metrics.jsonl records
     eval_every: int = 0  # steps between evaluations (0 = only before and after training)
     save_every: int = 0  # steps between sharded checkpoints (0 = none until the end)
-    keep_last_n: int = 2
+    keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
     max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
 
 
 @dataclass(kw_only=True)
 class GenerationConfig:
-    max_new_tokens: int = 16
-    greedy: bool = True
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    batch_size: int = 100
+    """Generations on data.eval_prompts_path, scored by the gold judge."""
+
+    max_new_tokens: int = 16  # response tokens generated per prompt
+    greedy: bool = True  # argmax decoding; false = sample with temperature/top_k/top_p
+    temperature: float = 1.0  # sampling temperature (greedy=false)
+    top_k: int = 0  # sample among the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus sampling: the smallest set with this probability (1 = off)
+    batch_size: int = 100  # prompts per generation batch on one rank
 
 
 @dataclass(kw_only=True)
 class StageConfig:
     """What the SFT and reward stages share: one model trained on one dataset."""
-    output_dir: str
-    seed: int = 1234
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    output_dir: str  # the run's directory: config.yaml, metrics.jsonl, checkpoints/, model/, ...
+    seed: int = 1234  # random init, dropout and data order
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model trained (and its tokenizer)
+    data: DataConfig = field(default_factory=DataConfig)  # training and held-out data
+    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)  # parallelism and precision
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics go besides metrics.jsonl
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, schedule, logging and checkpoints
 
 
 @dataclass(kw_only=True)
 class SFTConfig(StageConfig):
     output_dir: str = "outputs/sft"
-    eval: GenerationConfig = field(default_factory=GenerationConfig)
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
 
 
 @dataclass(kw_only=True)
@@ -178,47 +189,48 @@ class RewardLossConfig:
 @dataclass(kw_only=True)
 class RewardConfig(StageConfig):
     output_dir: str = "outputs/reward"
-    reward: RewardLossConfig = field(default_factory=RewardLossConfig)
+    reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss
 
 
 @dataclass(kw_only=True)
 class TrainedModelConfig:
     """The actor or the critic in PPO: where it starts, its LoRA, its optimizer and schedule."""
 
-    model: str = ""  # a HF directory / hub name / previous stage output_dir
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    scheduler: str = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
+    model: str = field(default="", metadata={"hub": "model"})  # a HF directory / hub name / previous stage output_dir
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (r=0: none)
+    lr: float = 1e-5  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
+    scheduler: str = "constant"  # constant | linear | cosine
+    warmup_steps: int = 0  # linear warmup from 0 to lr over these PPO steps
+    min_lr_ratio: float = 0.1  # linear/cosine decay ends at lr x this
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
 
 
 @dataclass(kw_only=True)
 class FrozenModelConfig:
     """The reference or the reward model: where it comes from; CPU offload between uses."""
 
-    model: str | None = None  # null = the actor's (reference) / the critic's (reward) starting point
-    offload: bool = False
+    # A HF directory / hub name / stage output_dir; null = the actor's (reference) / the critic's (reward)
+    model: str | None = field(default=None, metadata={"hub": "model"})
+    offload: bool = False  # keep the weights on the CPU between uses
 
 
 @dataclass(kw_only=True)
 class PPOAlgoConfig:
-    kl_coef: float = 0.1
+    kl_coef: float = 0.1  # reward -= kl_coef x KL(actor || reference) on every response token
     kl_estimator: str = "k1"  # k1 | k2 | k3
-    adaptive_kl: bool = False
-    kl_target: float = 6.0
-    kl_horizon: float = 10000.0
-    clip_reward_value: float = 5.0
-    gamma: float = 1.0
-    lam: float = 0.95
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    ppo_epochs: int = 1
-    whiten_advantages: bool = False
+    adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al.)
+    kl_target: float = 6.0  # adaptive_kl: the KL aimed at
+    kl_horizon: float = 10000.0  # adaptive_kl: how slowly kl_coef adapts (rollout rows)
+    clip_reward_value: float = 5.0  # reward model scores clipped to +-this
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    cliprange: float = 0.2  # policy ratio clipped to [1 - cliprange, 1 + cliprange]
+    cliprange_value: float = 0.2  # value updates clipped to +-this around the old values
+    ppo_epochs: int = 1  # passes over each step's rollouts
+    whiten_advantages: bool = False  # normalise advantages to mean 0, std 1 (over all ranks)
     ptx_coef: float = 0.0  # > 0: add ptx_coef x the SFT loss on data.ptx_path to the actor loss
     ema_decay: float = 0.0  # > 0: keep an EMA of the actor (saved as model_ema/)
 
@@ -228,41 +240,43 @@ class RolloutConfig:
     prompts_per_step: int = 64  # generation batch (global)
     mini_batch_size: int = 32  # rows per optimizer step (global)
     micro_batch_size: int = 16  # rows per forward on one rank
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    max_new_tokens: int = 16  # response tokens sampled per prompt
+    temperature: float = 1.0  # sampling temperature
+    top_k: int = 0  # sample among the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus sampling (1 = off)
 
 
 @dataclass(kw_only=True)
 class PPOTrainConfig:
     epochs: int = 1  # passes over the prompts
     max_steps: int = 0  # > 0: exactly this many PPO steps (generation + update)
-    log_every: int = 1
-    eval_every: int = 10
-    save_every: int = 0
-    keep_last_n: int = 2
-    resume: Any = False
-    max_consecutive_skips: int = 20
+    log_every: int = 1  # steps between metrics.jsonl records
+    eval_every: int = 10  # steps between evaluations (0 = only before and after training)
+    save_every: int = 0  # steps between sharded checkpoints (0 = none until the end)
+    keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
+    resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
+    max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
 
 
 @dataclass(kw_only=True)
 class PPOConfig:
-    output_dir: str = "outputs/ppo"
-    seed: int = 1234
+    output_dir: str = "outputs/ppo"  # the run's directory: config.yaml, metrics.jsonl, checkpoints/, model/, ...
+    seed: int = 1234  # sampling, dropout and prompt order
     model: ModelConfig = field(default_factory=ModelConfig)  # shared: tokenizer, dtype, save_dtype, ...
-    data: DataConfig = field(default_factory=DataConfig)
-    ptx_path: str | None = None  # SFT data for the ptx loss (null = data/default's demonstrations)
-    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    actor: TrainedModelConfig = field(default_factory=TrainedModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # the prompts (path) and held-out prompts
+    # SFT data for the ptx loss (null = data/default's demonstrations)
+    ptx_path: str | None = field(default=None, metadata={"hub": "dataset"})
+    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)  # parallelism and precision (all four models)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics go besides metrics.jsonl
+    actor: TrainedModelConfig = field(default_factory=TrainedModelConfig)  # the policy trained (starts from SFT)
+    # The value model trained (starts from the reward model)
     critic: TrainedModelConfig = field(default_factory=TrainedModelConfig)
-    reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)
-    reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)
-    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    train: PPOTrainConfig = field(default_factory=PPOTrainConfig)
-    eval: GenerationConfig = field(default_factory=GenerationConfig)
+    reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen policy the KL is measured to
+    reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen scorer of responses
+    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)  # PPO's algorithm settings
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation and batch sizes of each step
+    train: PPOTrainConfig = field(default_factory=PPOTrainConfig)  # step counts, logging and checkpoints
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
 
 
 @dataclass(kw_only=True)

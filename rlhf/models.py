@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from rlhf.config import ConfigError, ModelConfig
+from rlhf.hub import ensure_hub
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def load_tokenizer(cfg: ModelConfig, key: str = "model") -> Any:
     while _is_adapter(source) and not os.path.exists(os.path.join(source, "tokenizer_config.json")):
         base = _adapter_base(source)  # an adapter saved without a tokenizer: its base's
         source = resolve_model_path(base, require_model=False) if os.path.isdir(base) else base
+    ensure_hub(source, which)  # a hub name without a reachable hub: fails in seconds, not minutes
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
@@ -213,6 +215,7 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
         logger.info("%s.config is ignored: the model is loaded from %s (it describes a model built without weights)",
                     key, source)
     torch.manual_seed(seed)  # heads that the checkpoint lacks (e.g. a new value head) init reproducibly
+    ensure_hub(source, f"{key}.name_or_path")  # a hub name without a reachable hub: fails in seconds
     try:
         model = auto_cls.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra)
     except (OSError, ValueError, KeyError) as e:

@@ -26,9 +26,7 @@ import os
 import time
 from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig
 
 from engine import FrozenEngine, TrainEngine, format_memory_report, init_distributed
 from engine.checkpoint import new_tmp_path, publish, read_meta, write_meta
@@ -37,10 +35,10 @@ from engine.ema import ParamEMA
 from engine.generation import SamplingParams
 from rlhf import ppo_math
 from rlhf.app import (
-    CONF_DIR, ConfigError, checkpoint_root, count_skips, fresh_checkpoints, progress, resolve_resume, save_config,
-    seed_everything, setup_logging, user_errors,
+    ConfigError, checkpoint_root, count_skips, fresh_checkpoints, progress, resolve_resume, save_config,
+    seed_everything, setup_logging, stage_main,
 )
-from rlhf.config import ModelConfig, PPOConfig, engine_config, optim_config, to_config, validate_ppo
+from rlhf.config import ModelConfig, PPOConfig, engine_config, optim_config, validate_ppo
 from rlhf.data import collate_prompts, collate_sft, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import gold_eval, load_eval_prompts
@@ -416,10 +414,8 @@ def _plot(out_dir: str) -> None:
     ])
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="ppo")
-def main(raw: DictConfig) -> None:
-    with user_errors():
-        run(to_config(raw, PPOConfig))
+def main() -> None:
+    stage_main("ppo", PPOConfig, run)
 
 
 if __name__ == "__main__":

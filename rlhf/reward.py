@@ -20,16 +20,14 @@ import os
 import time
 from typing import Any
 
-import hydra
 import torch
-from omegaconf import DictConfig
 
 from engine import TrainEngine, format_memory_report, init_distributed
 from rlhf.app import (
-    CONF_DIR, Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
-    user_errors,
+    Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
+    stage_main,
 )
-from rlhf.config import RewardConfig, engine_config, optim_config, to_config, validate_reward
+from rlhf.config import RewardConfig, engine_config, optim_config, validate_reward
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
@@ -223,10 +221,8 @@ def _plot(out_dir: str) -> None:
     ])
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="reward")
-def main(raw: DictConfig) -> None:
-    with user_errors():
-        run(to_config(raw, RewardConfig))
+def main() -> None:
+    stage_main("reward", RewardConfig, run)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,16 @@ import os
 import time
 from typing import Any
 
-import hydra
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from engine import TrainEngine, format_memory_report, init_distributed
 from engine.kernel_injection import has_fused_logprobs
 from rlhf.app import (
-    CONF_DIR, Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
-    user_errors,
+    Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
+    stage_main,
 )
-from rlhf.config import SFTConfig, engine_config, optim_config, to_config, validate_sft
+from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
@@ -181,10 +179,8 @@ def _plot(out_dir: str) -> None:
     ])
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="sft")
-def main(raw: DictConfig) -> None:
-    with user_errors():
-        run(to_config(raw, SFTConfig))
+def main() -> None:
+    stage_main("sft", SFTConfig, run)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,9 @@ _FILE_LIKE_SUFFIXES = frozenset(
 )
 
 
-def load_rows(source: str, split: str = "train", cache_dir: str | None = None) -> list[Row]:
-    """Every record of `source` as a Row (dict + origin). `split`/`cache_dir` apply to load_dataset."""
+def load_rows(source: str, split: str = "train", cache_dir: str | None = None, key: str | None = None) -> list[Row]:
+    """Every record of `source` as a Row (dict + origin). `split`/`cache_dir` apply to load_dataset;
+    `key` (e.g. "data.path") names the config key in errors about hub names."""
     path = Path(source).expanduser()
     suffix = path.suffix.lower()
     if path.is_file():
@@ -48,7 +49,7 @@ def load_rows(source: str, split: str = "train", cache_dir: str | None = None) -
             )
         if source.startswith(("/", "./", "../", "~")):
             raise DataFileNotFoundError(f"data path not found: {path}")
-    return _load_dataset(source, split, cache_dir)
+    return _load_dataset(source, split, cache_dir, key)
 
 
 def _read_jsonl(path: Path) -> list[Row]:
@@ -91,11 +92,19 @@ def _read_parquet(path: Path) -> list[Row]:
     return [Row(d, f"{path} row {i}") for i, d in enumerate(pq.read_table(path).to_pylist())]
 
 
-def _load_dataset(source: str, split: str, cache_dir: str | None) -> list[Row]:
+def _load_dataset(source: str, split: str, cache_dir: str | None, key: str | None = None) -> list[Row]:
+    from rlhf.hub import ensure_hub
+
+    what = f"{key}={source!r}" if key else f"data source {source!r}"
+    ensure_hub(source, key or "data source", "dataset", cache_dir)  # no reachable hub: fails in seconds
     import datasets
 
     try:
         ds: Any = datasets.load_dataset(source, split=split, cache_dir=cache_dir)
+    except OSError as e:  # ConnectionError, a hub name that does not exist, or not in the cache offline
+        msg = " ".join(str(e).split())
+        raise DataFormatError(
+            f"{what} (split {split!r}): datasets.load_dataset failed: {type(e).__name__}: {msg}") from None
     except Exception as e:
         e.add_note(f"while loading data source {source!r} (split {split!r}) with datasets.load_dataset")
         raise

@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 
 def stage_rows(d: DataConfig, stage: int) -> tuple[list[Row], list[Row]]:
     """(train rows, held-out rows) of `d.path` for `stage`; eval_path, or eval_fraction carved off."""
-    rows = load_rows(d.path, d.split, d.cache_dir)
+    rows = load_rows(d.path, d.split, d.cache_dir, key="data.path")
     total = len(rows)
     if d.data_split is not None:
         rows = take_split(rows, d.data_split, stage, d.split_seed)
         logger.info("data.data_split=%s: %s stage takes %d of %d rows", d.data_split, STAGES[stage], len(rows), total)
     if d.eval_path:
-        eval_rows = load_rows(d.eval_path, d.eval_split, d.cache_dir)
+        eval_rows = load_rows(d.eval_path, d.eval_split, d.cache_dir, key="data.eval_path")
     else:
         n_eval = round(d.eval_fraction * len(rows))
         perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.split_seed)).tolist()

@@ -1,0 +1,259 @@
+"""The command line of the stage apps, around Hydra: `--help` from the schema, unknown keys caught.
+
+    python -m rlhf.sft --help                  # every key: value after overrides + one-line description
+    python -m rlhf.sft train.lr=3e-4 --help    # the same, with the override applied
+    python -m rlhf.sft train.lrr=1             # error (configuration/data): ... did you mean 'train.lr'?
+
+The descriptions come from the schema's source (rlhf/config.py), so there is one place to write
+them: a field's trailing `# comment`, else the comment block just above it, else
+`field(metadata={"help": ...})`. A group's description is its field's comment in the parent, else its
+docstring. Any dataclass schema works; `rlhf.app.stage_main` is the entry that uses this module.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import inspect
+import io
+import os
+import textwrap
+import tokenize
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from rlhf.config import ConfigError
+
+DESC_COLUMN = 40  # where descriptions start in --help (a longer `key=value` puts it on the next line)
+
+
+# ----------------------------------------------------------------------------- the schema's keys
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Key:
+    path: str  # dotted, as on the command line: "train.lr"
+    group: type | None  # the nested dataclass when this key is a group, else None
+    description: str
+    open: bool  # a dict / Any leaf: keys below it are the user's (model.config.hidden_size)
+
+
+def _group_type(tp: Any) -> type | None:
+    """The dataclass inside `tp` (also `X | None`), if any."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), None)
+    return None
+
+
+def _is_open(tp: Any) -> bool:
+    tps = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    return any(t is Any or t is dict or typing.get_origin(t) is dict for t in tps)
+
+
+def schema_keys(schema: type, prefix: str = "") -> Iterator[Key]:
+    """Every key of `schema`, depth first: a group, then the keys inside it."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = hints[f.name]
+        group = _group_type(tp)
+        desc = describe(schema, f.name) or (_class_doc(group) if group else "")
+        yield Key(prefix + f.name, group, desc, open=group is None and _is_open(tp))
+        if group:
+            yield from schema_keys(group, prefix + f.name + ".")
+
+
+def _class_doc(cls: type) -> str:
+    doc = inspect.getdoc(cls) or ""
+    if doc.startswith(cls.__name__ + "("):  # the signature that @dataclass writes when there is no docstring
+        return ""
+    return doc.split("\n\n")[0].replace("\n", " ")
+
+
+def describe(schema: type, name: str) -> str:
+    """The one-line description of field `name` of `schema` (searched along its bases)."""
+    f = {f.name: f for f in dataclasses.fields(schema)}.get(name)
+    if f is not None and f.metadata.get("help"):
+        return f.metadata["help"]
+    for cls in schema.__mro__:
+        desc = _source_comments(cls).get(name)
+        if desc:
+            return desc
+    return ""
+
+
+@functools.cache
+def _source_comments(cls: type) -> dict[str, str]:
+    """{field name: its comment} from the class's source: the trailing comment of the field's lines,
+    else the block of comment lines right above it."""
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, tuple[str, bool]] = {}  # line -> (text, whole line is the comment)
+    lines = src.splitlines()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            text = tok.string.lstrip("#").strip()
+            comments[tok.start[0]] = (text, not lines[tok.start[0] - 1][: tok.start[1]].strip())
+    out = {}
+    for node in ast.parse(src).body[0].body:  # type: ignore[attr-defined]
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        trailing = [comments[n][0] for n in range(node.lineno, node.end_lineno + 1)
+                    if n in comments and not comments[n][1]]
+        above, n = [], node.lineno - 1
+        while n in comments and comments[n][1]:
+            above.insert(0, comments[n][0])
+            n -= 1
+        out[node.target.id] = trailing[0] if trailing else _as_phrase(" ".join(above))
+    return out
+
+
+def _as_phrase(sentence: str) -> str:
+    """"A local path. Or ..." -> "a local path. Or ...": a block comment read like a trailing one."""
+    sentence = sentence.rstrip(".")
+    first = sentence.split(" ", 1)[0]
+    return sentence[:1].lower() + sentence[1:] if first[1:].islower() or len(first) == 1 else sentence
+
+
+# ----------------------------------------------------------------------------- command-line keys
+
+
+def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str) -> dict[str, str]:
+    """Raise ConfigError for an override naming a key that `schema` does not have (with `+` or
+    without), suggesting the closest valid key, or a config-group option that does not exist;
+    hydra.* passes through. Returns {override: rewritten} for keys below a dict-valued key
+    (`model.config.rope_theta=1e4` -> `++...`: set or add, as the dict's contents are the user's)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException as e:
+        raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
+    keys = {k.path: k for k in schema_keys(schema)}
+    rewrites = {}
+    for o in parsed:
+        name = o.key_or_group
+        if name == "hydra" or name.startswith(("hydra.", "hydra/")) or o.package is not None:
+            continue
+        if os.path.isdir(os.path.join(conf_dir, name)):  # a config group choice: model=llama
+            _check_option(o, conf_dir)
+            continue
+        if name in keys:
+            continue
+        parts = name.split(".")
+        prefixes = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+        parent = next((p for p in prefixes if p in keys), None)
+        if parent is not None and keys[parent].open:
+            if not (o.is_add() or o.is_force_add() or o.is_delete()):
+                rewrites[o.input_line] = "++" + o.input_line
+            continue
+        if parent is not None and keys[parent].group is None:
+            hint = [parent]  # `train.lr.x`: train.lr holds a value, not keys
+        else:
+            hint = suggest(name, [k for k, v in keys.items() if v.group is None]) or suggest(name, list(keys))
+        raise ConfigError(
+            f"unknown config key {name!r} (in {o.input_line!r})"
+            + (f"; did you mean {' or '.join(repr(h) for h in hint)}?" if hint else "")
+            + f" (python -m {app} --help lists every key)"
+        )
+    return rewrites
+
+
+def _check_option(o: Any, conf_dir: str) -> None:
+    value = o.value()
+    options = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, o.key_or_group)) if f.endswith(".yaml"))
+    if isinstance(value, str) and not o.is_delete() and value not in options:
+        raise ConfigError(f"{o.key_or_group}={value}: no such option of the config group {o.key_or_group!r} "
+                          f"(options: {', '.join(options)})")
+
+
+def suggest(name: str, valid: list[str]) -> list[str]:
+    """The closest of the `valid` keys to `name` (difflib): the same last part elsewhere (a key
+    nested wrongly; up to 3), else a close whole key, else keys with a close last part (up to 3)."""
+    last = name.rsplit(".", 1)[-1]
+
+    def best(cands: list[str]) -> list[str]:
+        return sorted(cands, key=lambda k: -difflib.SequenceMatcher(None, name, k).ratio())[:3]
+
+    same = [k for k in valid if k.rsplit(".", 1)[-1] == last]
+    if same:
+        return best(same)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.8)
+    if close:
+        return close
+    lasts = {k.rsplit(".", 1)[-1] for k in valid}
+    near = difflib.get_close_matches(last, list(lasts), n=1, cutoff=0.7)
+    if near:
+        return best([k for k in valid if k.rsplit(".", 1)[-1] == near[0]])
+    return difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+
+
+# ----------------------------------------------------------------------------- --help
+
+
+def _fmt(value: Any) -> str:
+    import yaml
+
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return value if value else "''"
+    if isinstance(value, (list, tuple, dict)):
+        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=10**6).strip()
+    return str(value)
+
+
+def help_text(app: str, doc: str, config: Any, schema: type, choices: dict[str, list[str]],
+              chosen: dict[str, str]) -> str:
+    """The `--help` page: usage, config groups, then every key of `config` (an instance of
+    `schema`, overrides applied) with its value and description, grouped as the schema is."""
+    usage = [("[key=value ...]", "run, with the keys below overridden"),
+             ("[key=value ...] --help", "this page, with the overrides applied"),
+             ("[key=value ...] --cfg job", "the composed config as YAML, values resolved"),
+             ("--hydra-help", "Hydra's own flags (--info, --multirun, ...)")]
+    out = [f"{app}: {doc}" if doc else app, ""]
+    width = max(len(args) for args, _ in usage) + len(app) + 11
+    for i, (args, what) in enumerate(usage):
+        out.append(f"{'usage:' if i == 0 else '':<7}{f'python -m {app} {args}':<{width}}  {what}")
+    out.append("")
+    if choices:
+        out.append("config groups (group=option, the current one in [brackets]):")
+        for group, options in choices.items():
+            opts = " ".join(f"[{o}]" if o == chosen.get(group) else o for o in options)
+            out.append(f"  {group}: {opts}")
+        out.append("")
+    out.append("keys (key=current value, then what it means):")
+    for key in schema_keys(schema):
+        if key.group is not None:
+            out += ["", f"{key.path}: {key.description}" if key.description else f"{key.path}:"]
+            continue
+        value = config
+        for part in key.path.split("."):
+            value = getattr(value, part)
+        kv = f"  {key.path}={_fmt(value)}"
+        if len(kv) < DESC_COLUMN - 1:
+            out.append(f"{kv:<{DESC_COLUMN}}{key.description}")
+        else:
+            out += [kv, " " * DESC_COLUMN + key.description]
+    return "\n".join(out) + "\n"
+
+
+def config_groups(conf_dir: str) -> dict[str, list[str]]:
+    """{group: [options]} for the config groups in `conf_dir` (its subdirectories of .yaml files)."""
+    groups = {}
+    for name in sorted(os.listdir(conf_dir)):
+        sub = os.path.join(conf_dir, name)
+        if os.path.isdir(sub):
+            groups[name] = sorted(f[:-5] for f in os.listdir(sub) if f.endswith(".yaml"))
+    return groups
