@@ -178,7 +178,9 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[st
                            actor=models.actor.model, reference=models.reference.model, critic=models.critic.model,
                            reward=models.reward.model, micro_batch_size=cfg.rollout.micro_batch_size,
                            temperature=cfg.rollout.temperature)
-    kl = ppo_math.masked_sum(scored["logp_old"] - scored["logp_ref"], g.response_mask.float(), dim=1)
+    # the same estimator as the reward penalty (ppo.kl_estimator), so the reported KL names one thing
+    kl = ppo_math.masked_sum(ppo_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
+                             g.response_mask.float(), dim=1)
     sums = all_reduce_sum(torch.stack([kl.sum(), scored["score"].sum(), torch.tensor(float(len(mine)))]).double())
     out["kl"] = (sums[0] / sums[2]).item()
     out["reward"] = (sums[1] / sums[2]).item()
@@ -360,7 +362,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         if ema_sd is not None:
             export_hf(ema_sd, models.actor.unwrapped, tok, os.path.join(out_dir, "model_ema"), actor_cfg,
                       add_bos=cfg.data.add_bos)
-        _plot(out_dir)
+        _plot(out_dir, p.kl_estimator)
         n = max(len(times["generation_s"]), 1)
         summary = {
             "stage": "ppo",
@@ -404,12 +406,13 @@ def _eval_line(ev: dict) -> str:
     return ", ".join(parts) or "no eval prompts"
 
 
-def _plot(out_dir: str) -> None:
+def _plot(out_dir: str, kl_estimator: str) -> None:
     train, ev = read_metrics(out_dir, "train"), read_metrics(out_dir, "eval")
     plot_series(os.path.join(out_dir, "ppo.png"), "PPO", [
         ("reward", [("rollouts", *series(train, "reward")), ("held-out (sampled)", *series(ev, "reward"))]),
-        ("KL to reference", [("rollouts", *series(train, "kl")), ("held-out", *series(ev, "kl"))]),
-        ("gold score", [("held-out (greedy)", *series(ev, "gold_score"))]),
+        (f"KL to reference\n(nats, {kl_estimator} est.)", [("rollouts", *series(train, "kl")),
+                                                             ("held-out", *series(ev, "kl"))]),
+        ("gold score (% exact)", [("held-out (greedy)", *series(ev, "gold_score"))]),
         ("response length", [("rollouts (tokens)", *series(train, "response_len"))]),
     ])
 

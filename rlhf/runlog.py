@@ -98,28 +98,56 @@ def format_summary(summary: dict) -> str:
     return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in summary.items())
 
 
-def plot_series(path: str, title: str, panels: Sequence[tuple[str, Sequence[tuple[str, list, list]]]]) -> str | None:
-    """One PNG with a panel per (ylabel, [(label, xs, ys), ...]); empty series are skipped."""
-    panels = [(y, [s for s in series if s[1]]) for y, series in panels]
-    panels = [(y, series) for y, series in panels if series]
+Panel = tuple  # (ylabel, [(label, xs, ys), ...]) or (ylabel, [...], xlabel); xlabel defaults to "step"
+
+
+def make_figure(title: str, panels: Sequence[Panel], *, ncols: int = 1, sharex: bool = True):
+    """A matplotlib Figure with one panel per (ylabel, series[, xlabel]), filled row by row over `ncols`
+    columns; empty series and panels are skipped (None if nothing is left).
+
+    Every panel gets its own x label and tick labels (no guessing which axis a panel uses); x ticks are
+    integers, since steps are. With `sharex` all panels share one x range (one run's steps); the
+    pipeline figure turns it off because its columns are different stages.
+    """
+    panels = [(p[0], [s for s in p[1] if s[1]], p[2] if len(p) > 2 else "step") for p in panels]
+    panels = [p for p in panels if p[1]]
     if not panels:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False)
-    for ax, (ylabel, series) in zip(axes[:, 0], panels):
-        for label, xs, ys in series:
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols if ncols > 1 else 7, 2.8 * nrows), squeeze=False,
+                             sharex=sharex)
+    flat = list(axes.flat)
+    for ax, (ylabel, series_, xlabel) in zip(flat, panels):
+        for label, xs, ys in series_:
             ax.plot(xs, ys, label=label, marker="o" if len(xs) < 20 else None, markersize=3)
         ax.set_ylabel(ylabel)
+        ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.tick_params(labelbottom=True)  # sharex hides inner panels' tick labels by default
         ax.grid(alpha=0.3)
-        if len(series) > 1 or series[0][0]:
+        if len(series_) > 1 or series_[0][0]:
             ax.legend(fontsize=8)
-    axes[-1, 0].set_xlabel("step")
+    for ax in flat[len(panels):]:
+        ax.remove()
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_series(path: str, title: str, panels: Sequence[Panel], *, ncols: int = 1, sharex: bool = True) -> str | None:
+    """`make_figure(...)` saved as a PNG at `path`; returns the path (None when there was nothing to plot)."""
+    fig = make_figure(title, panels, ncols=ncols, sharex=sharex)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

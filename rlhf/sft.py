@@ -175,7 +175,7 @@ def _plot(out_dir: str) -> None:
     train, ev = read_metrics(out_dir, "train"), read_metrics(out_dir, "eval")
     plot_series(os.path.join(out_dir, "sft.png"), "SFT", [
         ("loss", [("train", *series(train, "loss")), ("held-out", *series(ev, "loss"))]),
-        ("gold score", [("", *series(ev, "gold_score"))]),
+        ("gold score (% exact)", [("held-out (greedy)", *series(ev, "gold_score"))]),
     ])
 
 

@@ -163,6 +163,12 @@ def build_tokenizer(out_dir: Path) -> None:
         "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
     )
     fast.save_pretrained(str(out_dir))
+    # NOTE: transformers 5 saves tokenizer_class "TokenizersBackend", a class 4.x lacks ("does not exist");
+    # PreTrainedTokenizerFast loads on both (5.x keeps it as an alias of TokenizersBackend).
+    path = out_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def main() -> None:

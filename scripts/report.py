@@ -13,6 +13,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rlhf.runlog import plot_series, read_metrics, series  # noqa: E402
 
 STAGES = ("sft", "reward", "ppo")
+GOLD = "gold score (% exact)"
+# What each estimator of KL(policy || reference) is, for the report (rlhf/ppo_math.kl_estimate).
+KL_ESTIMATORS = {
+    "k1": "k1 = log p - log p_ref summed over the sampled response: unbiased, but a single sample per prompt "
+          "can be negative, so a mean over few responses can come out below zero although the true KL is >= 0",
+    "k2": "k2 = (log p - log p_ref)^2 / 2 per token: never negative, biased upwards",
+    "k3": "k3 = p_ref/p - 1 - log(p_ref/p) per token: unbiased and never negative",
+}
 
 
 def load_summary(root: str, stage: str) -> dict:
@@ -21,6 +29,43 @@ def load_summary(root: str, stage: str) -> dict:
         raise SystemExit(f"report.py: {path} is missing (did the {stage} stage finish?)")
     with open(path) as f:
         return json.load(f)
+
+
+def kl_estimator(root: str) -> str | None:
+    """ppo.kl_estimator from the PPO stage's saved config.yaml (None if it cannot be read)."""
+    from omegaconf import OmegaConf
+
+    path = os.path.join(root, "ppo", "config.yaml")
+    if not os.path.exists(path):
+        return None
+    return OmegaConf.select(OmegaConf.load(path), "ppo.kl_estimator")
+
+
+def kl_sentence(kl: float | None, estimator: str | None) -> str:
+    """The PPO KL as measured, with the estimator named and a negative value explained."""
+    if kl is None:
+        return "no held-out KL was measured"
+    how = KL_ESTIMATORS.get(estimator or "", f"estimator {estimator!r} (see ppo.kl_estimator)" if estimator
+                            else "an unknown estimator (no ppo/config.yaml)")
+    text = (f"a mean KL to the reference of {kl:.4f} nats per response, a sampled estimate (one sampled response "
+            f"per held-out prompt, ppo.kl_estimator={estimator}: {how})")
+    if kl < 0:
+        text += ("; the value is negative only through sampling noise (the true KL is never negative): read it as "
+                 "a KL too small for this many samples to resolve, not as a divergence below zero")
+    return text
+
+
+def pipeline_panels(root: str) -> list:
+    """The whole pipeline side by side: each stage's key curve against its own steps."""
+    sft_t, sft_e = read_metrics(os.path.join(root, "sft"), "train"), read_metrics(os.path.join(root, "sft"), "eval")
+    rm_t, rm_e = read_metrics(os.path.join(root, "reward"), "train"), read_metrics(os.path.join(root, "reward"), "eval")
+    ppo_e = read_metrics(os.path.join(root, "ppo"), "eval")
+    return [
+        ("SFT loss", [("train", *series(sft_t, "loss")), ("held-out", *series(sft_e, "loss"))], "SFT step"),
+        ("reward-model pair accuracy", [("train", *series(rm_t, "accuracy")), ("held-out", *series(rm_e, "accuracy"))],
+         "reward step"),
+        (f"PPO {GOLD}", [("held-out (greedy)", *series(ppo_e, "gold_score"))], "PPO step"),
+    ]
 
 
 def fmt(v) -> str:
@@ -40,10 +85,8 @@ def main() -> None:
     # gold score across the pipeline: untrained -> SFT -> PPO (held-out prompts, greedy)
     gold = [("untrained", s["sft"].get("gold_score_before")), ("after SFT", s["sft"].get("gold_score_after")),
             ("after PPO", s["ppo"].get("gold_score_after"))]
-    ppo_eval = read_metrics(os.path.join(root, "ppo"), "eval")
-    plot_series(os.path.join(root, "pipeline.png"), "Held-out gold score", [
-        ("gold score (PPO steps)", [("", *series(ppo_eval, "gold_score"))]),
-    ])
+    plot_series(os.path.join(root, "pipeline.png"), "Pipeline: SFT -> reward model -> PPO", pipeline_panels(root),
+                ncols=3, sharex=False)
 
     total = args.total_s if args.total_s is not None else sum(s[k]["time_s"] for k in STAGES)
     lines = [
@@ -54,16 +97,16 @@ def main() -> None:
         "",
         "## Held-out gold score (greedy, % exact)",
         "",
-        "| model | gold score |",
+        "| model | gold score (%) |",
         "|---|---|",
         *[f"| {name} | {fmt(v)} |" for name, v in gold],
     ]
     if gold[1][1] is not None and gold[2][1] is not None:
-        lines += ["", f"PPO changed the gold score by **{gold[2][1] - gold[1][1]:+.1f} points** with a mean KL to the "
-                      f"reference of {fmt(s['ppo'].get('kl'))} nats per response."]
+        lines += ["", f"PPO changed the gold score by **{gold[2][1] - gold[1][1]:+.1f} points** (percentage points) "
+                      f"with {kl_sentence(s['ppo'].get('kl'), kl_estimator(root))}."]
     tasks = sorted({k.split("/")[1].rsplit("_", 1)[0] for k in s["ppo"] if k.startswith("gold_score/")})
     if tasks:
-        lines += ["", "| task | after SFT | after PPO |", "|---|---|---|"]
+        lines += ["", "| task | after SFT (%) | after PPO (%) |", "|---|---|---|"]
         lines += [f"| {t} | {fmt(s['ppo'].get(f'gold_score/{t}_before'))} | {fmt(s['ppo'].get(f'gold_score/{t}_after'))} |"
                   for t in tasks]
     r = s["reward"]
@@ -83,7 +126,7 @@ def main() -> None:
             s["ppo"]["step_generation_s"], s["ppo"]["step_scoring_s"], s["ppo"]["step_training_s"]),
         "", "## Plots", "",
         "![SFT](sft/sft.png)", "", "![Reward model](reward/reward.png)", "", "![PPO](ppo/ppo.png)", "",
-        "![Gold score](pipeline.png)", "",
+        "![Pipeline](pipeline.png)", "",
         "## Summaries", "", "```json", json.dumps(s, indent=1), "```", "",
     ]
     with open(os.path.join(root, "report.md"), "w") as f:

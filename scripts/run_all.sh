@@ -8,7 +8,23 @@
 #   LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:rollout.micro_batch_size=16
 #   PRESET=smoke bash scripts/run_all.sh                      # a few steps per stage (tests, CI)
 #
+#   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
+#
 # Arguments are Hydra overrides prefixed with the stage they go to (sft:, reward:, ppo:) or all:.
+#
+# Re-running into the same OUTPUT_DIR does only the work that is missing. Per stage, in order
+# (scripts/stage_plan.py decides and prints one line saying which and why):
+#   skipped  <stage>/summary.json exists and <stage>/config.yaml matches the config this invocation
+#            would run;
+#   resumed  (train.resume=true) no summary.json, config.yaml matches, and <stage>/checkpoints holds
+#            a complete checkpoint (checkpoints are written with train.save_every > 0);
+#   running  otherwise: no output yet, a changed config, nothing to resume from, an earlier stage
+#            that ran or resumed in this invocation (its output changed, so every later stage runs
+#            fresh), or FORCE=1.
+# "Matches": the stage's config composed by Hydra from conf/<stage>.yaml and these overrides and
+# converted to its dataclass exactly as the stage does (what it saves as config.yaml) is equal, key
+# by key, to the saved config.yaml, train.resume excepted. Paths compare as written. Not compared:
+# the contents of data files, the code, LAUNCH: after changing those use FORCE=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${OUTPUT_DIR:-outputs}"
@@ -45,11 +61,34 @@ run() {  # run <module> <overrides...>
   if [ "$LAUNCH" = python ]; then python -m "rlhf.$module" "$@"; else $LAUNCH -m "rlhf.$module" "$@"; fi
 }
 
+UPSTREAM_RAN=""  # set once a stage ran or resumed: the stages after it must run fresh
+SKIPPED=""       # set once a stage was skipped: this invocation's wall time is then not the pipeline's
+
+stage() {  # stage <module> <title> <overrides...>: skip, resume or run it, and say which and why
+  local module="$1" title="$2"; shift 2
+  local out="$ROOT/$module" action reason
+  if [ "${FORCE:-0}" = 1 ]; then
+    action=run reason="FORCE=1"
+  elif [ -n "$UPSTREAM_RAN" ]; then
+    action=run reason="the $UPSTREAM_RAN stage before it ran in this invocation"
+  else
+    read -r action reason < <(python scripts/stage_plan.py "$module" "$out" "output_dir=$out" "$@")
+  fi
+  case "$action" in
+    skip) echo "== $title: skipped ($reason) -> $out"; SKIPPED=1 ;;
+    resume) echo "== $title: resumed ($reason) -> $out"
+            run "$module" "output_dir=$out" "$@" train.resume=true; UPSTREAM_RAN="$module" ;;
+    *) echo "== $title: running (${reason:-stage_plan.py gave no answer}) -> $out"
+       run "$module" "output_dir=$out" "$@"; UPSTREAM_RAN="$module" ;;
+  esac
+}
+
 start=$(date +%s)
-echo "== SFT -> $ROOT/sft"
-run sft "output_dir=$ROOT/sft" "${SFT[@]}"
-echo "== reward model -> $ROOT/reward"
-run reward "output_dir=$ROOT/reward" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
-echo "== PPO -> $ROOT/ppo"
-run ppo "output_dir=$ROOT/ppo" "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
-python scripts/report.py "$ROOT" --total-s "$(( $(date +%s) - start ))"
+stage sft SFT "${SFT[@]}"
+stage reward "reward model" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
+stage ppo PPO "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
+if [ -n "$SKIPPED" ]; then
+  python scripts/report.py "$ROOT"  # total time = the stages' own times, from their summaries
+else
+  python scripts/report.py "$ROOT" --total-s "$(( $(date +%s) - start ))"
+fi

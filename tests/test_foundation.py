@@ -153,6 +153,27 @@ def test_shipped_files_are_what_the_generator_makes():
         assert read_jsonl(f"{name}.jsonl") == rows, name
 
 
+def test_shipped_tokenizer_is_what_the_generator_makes(tmp_path):
+    """Including tokenizer_class PreTrainedTokenizerFast (transformers 5 would save TokenizersBackend,
+    which 4.x cannot load). transformers 4.x saves more keys, so the byte comparison needs 5.x."""
+    import json
+    import sys
+
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the shipped tokenizer files are generated with transformers 5")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_default_data import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    shipped = ROOT / "data" / "tokenizer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in shipped.iterdir())
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((shipped / name).read_text()), name
+    assert json.loads((shipped / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
 def test_eval_prompts_never_appear_in_training_files():
     held_out = {r["prompt"] for r in read_jsonl("eval_prompts.jsonl")}
     held_out |= {r["prompt"] for r in read_jsonl("pairs_eval.jsonl")}

@@ -300,4 +300,60 @@ def test_run_all_smoke(tmp_path):
         assert os.path.isfile(root / name), name
     report = (root / "report.md").read_text()
     assert "after PPO" in report and "Reward model" in report
+    assert "ppo.kl_estimator=k1" in report and "sampled estimate" in report and "gold score (%)" in report
     assert summary(root / "ppo")["gold_score_before"] == pytest.approx(summary(root / "sft")["gold_score_after"])
+
+
+# The smallest pipeline that still checkpoints PPO (save_every=1), for the skip/resume test.
+TINY_ALL = [*(f"sft:{o}" for o in SMALL_MODEL), "sft:train.max_steps=4", "sft:data.num_eval_prompts=8",
+            "reward:train.max_steps=4", "ppo:train.max_steps=2", "ppo:train.save_every=1", "ppo:data.num_eval_prompts=8",
+            "ppo:rollout.prompts_per_step=8", "ppo:rollout.mini_batch_size=8", "ppo:rollout.micro_batch_size=8"]
+
+
+def run_all(root, *args, **env):
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # this venv's python first
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *TINY_ALL, *args], cwd=ROOT,
+                          env={**cli_env(), "PATH": path, "OUTPUT_DIR": str(root), "PRESET": "smoke", **env},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return [line for line in proc.stdout.splitlines() if line.startswith("== ")]
+
+
+def mtimes(root) -> dict[str, int]:
+    return {st: os.stat(root / st / "summary.json").st_mtime_ns for st in ("sft", "reward", "ppo")}
+
+
+@pytest.mark.slow
+def test_run_all_skips_finished_stages_and_resumes_interrupted_ones(tmp_path):
+    root = tmp_path / "all"
+    first = run_all(root)
+    assert [line.split(":")[1].split()[0] for line in first] == ["running"] * 3, first
+    done = mtimes(root)
+
+    again = run_all(root)  # same invocation: nothing to do
+    assert len(again) == 3 and all(": skipped (summary.json exists and config.yaml matches)" in line
+                                   for line in again), again
+    assert mtimes(root) == done
+
+    changed = run_all(root, "ppo:ppo.kl_coef=0.2")  # only PPO's config changed
+    assert "skipped" in changed[0] and "skipped" in changed[1], changed
+    assert changed[2].startswith("== PPO: running (config changed: ppo.kl_coef: 0.3 -> 0.2)"), changed
+    now = mtimes(root)
+    assert now["sft"] == done["sft"] and now["reward"] == done["reward"] and now["ppo"] != done["ppo"]
+    assert summary(root / "ppo")["kl_coef_final"] == pytest.approx(0.2)
+
+    os.remove(root / "ppo" / "summary.json")  # as if PPO had died after its last checkpoint
+    assert os.listdir(root / "ppo" / "checkpoints")
+    resumed = run_all(root, "ppo:ppo.kl_coef=0.2")
+    assert "skipped" in resumed[0] and "skipped" in resumed[1], resumed
+    assert resumed[2].startswith("== PPO: resumed ("), resumed
+    assert summary(root / "ppo")["steps"] == 2
+    assert "resumed from" in (root / "ppo" / "ppo.log").read_text()  # Hydra's job log (appended)
+
+    forced = run_all(root, "ppo:ppo.kl_coef=0.2", FORCE="1")
+    assert all(": running (FORCE=1)" in line for line in forced), forced

@@ -1,0 +1,88 @@
+"""report.py and the plots, on a run directory written by hand (no training): what the figures show
+(read back from matplotlib's axes) and what report.md says about the KL."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytest.importorskip("matplotlib")
+from rlhf.runlog import make_figure  # noqa: E402
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("report", ROOT / "scripts" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def write_run(root, kl: float, estimator: str = "k1") -> None:
+    """The files report.py reads: three summaries, metrics.jsonl per stage, ppo/config.yaml."""
+    stages = {
+        "sft": ({"stage": "sft", "time_s": 10.0, "gold_score_before": 0.0, "gold_score_after": 40.0},
+                [{"step": s, "kind": "train", "loss": 3.0 - s / 10} for s in (5, 10, 15)]
+                + [{"step": s, "kind": "eval", "loss": 3.1 - s / 10, "gold_score": 2.0 * s} for s in (0, 15)]),
+        "reward": ({"stage": "reward", "time_s": 5.0, "eval_accuracy": 0.8},
+                   [{"step": s, "kind": "train", "loss": 0.6, "accuracy": 0.5 + s / 100} for s in (10, 20, 30, 40)]),
+        "ppo": ({"stage": "ppo", "time_s": 7.0, "steps": 3, "gold_score_before": 40.0, "gold_score_after": 42.5,
+                 "kl": kl, "step_generation_s": 0.1, "step_scoring_s": 0.1, "step_training_s": 0.2},
+                [{"step": s, "kind": "train", "reward": 0.1 * s, "kl": kl} for s in (1, 2, 3)]
+                + [{"step": s, "kind": "eval", "gold_score": 40.0 + s, "kl": kl} for s in (0, 3)]),
+    }
+    for stage, (summ, rows) in stages.items():
+        d = root / stage
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(summ))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "ppo" / "config.yaml").write_text(f"ppo:\n  kl_coef: 0.3\n  kl_estimator: {estimator}\n")
+
+
+def test_figure_shares_x_with_integer_ticks_and_labels_every_panel():
+    fig = make_figure("t", [
+        ("loss", [("train", [1, 2, 3], [3.0, 2.0, 1.0])]),
+        ("gold score (% exact)", [("held-out", [0, 3], [10.0, 20.0])]),
+        ("empty", [("x", [], [])]),  # skipped
+    ])
+    axes = fig.axes
+    assert len(axes) == 2
+    assert axes[0].get_xlim() == axes[1].get_xlim()
+    for ax in axes:
+        assert ax.get_xlabel() == "step"
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        assert all(label.get_visible() for label in ax.get_xticklabels())  # not hidden by sharex
+    assert "%" in axes[1].get_ylabel()
+    assert make_figure("t", [("empty", [("x", [], [])])]) is None
+
+
+def test_pipeline_figure_shows_every_stage(tmp_path):
+    report = load_report()
+    write_run(tmp_path, kl=0.05)
+    fig = make_figure("p", report.pipeline_panels(str(tmp_path)), ncols=3, sharex=False)
+    axes = fig.axes
+    assert [ax.get_xlabel() for ax in axes] == ["SFT step", "reward step", "PPO step"]
+    assert "%" in axes[2].get_ylabel() and "gold" in axes[2].get_ylabel()
+    # each stage keeps its own step range: SFT reaches 15, reward 40, PPO 3
+    assert axes[0].get_xlim()[1] >= 15 and axes[1].get_xlim()[1] >= 40 and axes[2].get_xlim()[1] < 10
+    for ax in axes:
+        assert all(float(t).is_integer() for t in ax.get_xticks())
+
+
+@pytest.mark.parametrize("kl, estimator", [(-0.0224, "k1"), (0.31, "k3")])
+def test_report_names_the_kl_estimator_and_explains_a_negative_kl(tmp_path, kl, estimator):
+    write_run(tmp_path, kl=kl, estimator=estimator)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "report.md").read_text()
+    assert f"ppo.kl_estimator={estimator}" in text and f"{kl:.4f} nats per response" in text
+    assert "sampled estimate" in text
+    assert ("negative only through sampling noise" in text) == (kl < 0)
+    assert "gold score (%)" in text and "+2.5 points" in text
+    assert (tmp_path / "pipeline.png").is_file()
