@@ -313,12 +313,19 @@ def export_tokenizer(tokenizer: Any, *, add_bos: bool, add_eos: bool) -> Any:
 
     tok = copy.deepcopy(tokenizer)
     bos = add_bos and tok.bos_token_id is not None
-    try:
-        tok.add_bos_token, tok.add_eos_token = bos, add_eos
-    except (AttributeError, ValueError):
-        pass
     want = ([tok.bos_token_id] if bos else []) + tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"] + (
         [tok.eos_token_id] if add_eos else [])
+    try:
+        tok.add_bos_token, tok.add_eos_token = bos, add_eos  # transformers 5 rebuilds the post-processor
+    except (AttributeError, ValueError):
+        pass
+    if tok(PROBE_TEXT)["input_ids"] != want and getattr(tok, "is_fast", False):
+        from tokenizers import processors  # transformers 4's fast tokenizers: set the template directly
+
+        specials = [(t, i) for t, i, on in ((tok.bos_token, tok.bos_token_id, bos), (tok.eos_token, tok.eos_token_id, add_eos)) if on]
+        single = " ".join([f"{tok.bos_token}:0"] * bos + ["$A:0"] + [f"{tok.eos_token}:0"] * add_eos)
+        pair = single + " " + " ".join([f"{tok.bos_token}:1"] * bos + ["$B:1"] + [f"{tok.eos_token}:1"] * add_eos)
+        tok._tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
     got = tok(PROBE_TEXT)["input_ids"]
     if got != want:
         logger.warning("the exported tokenizer (%s) cannot be set to add %s itself: with plain transformers, "

@@ -291,3 +291,55 @@ def test_plain_transformers_generation_gives_the_run_s_gold_score(default_output
     gold = 100.0 * sum(judge(r["prompt"], t, r.get("answer")) for r, t in zip(rows, texts)) / len(rows)
     assert gold == pytest.approx(summary(sft)["gold_score_after"], abs=1e-9)
     assert gold > 0  # a trained model, so the equality is not 0 == 0
+
+
+# ----------------------------------------------------------------------------- the README's section, run
+
+
+def readme_own_model_blocks() -> tuple[list[str], str]:
+    """The bash commands and the Python snippet of the README's "Your own model" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("<!-- readme-own-model"):text.index("## Data formats")]
+    bash = section[section.index("```bash") + 7:]
+    bash = bash[:bash.index("```")]
+    commands = [line for line in bash.splitlines() if line.startswith("python -m ")]
+    py = section[section.index("```python") + 9:]
+    return commands, py[:py.index("```")]
+
+
+SMOKE = {"sft": SFT, "reward": RM, "ppo": [*PPO, "actor.lr=1e-2", "critic.lr=1e-2"],
+         "evaluate": ["data.num_eval_prompts=8", "eval.max_new_tokens=6", "batch_size=8"]}
+
+
+def test_readme_own_model_commands_run(user_model, tmp_path):
+    commands, snippet = readme_own_model_blocks()
+    assert len(commands) == 7 and snippet
+    rows = [json.loads(line) for line in open(ROOT / "data/default/sft_train.jsonl")][:64]
+    with open(tmp_path / "my_sft.jsonl", "w") as f:  # message lists: rendered with the model's chat template
+        for r in rows:
+            f.write(json.dumps({"messages": [{"role": "user", "content": r["prompt"]},
+                                             {"role": "assistant", "content": r["response"]}]}) + "\n")
+    subst = {"/models/my-model": str(user_model), "my_sft.jsonl": str(tmp_path / "my_sft.jsonl"),
+             "my_pairs.jsonl": str(ROOT / "data/default/pairs_train.jsonl"), "runs/": f"{tmp_path}/runs/"}
+    for command in commands:
+        for a, b in subst.items():
+            command = command.replace(a, b)
+        module = command.split()[2].removeprefix("rlhf.")
+        run_stage(module, *command.split()[3:], *SMOKE[module])
+    runs = tmp_path / "runs"
+    assert summary(runs / "sft")["steps"] == 4 and vocab(runs / "sft" / "model") == vocab(user_model)
+    assert summary(runs / "rm")["stage"] == "reward"
+    assert summary(runs / "ppo_lora")["stage"] == "ppo"
+    assert json.load(open(runs / "ppo_lora" / "model" / "adapter_config.json"))["base_model_name_or_path"] == str(
+        runs / "sft_lora" / "model")
+    assert summary(runs / "eval_rm")["eval_accuracy"] is not None  # mode auto: a reward adapter chain
+    assert summary(runs / "eval_ppo")["gold_score"] is not None
+    # the Python snippet, on the merged outputs: it prints generations and scores
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(snippet.replace('"runs/', f'"{tmp_path}/runs/'), {})
+    printed = buf.getvalue().splitlines()
+    assert printed[0].startswith("[") and printed[1].startswith("tensor(")
