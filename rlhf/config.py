@@ -347,10 +347,11 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
               f"set {prefix}.name_or_path (a model built from {prefix}.config has none)")
 
 
-def validate_data(d: DataConfig, *, needs_response: bool = True) -> None:
+def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: bool = True) -> None:
     from rlhf.data.split import parse_data_split
 
-    _need(bool(d.path), "data.path must be set (a file, a directory or a datasets hub name)")
+    if needs_path:
+        _need(bool(d.path), "data.path must be set (a file, a directory or a datasets hub name)")
     _need(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     _need(d.num_eval_prompts >= 0, f"data.num_eval_prompts must be >= 0, got {d.num_eval_prompts}")
     _need(d.max_prompt_len >= 1, f"data.max_prompt_len must be >= 1, got {d.max_prompt_len}")
@@ -524,20 +525,7 @@ def validate_evaluate(cfg: EvaluateConfig, info) -> None:
                                     "not one built with random weights")
     _need(m.lora.r == 0, f"model.lora.r must be 0 (an adapter directory is loaded merged), got {m.lora.r}")
     validate_model(m)
-    d = cfg.data
-    _need(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
-    _need(d.num_eval_prompts >= 0, f"data.num_eval_prompts must be >= 0, got {d.num_eval_prompts}")
-    _need(d.max_prompt_len >= 1, f"data.max_prompt_len must be >= 1, got {d.max_prompt_len}")
-    _need(d.max_len > d.max_prompt_len,
-          f"data.max_len ({d.max_len}) must exceed data.max_prompt_len ({d.max_prompt_len})")
-    _need(d.overlong in ("truncate", "drop"), f"data.overlong must be 'truncate' or 'drop', got {d.overlong!r}")
-    if d.data_split is not None:
-        from rlhf.data.split import parse_data_split
-
-        try:
-            parse_data_split(d.data_split)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    validate_data(cfg.data, needs_path=False)
     validate_logger(cfg.logger)
     validate_generation(cfg.eval, "eval")
     engine_config(cfg.engine, info)

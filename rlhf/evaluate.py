@@ -30,17 +30,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import hydra
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from engine import OptimConfig, TrainEngine, init_distributed
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
-from rlhf.app import CONF_DIR, save_config, seed_everything, setup_logging, user_errors
+from rlhf.app import save_config, seed_everything, setup_logging, stage_main
 from rlhf.config import (
-    ConfigError, DataConfig, EvaluateConfig, GenerationConfig, ModelConfig, engine_config, to_config, validate_evaluate,
+    ConfigError, DataConfig, EvaluateConfig, GenerationConfig, ModelConfig, engine_config, validate_evaluate,
 )
 from rlhf.data import (
     collate_prompts, collate_sft, load_rows, parse_pairs, parse_prompts, parse_sft, tokenize_pairs, tokenize_prompts,
@@ -335,10 +333,8 @@ def run(cfg: EvaluateConfig) -> dict[str, Any]:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="evaluate")
-def main(raw: DictConfig) -> None:
-    with user_errors():
-        run(to_config(raw, EvaluateConfig))
+def main() -> None:
+    stage_main("evaluate", EvaluateConfig, run)
 
 
 if __name__ == "__main__":
