@@ -8,7 +8,7 @@ Knows nothing about RLHF. Entry points:
 """
 from .checkpoint import atomic_directory, latest_checkpoint, list_checkpoints, prune_checkpoints
 from .config import CheckpointConfig, EngineConfig, OptimConfig, validate_engine_config
-from .distributed import DistInfo, init_distributed, shutdown_distributed
+from .distributed import DistInfo, exit_process, init_distributed, shutdown_distributed
 from .loss_scale import DynamicLossScaler
 from .memory import format_memory_report
 from .optim import validate_optim_config
@@ -24,6 +24,7 @@ __all__ = [
     "OptimConfig",
     "TrainEngine",
     "atomic_directory",
+    "exit_process",
     "format_memory_report",
     "init_distributed",
     "latest_checkpoint",

@@ -71,7 +71,21 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
             run(config)
 
     task.__module__ = module  # Hydra names the job (and its .log file) after this module, as before
-    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)()
+    code: int | str | None = 0
+    try:
+        hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)()
+    except SystemExit as e:
+        code = e.code
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a run that used a process group ends without finalization races
+        from engine import exit_process
+
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+        exit_process(code if isinstance(code, int) else (0 if code is None else 1))
+    if code:
+        raise SystemExit(code)
 
 
 def _stage_module(run: Callable) -> str:

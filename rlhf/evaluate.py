@@ -46,6 +46,7 @@ from rlhf.data import (
 )
 from rlhf.data.stage import stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
+from rlhf.hub import check_local
 from rlhf.models import load_causal_lm, load_tokenizer, load_value_model, per_token_values, resolve_model_path
 from rlhf.runlog import RunLog, format_summary, write_summary
 from rlhf.task import judge
@@ -177,17 +178,6 @@ def perplexity(
 # ----------------------------------------------------------------------------- the command
 
 
-def check_model_path(m: ModelConfig) -> None:
-    """A local path that does not exist (one under outputs/ where the stages write, or under an existing
-    directory) is a clear error here, not a failed hub lookup later."""
-    path = m.name_or_path
-    first = path.split("/", 1)[0]
-    local = path.startswith(("/", "./", "../", "~", "outputs/")) or (first != path and os.path.isdir(first))
-    if local and not os.path.exists(os.path.expanduser(path)):
-        raise ConfigError(f"model.name_or_path={path!r}: no such file or directory (has the stage that writes "
-                          "it run? a stage's output_dir, a HF directory or a hub name is expected)")
-
-
 def detect_mode(m: ModelConfig) -> str:
     """'reward' when the model's config names a *ForSequenceClassification architecture (an adapter
     directory: task_type SEQ_CLS), else 'policy'."""
@@ -307,7 +297,7 @@ def run(cfg: EvaluateConfig) -> dict[str, Any]:
     info = init_distributed()
     setup_logging(info.is_main)
     validate_evaluate(cfg, info)
-    check_model_path(cfg.model)
+    check_local(cfg.model.name_or_path, "model.name_or_path")
     seed_everything(cfg.seed)
     out_dir = cfg.output_dir
     mode = detect_mode(cfg.model) if cfg.mode == "auto" else cfg.mode

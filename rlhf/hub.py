@@ -34,8 +34,34 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "gpt2", "facebook/opt-125m"
-_LOCAL_PREFIXES = ("/", "./", "../", "~")
+_LOCAL_PREFIXES = ("/", "./", "../", "~", "outputs/")  # outputs/: where the stages write (conf/*.yaml)
+_STAGE_OF_KEY = {"actor.model": "rlhf.sft", "critic.model": "rlhf.reward", "reward_model.model": "rlhf.reward"}
 _TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def looks_local(path: str) -> bool:
+    """Meant as a local path: absolute, ./ ../ ~ or outputs/ (where the stages write), or its first
+    component is an existing directory ("runs/sft" beside a runs/ folder). Such a path that does not
+    exist is a missing file, never a hub name to look up.
+    NOTE: so a hub organisation named "outputs" (or named like a local folder) needs a local download."""
+    first = path.split("/", 1)[0]
+    return (path.startswith(_LOCAL_PREFIXES) or os.path.exists(os.path.expanduser(path))
+            or (first != path and os.path.isdir(first)))
+
+
+def missing_path_error(path: str, key: str) -> ConfigError:
+    """'no such file or directory', with the stage to run first when the key or path names one."""
+    stage = _STAGE_OF_KEY.get(key) or next(
+        (f"rlhf.{s}" for s in ("sft", "reward", "ppo") if path.lstrip("./").startswith(f"outputs/{s}")), None)
+    hint = f": run `python -m {stage}` first, or point {key} at a model" if stage else \
+        " (has the stage that writes it run? a stage's output_dir, a Hugging Face directory or a hub name is expected)"
+    return ConfigError(f"{key}={path!r}: no such file or directory{hint}")
+
+
+def check_local(path: str, key: str) -> None:
+    """Raises `missing_path_error` when `path` is meant as local (`looks_local`) and does not exist."""
+    if looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+        raise missing_path_error(path, key)
 
 
 def is_hub_name(source: str) -> bool:
@@ -43,7 +69,7 @@ def is_hub_name(source: str) -> bool:
     (A missing file with a data suffix is left to rlhf/data/sources.py, which names the file.)"""
     from rlhf.data.sources import _FILE_LIKE_SUFFIXES, SUPPORTED_EXTENSIONS
 
-    if source.startswith(_LOCAL_PREFIXES) or os.path.exists(os.path.expanduser(source)):
+    if looks_local(source):
         return False
     suffix = os.path.splitext(source)[1].lower()
     return bool(_HUB_ID.match(source)) and suffix not in SUPPORTED_EXTENSIONS and suffix not in _FILE_LIKE_SUFFIXES
@@ -108,7 +134,8 @@ def use_local_cache() -> None:
 def ensure_hub(source: str, key: str, repo_type: str = "model", cache_dir: str | None = None) -> None:
     """Call before `from_pretrained`/`load_dataset(source)`: returns when `source` is local, offline
     mode is on, the hub answers, or the cache holds it (then offline mode is switched on); raises
-    ConfigError naming `key` otherwise."""
+    ConfigError naming `key` otherwise (also for a local path that does not exist: `check_local`)."""
+    check_local(source, key)
     if not is_hub_name(source) or offline_mode() or hub_reachable():
         return
     if in_local_cache(source, repo_type, cache_dir):

@@ -54,13 +54,10 @@ def resolve_model_path(path: str, require_model: bool = True) -> str:
     return path
 
 
-def _looks_local(path: str) -> bool:
-    return path.startswith(("/", "./", "../", "~")) or os.path.exists(path)
-
-
 def _check_exists(path: str, key: str) -> None:
-    if _looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-        raise ConfigError(f"{key}={path!r}: no such file or directory")
+    from rlhf.hub import check_local
+
+    check_local(path, key)
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -42,6 +42,7 @@ from rlhf.config import ModelConfig, PPOConfig, engine_config, optim_config, val
 from rlhf.data import collate_prompts, collate_sft, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import gold_eval, load_eval_prompts
+from rlhf.hub import check_local
 from rlhf.models import (
     MODEL_SUBDIR, disable_dropout, export_hf, load_causal_lm, load_tokenizer, load_value_model, per_token_values,
 )
@@ -201,9 +202,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     seed_everything(cfg.seed)
     out_dir, r, p = cfg.output_dir, cfg.rollout, cfg.ppo
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
-        if path.startswith(("outputs/", "./outputs/")) and not os.path.exists(path):
-            stage = "python -m rlhf.sft" if key == "actor.model" else "python -m rlhf.reward"
-            raise ConfigError(f"{key}={path!r} does not exist: run `{stage}` first (or point {key} at a model)")
+        check_local(path, key)  # names the stage to run first
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")

@@ -19,8 +19,14 @@ SMALL_MODEL = [
 ]
 
 
+# No test may depend on whether this machine reaches huggingface.co (CI does not; a laptop may):
+# every stage run sees a hub that does not answer, as CI does.
+CLOSED_PORT = "http://127.0.0.1:9"
+
+
 def cli_env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
+           "HF_ENDPOINT": CLOSED_PORT}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
@@ -68,3 +74,9 @@ def interp():
     from kernels.testing import run_in_interpreter
 
     return run_in_interpreter
+
+
+@pytest.fixture(autouse=True)
+def _hub_does_not_answer(monkeypatch):
+    """In-process code sees the same unanswering hub as the stage runs of `cli_env`."""
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED_PORT)

@@ -11,11 +11,10 @@ import typing
 
 import pytest
 
-from conftest import ROOT, run_stage
+from conftest import CLOSED_PORT, ROOT, run_stage
 from rlhf.config import EvaluateConfig, PPOConfig, RewardConfig, SFTConfig
 
 STAGES = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}
-CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused at once
 OFFLINE_LIMIT_S = 5.0  # on a busy machine: at most this, or a plain start (--cfg job) + SLACK_S
 SLACK_S = 3.0
 

@@ -127,8 +127,10 @@ def main(out_dir: str) -> None:
         if plain:
             torch.save(plain, os.path.join(out_dir, "grads_plain.pt"))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    from engine import exit_process
+
+    exit_process(0)  # not a plain exit: see engine.distributed.exit_process

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from toy import dataset, loss_fn, rows, tiny_llama  # noqa: E402
 
-from engine import EngineConfig, FrozenEngine, OptimConfig, TrainEngine, init_distributed  # noqa: E402
+from engine import EngineConfig, FrozenEngine, OptimConfig, TrainEngine, exit_process, init_distributed  # noqa: E402
 
 GLOBAL, TOTAL_STEPS, CKPT_AT = 8, 6, 3
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, scheduler="cosine", warmup_steps=2, min_lr_ratio=0.1, grad_clip=1.0)
@@ -174,4 +174,4 @@ if __name__ == "__main__":
     if info.is_main:
         with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    exit_process(0)  # not a plain exit: see engine.distributed.exit_process
