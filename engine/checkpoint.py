@@ -4,11 +4,14 @@ Layout of one checkpoint directory:
     .metadata, __*_*.distcp   torch.distributed.checkpoint (DCP): model + optimizer, each rank its shards
     rank{r}.pt                 this rank's RNG states, scheduler, loss scaler, counters (and, for
                                ZeRO-1, its local optimizer shard, which DCP cannot describe)
-    meta.json                  written last by rank 0: step, world size, stage, extra_state. A
-                               directory without it is incomplete and ignored.
+    engine.json                the engine's layout: world size, ZeRO stage, precision, its step
+    meta.json                  written last by rank 0: step and extra_state. A directory without it
+                               is incomplete and ignored.
 Everything is first written to `<path>.tmp-<random>`; after a barrier rank 0 adds meta.json and
-renames the directory to `<path>`. A kill at any moment leaves either the previous complete
-checkpoint or a `*.tmp-*` leftover, which the listing functions ignore.
+renames the directory to `<path>` (`published`). A kill at any moment leaves either the previous
+complete checkpoint or a `*.tmp-*` leftover, which the listing functions ignore. Several engines
+(e.g. an actor and a critic) share one checkpoint: each writes its files into its own
+subdirectory inside one `published` block, so they are published together or not at all.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 META = "meta.json"
+ENGINE_META = "engine.json"
 TMP_MARK = ".tmp-"
 
 
@@ -62,15 +66,33 @@ def atomic_directory(path: str):
     publish(tmp, path)
 
 
-def write_meta(directory: str, meta: dict) -> None:
-    with open(os.path.join(directory, META), "w") as f:
+@contextmanager
+def published(path: str, meta: dict, is_main: bool):
+    """Collective: every rank writes its files into the yielded temporary directory (the same one
+    on all ranks); then rank 0 writes meta.json (`meta`, the completion mark) and renames the
+    directory to `path`. On an exception nothing is published."""
+    from engine.distributed import barrier, broadcast_object
+
+    json.dumps(meta)  # fail before anything is written if it is not JSON-able
+    tmp = broadcast_object(new_tmp_path(path) if is_main else None)
+    os.makedirs(tmp, exist_ok=True)
+    yield tmp
+    barrier()  # every rank's files are on disk
+    if is_main:
+        write_meta(tmp, meta)
+        publish(tmp, path)
+    barrier()  # nobody proceeds (or lists checkpoints) before the rename
+
+
+def write_meta(directory: str, meta: dict, name: str = META) -> None:
+    with open(os.path.join(directory, name), "w") as f:
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
 
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, META)) as f:
+def read_meta(path: str, name: str = META) -> dict:
+    with open(os.path.join(path, name)) as f:
         return json.load(f)
 
 

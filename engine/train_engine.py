@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -26,10 +25,10 @@ import torch
 from torch import nn
 
 from .checkpoint import (
+    ENGINE_META,
     load_model_optimizer,
     load_rank_state,
-    new_tmp_path,
-    publish,
+    published,
     read_meta,
     rng_state,
     save_model_optimizer,
@@ -38,7 +37,7 @@ from .checkpoint import (
     write_meta,
 )
 from .config import EngineConfig, OptimConfig, validate_engine_config
-from .distributed import DistInfo, all_reduce_sum, barrier, broadcast_object, init_distributed
+from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
@@ -314,28 +313,28 @@ class TrainEngine(_ShardedModule):
         picklable per-rank object (e.g. this rank's shards of an EMA copy), restored only at the
         same world size (`load_checkpoint(...)` then sets `self.rank_extra`).
         """
-        extra_state = extra_state or {}
-        json.dumps(extra_state)  # fail before anything is written if it is not JSON-able
-        tmp = broadcast_object(new_tmp_path(path) if self.info.is_main else None)
-        os.makedirs(tmp, exist_ok=True)
-        save_model_optimizer(tmp, self.model, self.optimizer, self._zero1)
-        save_rank_state(tmp, self.info.rank, {**self._rank_state(), "rank_extra": rank_extra})
-        barrier()  # every rank's files are on disk
+        meta = {"step": self.global_step, "extra_state": extra_state or {}}
+        with published(path, meta, self.info.is_main) as tmp:
+            self.write_state(tmp, rank_extra)
+
+    def write_state(self, directory: str, rank_extra: Any = None) -> None:
+        """This engine's part of a checkpoint, into `directory` (inside a `published` block). Collective."""
+        os.makedirs(directory, exist_ok=True)
+        save_model_optimizer(directory, self.model, self.optimizer, self._zero1)
+        save_rank_state(directory, self.info.rank, {**self._rank_state(), "rank_extra": rank_extra})
         if self.info.is_main:
-            meta = {
-                "step": self.global_step,
-                "world_size": self.info.world_size,
-                "stage": self.cfg.stage,
-                "precision": self.cfg.precision,
-                "extra_state": extra_state,
-            }
-            write_meta(tmp, meta)  # the completion mark, written last
-            publish(tmp, path)
-        barrier()  # nobody proceeds (or lists checkpoints) before the rename
+            write_meta(directory, {"step": self.global_step, "world_size": self.info.world_size,
+                                   "stage": self.cfg.stage, "precision": self.cfg.precision}, ENGINE_META)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore model, optimizer, schedule, loss scale, counters and RNG; returns extra_state. Collective."""
-        meta = read_meta(path)
+        self.read_state(path)
+        return read_meta(path)["extra_state"]
+
+    def read_state(self, directory: str) -> None:
+        """Restore what `write_state` wrote into `directory`. Collective."""
+        path = directory
+        meta = read_meta(path, ENGINE_META)
         same_world = meta["world_size"] == self.info.world_size
         if (meta["stage"] == 1) != self._zero1 or (self._zero1 and not same_world):
             raise ValueError(
@@ -362,7 +361,6 @@ class TrainEngine(_ShardedModule):
             set_rng_state(state["rng"])
         self.rank_extra = state.get("rank_extra") if own else None
         barrier()
-        return meta["extra_state"]
 
     # ------------------------------------------------------------ generation mode
 

@@ -1,4 +1,5 @@
-"""What the three stage apps share: error reporting, seeding, the run directory, resume, progress."""
+"""What the stage apps share below the skeleton (rlhf/stage.py): the entry point, error reporting,
+seeding, the run directory, resume, progress."""
 from __future__ import annotations
 
 import contextlib
@@ -182,29 +183,6 @@ def progress(total: int, initial: int, desc: str, is_main: bool) -> tqdm:
                 file=sys.stdout, mininterval=1.0)
 
 
-def count_skips(skips: int, out: dict, limit: int) -> int:
-    """Consecutive non-finite steps so far; raises TrainingError at `limit`."""
-    skips = skips + 1 if out["skipped"] else 0
-    if skips >= limit:
-        raise TrainingError(
-            f"{skips} consecutive steps had a non-finite loss or gradient (last loss {out['loss']}); "
-            "lower the learning rate, check the data, or use engine.precision=fp32"
-        )
-    return skips
-
-
-def maybe_checkpoint(engine: Any, save_every: int, keep_last_n: int, output_dir: str, done: int, total: int,
-                     extra_state: dict | None = None) -> None:
-    """A sharded checkpoint every `save_every` steps and at the end (when saving at all). Collective."""
-    from engine import prune_checkpoints
-
-    if save_every and (done % save_every == 0 or done == total):
-        engine.save_checkpoint(os.path.join(checkpoint_root(output_dir), f"step_{done:07d}"),
-                               {"step": done, **(extra_state or {})})
-        if engine.info.is_main:
-            prune_checkpoints(checkpoint_root(output_dir), keep_last_n)
-
-
 class Throughput:
     """Tokens per second over the whole world since the last `rate()` call (a collective)."""
 
@@ -225,23 +203,3 @@ class Throughput:
         rate = total / max(now - self.t0, 1e-9)
         self.tokens, self.t0 = 0, now
         return rate
-
-
-def open_run(engine: Any, resume: bool | str, output_dir: str, logger_cfg: Any, config: Any) -> tuple[Any, int, bool]:
-    """Resume `engine` (train.resume) or start clean; open the metrics log; save config.yaml.
-
-    Returns (log, first step to run, whether it resumed).
-    """
-    from rlhf.runlog import RunLog
-
-    path = resolve_resume(resume, output_dir)
-    if path:
-        engine.load_checkpoint(path)
-        logger.info("resumed from %s at step %d", path, engine.global_step)
-    else:
-        fresh_checkpoints(output_dir, engine.info.is_main)
-    start = engine.global_step
-    log = RunLog(output_dir, logger_cfg, is_main=engine.info.is_main, resume_step=start if path else None)
-    if engine.info.is_main:
-        save_config(output_dir, config)
-    return log, start, bool(path)

@@ -225,6 +225,7 @@ class PPOAlgoConfig:
     kl_target: float = 6.0  # adaptive_kl: the KL aimed at
     kl_horizon: float = 10000.0  # adaptive_kl: how slowly kl_coef adapts (rollout rows)
     clip_reward_value: float = 5.0  # reward model scores clipped to +-this
+    advantage_estimator: str = "gae"  # a name registered in rlhf/ppo_math.py (gae needs the critic)
     gamma: float = 1.0  # GAE discount
     lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # policy ratio clipped to [1 - cliprange, 1 + cliprange]
@@ -467,7 +468,7 @@ def validate_reward(cfg: RewardConfig, info) -> int:
 
 def validate_ppo(cfg: PPOConfig, info) -> None:
     """Everything a PPO run needs, checked before any model loads."""
-    from rlhf.ppo_math import KL_ESTIMATORS
+    from rlhf.ppo_math import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
     _need(bool(cfg.output_dir), "output_dir must be set")
     for key in ("actor", "critic"):
@@ -484,6 +485,8 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(p.kl_estimator in KL_ESTIMATORS, f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {p.kl_estimator!r}")
     if p.adaptive_kl:
         _need(p.kl_target > 0 and p.kl_horizon > 0, "ppo.kl_target and ppo.kl_horizon must be > 0 with ppo.adaptive_kl")
+    _need(p.advantage_estimator in ADVANTAGE_ESTIMATORS, f"ppo.advantage_estimator must be one of "
+          f"{tuple(ADVANTAGE_ESTIMATORS)} (registered in rlhf/ppo_math.py), got {p.advantage_estimator!r}")
     _need(p.clip_reward_value > 0, f"ppo.clip_reward_value must be > 0, got {p.clip_reward_value}")
     _need(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, f"ppo.gamma and ppo.lam must be in [0, 1], got {p.gamma}, {p.lam}")
     _need(p.cliprange > 0 and p.cliprange_value > 0, "ppo.cliprange and ppo.cliprange_value must be > 0")

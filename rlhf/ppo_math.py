@@ -12,6 +12,7 @@ The step, with the DeepSpeed-Chat defaults:
     kl        = logp_old - logp_ref                     (k1; k2/k3 optional)      [B, T]
     rewards   = -kl_coef * kl, + clip(score, ±5) on the last response token         [B, T]
     adv, ret  = GAE(rewards, values), gamma=1.0, lam=0.95; ret = adv + values       [B, T]
+                (the estimator is named by ppo.advantage_estimator: see ADVANTAGE_ESTIMATORS)
     actor     = masked_mean(max(-A * r, -A * clip(r, 1 ± 0.2))), r = exp(logp - logp_old)
     critic    = 0.5 * masked_mean(max((v - R)^2, (v_old + clip(v - v_old, ±0.2) - R)^2))
     kl_coef   fixed, or adaptive (Ziegler et al. 2019)
@@ -19,6 +20,8 @@ The step, with the DeepSpeed-Chat defaults:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -364,3 +367,65 @@ def make_kl_controller(kl_coef: float, adaptive: bool, target: float | None = No
             raise ValueError("adaptive KL control needs both target and horizon")
         return AdaptiveKLController(kl_coef, target, horizon)
     return FixedKLController(kl_coef)
+
+
+# ----------------------------------------------------------------------------- advantage estimators, by name
+#
+# `ppo.advantage_estimator` names one. Every estimator gets the same inputs (`AdvantageInputs`) and
+# returns (advantages [B, T], returns [B, T] or None); returns are the critic's targets, so an
+# estimator registered with needs_critic=False returns None and the run builds no critic at all.
+# A new estimator (GRPO, RLOO, ...) is one function here:
+#
+#     @register_advantage("name", needs_critic=False)
+#     def name(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[Tensor, Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """One rank's rollout rows, as every estimator sees them.
+
+    rewards: [B, T] per-token rewards (-kl_coef * KL, + the clipped score at the last token);
+    score:   [B] the reward model's score of each response (unclipped);
+    values:  [B, T] critic values, or None when the estimator needs no critic;
+    mask:    [B, T] response tokens (rows with nothing said are all 0);
+    group:   [B] the prompt each row answers (rows of one prompt share it; the dataset row index).
+    """
+
+    rewards: torch.Tensor
+    score: torch.Tensor
+    values: torch.Tensor | None
+    mask: torch.Tensor
+    group: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    needs_critic: bool
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage(name: str, *, needs_critic: bool):
+    """Register `fn(x: AdvantageInputs, *, gamma, lam) -> (advantages, returns | None)` as `name`."""
+    def deco(fn):
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_critic)
+        return fn
+    return deco
+
+
+def advantage_estimator(name: str) -> AdvantageEstimator:
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
+@register_advantage("gae", needs_critic=True)
+def gae(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's default: GAE over the per-token rewards with the critic's values (`gae_advantages`)."""
+    if x.values is None:
+        raise ValueError("gae needs critic values")
+    return gae_advantages(x.rewards, x.values, x.mask, gamma, lam)

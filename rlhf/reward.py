@@ -17,23 +17,19 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch
 
-from engine import TrainEngine, format_memory_report, init_distributed
-from rlhf.app import (
-    Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
-    stage_main,
-)
+from engine import TrainEngine
+from rlhf.app import Throughput, stage_main
 from rlhf.config import RewardConfig, engine_config, optim_config, validate_reward
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model, per_token_values
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
-from rlhf.runlog import format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.stage import Run
 from rlhf.task import judge, task_of
 
 logger = logging.getLogger("rlhf.reward")
@@ -108,13 +104,8 @@ def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict
 
 
 def run(cfg: RewardConfig) -> dict[str, Any]:
-    t_start = time.time()
-    info = init_distributed()
-    setup_logging(info.is_main)
-    accum = validate_reward(cfg, info)
-    engine_cfg = engine_config(cfg.engine, info)
-    seed_everything(cfg.seed)
-    out_dir = cfg.output_dir
+    run, accum = Run.open("reward", "Reward model", cfg, cfg.train, validate_reward)
+    info = run.info
 
     # ---- data
     tok = load_tokenizer(cfg.model)
@@ -130,64 +121,45 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     # ---- model + engine
     model = per_token_values(load_value_model(cfg.model, tok, seed=cfg.seed))
-    engine = TrainEngine(model, engine_cfg, optim_config(cfg.train), total_steps=total, info=info)
-    log, start, resumed = open_run(engine, cfg.train.resume, out_dir, cfg.logger, cfg)
-    eval_bs = cfg.train.micro_batch_size
-    if start == 0:
-        before = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)
-        log.log(0, "eval", **before)
-        logger.info("before training: %s", _eval_line(before))
+    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
+    run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
+                                              cfg.train.micro_batch_size), _eval_line, memory=engine)
 
     # ---- train
     loss_fn = make_loss(cfg.reward.margin, cfg.reward.score_reg)
-    bar = progress(total, start, "reward", info.is_main)
-    skips, meter, last = 0, Throughput(), {}
-    for step in range(start, total):
+    meter, last = Throughput(), {}
+    for step in run.steps():
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
         batches = [collate_pairs([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
         meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
         out = engine.train_step(batches, loss_fn)
-        skips = count_skips(skips, out, cfg.train.max_consecutive_skips)
-        done = step + 1
-        bar.update(1)
-        if done % cfg.train.log_every == 0 or done == total:
+        run.check(out)
+        if run.logs(step):
             last = {k: out[k] for k in ("loss", "accuracy", "chosen_score", "rejected_score", "lr", "grad_norm")}
-            log.log(done, "train", **last, tokens_per_s=meter.rate(), skipped_steps=engine.skipped_steps)
-            bar.set_postfix(loss=f"{out['loss']:.3f}", acc=f"{out['accuracy']:.2f}", lr=f"{out['lr']:.2e}")
-        if done == 1:
-            logger.info("memory plan:\n%s", format_memory_report(engine.memory_report()))
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < total:
-            ev = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)
-            log.log(done, "eval", **ev)
-            bar.write(f"step {done}: {_eval_line(ev)}")
-        maybe_checkpoint(engine, cfg.train.save_every, cfg.train.keep_last_n, out_dir, done, total)
-    bar.close()
+            run.log_train(step, {**last, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps},
+                          dict(loss=f"{out['loss']:.3f}", acc=f"{out['accuracy']:.2f}", lr=f"{out['lr']:.2e}"))
 
     # ---- final evaluation, export, summary
-    after = evaluate(engine, eval_feats, eval_examples, tok.pad_token_id, eval_bs)
-    log.log(total, "eval", **after)
+    after = run.evaluate_after()
     state = engine.full_state_dict()
-    summary: dict[str, Any] = {}
+    model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
     if info.is_main:
-        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model,
-                  add_bos=cfg.data.add_bos)
-        _plot(out_dir)
-        summary = {
-            "stage": "reward",
-            "time_s": round(time.time() - t_start, 1),
-            "steps": total,
-            "train_pairs": len(train_feats),
-            "eval_pairs": len(eval_feats),
-            "final_train_loss": last.get("loss"),
-            "final_train_accuracy": last.get("accuracy"),
-            **held_out_summary(after),
-            "skipped_steps": engine.skipped_steps,
-            "model_dir": os.path.join(out_dir, MODEL_SUBDIR),
-        }
-        write_summary(out_dir, summary)
-        print(f"reward model done ({out_dir}):\n{format_summary(summary)}", flush=True)
-    log.finish()
-    return summary
+        export_hf(state, engine.unwrapped, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
+    return run.finish({
+        "train_pairs": len(train_feats),
+        "eval_pairs": len(eval_feats),
+        "final_train_loss": last.get("loss"),
+        "final_train_accuracy": last.get("accuracy"),
+        **held_out_summary(after),
+        "skipped_steps": engine.skipped_steps,
+    }, model_dir, PLOT)
+
+
+PLOT = [
+    ("loss", [("train", "train", "loss")]),
+    ("pair accuracy", [("train", "train", "accuracy"), ("held-out", "eval", "accuracy")]),
+    ("score", [("chosen (held-out)", "eval", "chosen_score"), ("rejected (held-out)", "eval", "rejected_score")]),
+]
 
 
 def held_out_summary(ev: dict[str, Any]) -> dict[str, Any]:
@@ -210,15 +182,6 @@ def _eval_line(ev: dict) -> str:
     if ev.get("gold_auc") is not None:
         line += f", gold AUC {ev['gold_auc']:.3f}"
     return line
-
-
-def _plot(out_dir: str) -> None:
-    train, ev = read_metrics(out_dir, "train"), read_metrics(out_dir, "eval")
-    plot_series(os.path.join(out_dir, "reward.png"), "Reward model", [
-        ("loss", [("train", *series(train, "loss"))]),
-        ("pair accuracy", [("train", *series(train, "accuracy")), ("held-out", *series(ev, "accuracy"))]),
-        ("score", [("chosen (held-out)", *series(ev, "chosen_score")), ("rejected (held-out)", *series(ev, "rejected_score"))]),
-    ])
 
 
 def main() -> None:

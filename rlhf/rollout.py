@@ -1,5 +1,5 @@
-"""PPO experience: generate responses, score them with the four models, and turn scores into
-per-token rewards, advantages and returns. Everything is per rank, over this rank's prompts.
+"""Scoring a rollout with the four models: log-probs of given tokens, per-token values, reward scores
+(the "score" step of rlhf/experience.py). Everything is per rank, over this rank's rows.
 
 Layout of one rank's experience (P = prompt width, T = response width):
     sequences, attention_mask, position_ids   [B, P+T]  prompts LEFT-padded, responses right-padded
@@ -12,8 +12,6 @@ computed against log-probs of a different model input than the one that was samp
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
 from engine.kernel_injection import has_fused_logprobs
@@ -25,29 +23,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L] -> [B, L]: 0, 1, 2, ... over real tokens (as `generate` numbers them; pad positions get
     whatever is left over: they are never attended and never scored)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-@dataclass
-class Experience:
-    sequences: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    response_mask: torch.Tensor
-    logp_old: torch.Tensor
-    logp_ref: torch.Tensor
-    values: torch.Tensor
-    score: torch.Tensor
-    rewards: torch.Tensor
-    kl: torch.Tensor
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    prompt_len: int
-
-    def rows(self, idx: list[int]) -> dict:
-        """A micro-batch dict of the given rows (every tensor field sliced), with `prompt_len`."""
-        out = {f.name: getattr(self, f.name)[idx] for f in fields(self) if f.name != "prompt_len"}
-        out["prompt_len"] = self.prompt_len
-        return out
 
 
 def response_logits(logits: torch.Tensor, prompt_len: int, width: int) -> torch.Tensor:
@@ -89,12 +64,12 @@ def score_rollout(
     *,
     actor: torch.nn.Module,
     reference: torch.nn.Module,
-    critic: torch.nn.Module,
+    critic: torch.nn.Module | None,
     reward: torch.nn.Module,
     micro_batch_size: int,
     temperature: float,
 ) -> dict[str, torch.Tensor]:
-    """Old log-probs, reference log-probs, values and reward scores, in micro-batches.
+    """Old log-probs, reference log-probs, values (without a critic: none) and reward scores, in micro-batches.
 
     Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
     """
@@ -106,46 +81,11 @@ def score_rollout(
         mb = {k: (v[s : s + micro_batch_size] if torch.is_tensor(v) else v) for k, v in base.items()}
         parts["logp_old"].append(token_logprobs(actor, mb, temperature))
         parts["logp_ref"].append(token_logprobs(reference, mb, temperature))
-        parts["values"].append(token_values(critic, mb))
+        if critic is not None:
+            parts["values"].append(token_values(critic, mb))
         rm_values = reward(input_ids=mb["sequences"], attention_mask=mb["attention_mask"],
                            position_ids=mb["position_ids"])
         parts["score"].append(sequence_scores(rm_values.float(), mb["attention_mask"]))
-    out = {k: torch.cat(v) for k, v in parts.items()}
+    out = {k: torch.cat(v) for k, v in parts.items() if v}
     out["position_ids"] = base["position_ids"]
     return out
-
-
-def empty_responses(responses: torch.Tensor, response_mask: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
-    """[B] bool: rows whose response has no token before its EOS (nothing was said)."""
-    first_is_eos = torch.isin(responses[:, 0], torch.tensor(eos_ids, device=responses.device))
-    return (response_mask.sum(1) == 0) | first_is_eos
-
-
-def build_experience(
-    sequences: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    prompt_len: int,
-    scored: dict[str, torch.Tensor],
-    *,
-    kl_coef: float,
-    kl_estimator: str,
-    clip_reward_value: float,
-    gamma: float,
-    lam: float,
-) -> Experience:
-    """Rewards (KL penalty per token + clipped score on the last), GAE advantages and returns."""
-    mask = response_mask.float()
-    rewards, kl = ppo_math.compute_rewards(scored["logp_old"], scored["logp_ref"], scored["score"], mask,
-                                           kl_coef, clip_reward_value, kl_estimator)
-    advantages, returns = ppo_math.gae_advantages(rewards, scored["values"], mask, gamma, lam)
-    return Experience(
-        sequences=sequences, attention_mask=attention_mask, position_ids=scored["position_ids"], response_mask=mask,
-        logp_old=scored["logp_old"], logp_ref=scored["logp_ref"], values=scored["values"], score=scored["score"],
-        rewards=rewards, kl=kl, advantages=advantages, returns=returns, prompt_len=prompt_len,
-    )
-
-
-def whiten_advantages_(exp: Experience, shift_mean: bool = True) -> None:
-    """Advantages normalised over this rank's response tokens (in place)."""
-    exp.advantages = ppo_math.masked_whiten(exp.advantages, exp.response_mask, shift_mean=shift_mean)

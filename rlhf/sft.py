@@ -16,25 +16,21 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from engine import TrainEngine, format_memory_report, init_distributed
+from engine import TrainEngine
 from engine.kernel_injection import has_fused_logprobs
-from rlhf.app import (
-    Throughput, count_skips, maybe_checkpoint, open_run, progress, seed_everything, setup_logging,
-    stage_main,
-)
+from rlhf.app import Throughput, stage_main
 from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
 from rlhf.models import MODEL_SUBDIR, export_hf, load_causal_lm, load_tokenizer
-from rlhf.runlog import format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.stage import Run
 
 logger = logging.getLogger("rlhf.sft")
 
@@ -70,13 +66,8 @@ def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, pr
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
-    t_start = time.time()
-    info = init_distributed()
-    setup_logging(info.is_main)
-    accum = validate_sft(cfg, info)
-    engine_cfg = engine_config(cfg.engine, info)
-    seed_everything(cfg.seed)
-    out_dir = cfg.output_dir
+    run, accum = Run.open("sft", "SFT", cfg, cfg.train, validate_sft)
+    info = run.info
 
     # ---- data
     tok = load_tokenizer(cfg.model)
@@ -93,72 +84,47 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
     # ---- model + engine
     model = load_causal_lm(cfg.model, tok, seed=cfg.seed)
-    engine = TrainEngine(model, engine_cfg, optim_config(cfg.train), total_steps=total, info=info)
-    log, start, resumed = open_run(engine, cfg.train.resume, out_dir, cfg.logger, cfg)
-
-    # ---- evaluation of the untrained model (kept from the first run when resuming)
-    before = next((r for r in read_metrics(out_dir, "eval") if r["step"] == 0), None) if resumed else None
-    if before is None:
-        before = evaluate(engine, cfg, tok, eval_feats, prompts)
-        log.log(0, "eval", **{k: v for k, v in before.items() if k != "samples"})
-        logger.info("before training: %s", _eval_line(before))
+    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
+    run.begin(engine, total, lambda: evaluate(engine, cfg, tok, eval_feats, prompts), _eval_line, memory=engine)
 
     # ---- train
-    bar = progress(total, start, "sft", info.is_main)
-    skips, meter, last = 0, Throughput(), {}
-    for step in range(start, total):
+    meter, last = Throughput(), {}
+    for step in run.steps():
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
         batches = [collate_sft([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
         meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
         out = engine.train_step(batches, sft_loss)
-        skips = count_skips(skips, out, cfg.train.max_consecutive_skips)
-        done = step + 1
-        bar.update(1)
-        if done % cfg.train.log_every == 0 or done == total:
+        run.check(out)
+        if run.logs(step):
             tps = meter.rate()
             last = dict(loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"], tokens_per_s=tps,
                         skipped_steps=engine.skipped_steps, loss_scale=out["loss_scale"], epoch=step / order.steps_per_epoch)
-            log.log(done, "train", **last)
-            bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}", tok_s=f"{tps:,.0f}")
-        if done == 1:
-            logger.info("memory plan:\n%s", format_memory_report(engine.memory_report()))
-        if cfg.train.eval_every and done % cfg.train.eval_every == 0 and done < total:
-            ev = evaluate(engine, cfg, tok, eval_feats, prompts)
-            log.log(done, "eval", **{k: v for k, v in ev.items() if k != "samples"})
-            bar.write(f"step {done}: {_eval_line(ev)}")
-        maybe_checkpoint(engine, cfg.train.save_every, cfg.train.keep_last_n, out_dir, done, total)
-    bar.close()
+            run.log_train(step, last, dict(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}", tok_s=f"{tps:,.0f}"))
 
     # ---- final evaluation, export, summary
-    after = evaluate(engine, cfg, tok, eval_feats, prompts)
-    log.log(total, "eval", **{k: v for k, v in after.items() if k != "samples"})
+    after = run.evaluate_after()
     state = engine.full_state_dict()  # collective; rank 0 gets the consolidated CPU copy
-    summary: dict[str, Any] = {}
+    model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
     if info.is_main:
-        export_hf(state, engine.unwrapped, tok, os.path.join(out_dir, MODEL_SUBDIR), cfg.model,
-                  add_bos=cfg.data.add_bos)
-        _plot(out_dir)
-        summary = {
-            "stage": "sft",
-            "time_s": round(time.time() - t_start, 1),
-            "steps": total,
-            "train_rows": len(train_feats),
-            "final_train_loss": last.get("loss"),
-            "eval_loss_before": before.get("loss"),
-            "eval_loss_after": after.get("loss"),
-            "perplexity_after": after.get("perplexity"),
-            "gold_score_before": before.get("gold_score"),
-            "gold_score_after": after.get("gold_score"),
-            **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
-            "skipped_steps": engine.skipped_steps,
-            "model_dir": os.path.join(out_dir, MODEL_SUBDIR),
-        }
-        write_summary(out_dir, summary)
-        for s in after.get("samples", []):
-            print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['score']})")
-        print(f"SFT done ({out_dir}):\n{format_summary(summary)}", flush=True)
-    log.finish()
-    return summary
+        export_hf(state, engine.unwrapped, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
+    before = run.before
+    return run.finish({
+        "train_rows": len(train_feats),
+        "final_train_loss": last.get("loss"),
+        "eval_loss_before": before.get("loss"),
+        "eval_loss_after": after.get("loss"),
+        "perplexity_after": after.get("perplexity"),
+        "gold_score_before": before.get("gold_score"),
+        "gold_score_after": after.get("gold_score"),
+        **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
+        "skipped_steps": engine.skipped_steps,
+    }, model_dir, PLOT, after.get("samples", []))
+
+
+PLOT = [
+    ("loss", [("train", "train", "loss"), ("held-out", "eval", "loss")]),
+    ("gold score (% exact)", [("held-out (greedy)", "eval", "gold_score")]),
+]
 
 
 def _eval_line(ev: dict) -> str:
@@ -169,14 +135,6 @@ def _eval_line(ev: dict) -> str:
         tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
         parts.append(f"gold score {ev['gold_score']:.1f} ({tasks})")
     return ", ".join(parts) or "no eval data"
-
-
-def _plot(out_dir: str) -> None:
-    train, ev = read_metrics(out_dir, "train"), read_metrics(out_dir, "eval")
-    plot_series(os.path.join(out_dir, "sft.png"), "SFT", [
-        ("loss", [("train", *series(train, "loss")), ("held-out", *series(ev, "loss"))]),
-        ("gold score (% exact)", [("held-out (greedy)", *series(ev, "gold_score"))]),
-    ])
 
 
 def main() -> None:

@@ -12,7 +12,8 @@ from torch import nn
 from conftest import ROOT, SMALL_MODEL, metrics, run_stage, summary
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine.generation import SamplingParams, hf_generate, response_mask_from_eos
-from rlhf.rollout import build_experience, empty_responses, position_ids_from_mask, score_rollout, token_logprobs
+from rlhf.experience import build_experience, empty_responses
+from rlhf.rollout import position_ids_from_mask, score_rollout, token_logprobs
 
 V = 8
 

@@ -1,0 +1,183 @@
+"""The skeleton every stage app runs on: open the run, evaluate before, step with a cadence, finish.
+
+    run = Run.open("sft", cfg, cfg.train)                    # process group, logging, seed
+    ... data, models, engines (the stage's own) ...
+    run.begin(engines, total, evaluate)                      # resume or start clean; "before" evaluation
+    for step in run.steps():                                 # log / eval / save cadence after each step
+        out = engine.train_step(batches, loss)
+        run.check(out)                                       # non-finite steps in a row -> TrainingError
+        if run.logs(step):
+            run.log_train(step, {...}, postfix={...})
+    after = run.evaluate_after()
+    run.finish(summary={...}, export=lambda: ...)            # HF export, plot, summary.json, the last lines
+
+What a stage says is only its own: data, its step, its evaluation, its summary figures. What
+every stage gets the same way:
+  - output_dir with config.yaml, metrics.jsonl (truncated after the resumed step), checkpoints/
+    (`train.save_every`, `train.keep_last_n`; a fresh run removes the previous run's);
+  - resume (`train.resume`): the engines' sharded state and a JSON `extra_state` holding the step,
+    the "before" evaluation (so summary.json compares with the untrained model after any resume)
+    and what the stage adds (`state()`, e.g. PPO's adaptive KL controller);
+  - the evaluation cadence: before (step 0), every `train.eval_every` steps, after (the last step);
+  - `train.max_consecutive_skips` non-finite steps in a row end the run with a TrainingError;
+  - a tqdm bar with the stage's key figures, the memory plan after the first step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+from engine import format_memory_report, init_distributed, prune_checkpoints
+from rlhf.app import (
+    TrainingError, checkpoint_root, fresh_checkpoints, progress, resolve_resume, save_config, seed_everything,
+    setup_logging,
+)
+from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+
+logger = logging.getLogger("rlhf")
+
+Plot = Sequence[tuple[str, Sequence[tuple[str, str, str]]]]  # [(panel ylabel, [(label, kind, key), ...]), ...]
+
+
+class Checkpointable(Protocol):
+    """What a run saves and resumes: one TrainEngine, or several behind one object (PPO's models)."""
+
+    def save_checkpoint(self, path: str, extra_state: dict) -> None: ...
+    def load_checkpoint(self, path: str) -> dict: ...
+
+
+def without_samples(ev: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation as logged and checkpointed: figures only (its generated samples are printed)."""
+    return {k: v for k, v in ev.items() if k != "samples"}
+
+
+class Run:
+    """One stage run; see the module docstring. `name`: the progress bar, `<name>.png` and summary's
+    "stage"; `title`: the plot's title and the last lines. `cfg` has output_dir, seed and logger;
+    `train` has resume, log_every, eval_every, save_every, keep_last_n and max_consecutive_skips."""
+
+    def __init__(self, name: str, title: str, cfg: Any, train: Any):
+        self.t_start = time.time()
+        self.name, self.title, self.cfg, self.train = name, title, cfg, train
+        self.out_dir = cfg.output_dir
+        self.info = init_distributed()
+        setup_logging(self.info.is_main)
+        self.total = self.start = 0
+        self.before: dict[str, Any] = {}
+        self.extra_state: dict[str, Any] = {}
+        self._skips = 0
+
+    @classmethod
+    def open(cls, name: str, title: str, cfg: Any, train: Any, validate: Callable[[Any, Any], Any]) -> tuple[Run, Any]:
+        """The process group, logging, `validate(cfg, info)` (its result is returned), the seed."""
+        run = cls(name, title, cfg, train)
+        checked = validate(cfg, run.info)
+        seed_everything(cfg.seed)
+        return run, checked
+
+    # ------------------------------------------------------------------ start
+
+    def begin(self, state: Checkpointable, total: int, evaluate: Callable[[], dict], eval_line: Callable[[dict], str],
+              *, memory: Any = None, state_fn: Callable[[], dict] | None = None) -> None:
+        """Resume `state` (train.resume) or start clean; open metrics.jsonl; save config.yaml; the
+        "before" evaluation (step 0; on resume the one the checkpoint kept). `state_fn()`: what the
+        stage adds to each checkpoint's extra_state (read back from `self.extra_state`)."""
+        self.state, self.total, self.evaluate, self.eval_line = state, total, evaluate, eval_line
+        self.memory, self.state_fn = memory, state_fn or dict
+        path = resolve_resume(self.train.resume, self.out_dir)
+        if path:
+            self.extra_state = state.load_checkpoint(path)
+            self.start = int(self.extra_state["step"])
+            logger.info("resumed from %s at step %d", path, self.start)
+        else:
+            fresh_checkpoints(self.out_dir, self.info.is_main)
+        self.log = RunLog(self.out_dir, self.cfg.logger, is_main=self.info.is_main,
+                          resume_step=self.start if path else None)
+        if self.info.is_main:
+            save_config(self.out_dir, self.cfg)
+        if path:
+            # NOTE: checkpoints before the skeleton kept no "before": metrics.jsonl still has it
+            kept = self.extra_state.get("before")
+            if kept is None:
+                kept = next((r for r in read_metrics(self.out_dir, "eval") if r["step"] == 0), {})
+                kept = {k: v for k, v in kept.items() if k not in ("step", "kind")}
+            self.before = kept
+        else:
+            self.before = without_samples(self._evaluate(0))
+            logger.info("before training: %s", self.eval_line(self.before))
+
+    # ------------------------------------------------------------------ the loop
+
+    def steps(self) -> Iterator[int]:
+        """0-based step indices from the resumed step to `total`; after each step (the loop body):
+        the memory plan (first step), evaluation every train.eval_every, a checkpoint every
+        train.save_every and at the end."""
+        t = self.train
+        self.bar = progress(self.total, self.start, self.name, self.info.is_main)
+        for step in range(self.start, self.total):
+            yield step
+            done = step + 1
+            self.bar.update(1)
+            if done == self.start + 1 and self.memory is not None:
+                logger.info("memory plan:\n%s", format_memory_report(self.memory.memory_report()))
+            if t.eval_every and done % t.eval_every == 0 and done < self.total:
+                self.bar.write(f"step {done}: {self.eval_line(self._evaluate(done))}")
+            if t.save_every and (done % t.save_every == 0 or done == self.total):
+                self.state.save_checkpoint(os.path.join(checkpoint_root(self.out_dir), f"step_{done:07d}"),
+                                           {"step": done, "before": self.before, **self.state_fn()})
+                if self.info.is_main:
+                    prune_checkpoints(checkpoint_root(self.out_dir), t.keep_last_n)
+        self.bar.close()
+
+    def logs(self, step: int) -> bool:
+        """Whether 0-based `step` writes a train record (every train.log_every steps and the last)."""
+        done = step + 1
+        return done % self.train.log_every == 0 or done == self.total
+
+    def log_train(self, step: int, record: dict[str, Any], postfix: dict[str, str]) -> None:
+        self.log.log(step + 1, "train", **record)
+        self.bar.set_postfix(**postfix)
+
+    def check(self, out: dict) -> None:
+        """Counts an engine step's `skipped` (a non-finite loss or gradient); train.max_consecutive_skips
+        in a row raise TrainingError."""
+        self._skips = self._skips + 1 if out["skipped"] else 0
+        if self._skips >= self.train.max_consecutive_skips:
+            raise TrainingError(
+                f"{self._skips} consecutive steps had a non-finite loss or gradient (last loss {out['loss']}); "
+                "lower the learning rate, check the data, or use engine.precision=fp32"
+            )
+
+    # ------------------------------------------------------------------ the end
+
+    def evaluate_after(self) -> dict[str, Any]:
+        return self._evaluate(self.total)
+
+    def finish(self, summary: dict[str, Any], model_dir: str, plot: Plot, samples: Sequence[dict] = ()) -> dict:
+        """(main rank) `<name>.png`, summary.json = stage, time_s, steps, `summary`, model_dir; the
+        samples and the summary printed last. Returns the summary (empty on other ranks)."""
+        out: dict[str, Any] = {}
+        if self.info.is_main:
+            train, ev = read_metrics(self.out_dir, "train"), read_metrics(self.out_dir, "eval")
+            rows = {"train": train, "eval": ev}
+            plot_series(os.path.join(self.out_dir, f"{self.name}.png"), self.title,
+                        [(ylabel, [(label, *series(rows[kind], key)) for label, kind, key in lines])
+                         for ylabel, lines in plot])
+            out = {"stage": self.name, "time_s": round(time.time() - self.t_start, 1), "steps": self.total,
+                   **summary, "model_dir": model_dir}
+            write_summary(self.out_dir, out)
+            for s in samples:
+                print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['score']})")
+            print(f"{self.title} done ({self.out_dir}):\n{format_summary(out)}", flush=True)
+            sys.stdout.flush()
+        self.log.finish()
+        return out
+
+    def _evaluate(self, step: int) -> dict[str, Any]:
+        ev = self.evaluate()
+        self.log.log(step, "eval", **without_samples(ev))
+        return ev
