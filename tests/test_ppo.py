@@ -4,12 +4,14 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, SMALL_MODEL, metrics, run_stage, summary
+from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage, summary
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine.generation import SamplingParams, hf_generate, response_mask_from_eos
 from rlhf.experience import build_experience, empty_responses
@@ -233,6 +235,52 @@ def test_ppo_resume_is_exact(stages, ppo_run, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 
+CRITIC_FREE = """
+import sys, torch
+from rlhf import ppo_math
+
+@ppo_math.register_advantage("returns_to_go", needs_critic=False)
+def returns_to_go(x, *, gamma, lam):
+    # REINFORCE without a baseline: the sum of this and later rewards (no critic values)
+    m = x.mask.float()
+    return torch.flip(torch.cumsum(torch.flip(x.rewards * m, [1]), 1), [1]) * m, None
+
+from rlhf.ppo import main
+main()
+"""
+
+
+def test_a_registered_critic_free_estimator_runs_without_a_critic(stages, tmp_path):
+    """One registered function is a new RL algorithm: no critic is built, trained, saved or resumed."""
+    script = tmp_path / "critic_free.py"
+    script.write_text(CRITIC_FREE)
+    out = tmp_path / "cf"
+
+    def launch(*extra):
+        cmd = [sys.executable, str(script), f"output_dir={out}", f"actor.model={stages / 'sft'}",
+               f"critic.model={stages / 'reward'}", *PPO_ARGS, "ppo.advantage_estimator=returns_to_go", *extra]
+        proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    launch()
+    train = metrics(out, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert all(r["critic_loss"] == "nan" and math.isfinite(r["actor_loss"]) for r in train)
+    assert not (out / "critic").exists() and (out / "model" / "config.json").is_file()
+    ckpt = out / "checkpoints" / "step_0000002"
+    assert (ckpt / "actor").is_dir() and not (ckpt / "critic").exists()
+    shutil.rmtree(out / "checkpoints" / "step_0000004")
+    launch(f"train.resume={ckpt}")
+    assert [r["actor_loss"] for r in metrics(out, "train")] == [r["actor_loss"] for r in train]
+
+
+def test_unknown_advantage_estimator_names_the_registered_ones(tmp_path):
+    proc = run_stage("ppo", f"output_dir={tmp_path}", f"actor.model={tmp_path}", f"critic.model={tmp_path}",
+                     "ppo.advantage_estimator=nope", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "ppo.advantage_estimator" in proc.stderr and "'gae'" in proc.stderr
+
+
 @pytest.mark.slow
 def test_ppo_torchrun_zero3(stages, tmp_path):
     out = tmp_path / "z3"
@@ -249,10 +297,7 @@ def test_zero3_ppo_gradients_equal_one_process(tmp_path):
     ZeRO-3 on 2 ranks = ZeRO-3 in 1 process = plain autograd, and no forward that FSDP wraps returns
     a view (FSDP2's "returned a view tensor" warning; see tests/engine_scripts/ppo_grads.py)."""
     import socket
-    import subprocess
     import sys
-
-    from conftest import cli_env
 
     script = str(ROOT / "tests" / "engine_scripts" / "ppo_grads.py")
     with socket.socket() as s:
@@ -287,10 +332,6 @@ def test_missing_sft_output_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_run_all_smoke(tmp_path):
-    import subprocess
-
-    from conftest import cli_env
-
     env = {**cli_env(), "OUTPUT_DIR": str(tmp_path / "all"), "PRESET": "smoke"}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -312,10 +353,7 @@ TINY_ALL = [*(f"sft:{o}" for o in SMALL_MODEL), "sft:train.max_steps=4", "sft:da
 
 
 def run_all(root, *args, **env):
-    import subprocess
     import sys
-
-    from conftest import cli_env
 
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # this venv's python first
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *TINY_ALL, *args], cwd=ROOT,

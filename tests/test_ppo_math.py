@@ -303,3 +303,60 @@ def test_fixed_kl_controller_and_factory():
     assert isinstance(adaptive, AdaptiveKLController)
     with pytest.raises(ValueError, match="target"):
         make_kl_controller(0.1, True)
+
+
+# ----------------------------------------------------------------------------- the estimator registry
+
+
+def test_gae_is_registered_and_is_gae_advantages():
+    from rlhf.ppo_math import AdvantageInputs, advantage_estimator
+
+    g = torch.Generator().manual_seed(3)
+    rewards, values = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
+    mask = (torch.arange(7)[None] < torch.tensor([[7], [3], [0], [5]])).float()
+    est = advantage_estimator("gae")
+    assert est.needs_critic
+    got = est.fn(AdvantageInputs(rewards=rewards, score=torch.zeros(4), values=values, mask=mask,
+                                 group=torch.arange(4)), gamma=0.9, lam=0.8)
+    want = gae_advantages(rewards, values, mask, 0.9, 0.8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_registry_rejects_unknown_and_duplicate_names(monkeypatch):
+    from rlhf import ppo_math
+
+    monkeypatch.setattr(ppo_math, "ADVANTAGE_ESTIMATORS", dict(ppo_math.ADVANTAGE_ESTIMATORS))
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; registered: gae"):
+        ppo_math.advantage_estimator("nope")
+    with pytest.raises(ValueError, match="already registered"):
+        ppo_math.register_advantage("gae", needs_critic=True)(lambda x, **_: None)
+
+
+def test_a_critic_free_estimator_sees_scores_and_groups_and_returns_no_targets(monkeypatch):
+    """The experience hands every estimator the same inputs; one without a critic gets values=None,
+    and the experience then carries no values/returns (the micro-batches leave them out)."""
+    from rlhf import ppo_math
+    from rlhf.experience import build_experience
+
+    monkeypatch.setattr(ppo_math, "ADVANTAGE_ESTIMATORS", dict(ppo_math.ADVANTAGE_ESTIMATORS))
+    seen = {}
+
+    @ppo_math.register_advantage("group_mean_baseline", needs_critic=False)
+    def group_mean_baseline(x, *, gamma, lam):  # score minus its prompt group's mean, on every token
+        seen.update(values=x.values, group=x.group.tolist())
+        means = torch.stack([x.score[x.group == gid].mean() for gid in x.group])
+        return (x.score - means)[:, None] * x.mask, None
+
+    B, P, T = 4, 2, 3
+    seqs = torch.arange(B * (P + T)).reshape(B, P + T)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    scored = {"logp_old": torch.zeros(B, T), "logp_ref": torch.zeros(B, T), "score": torch.tensor([1., 3., 2., 6.]),
+              "position_ids": seqs}
+    exp = build_experience(seqs, torch.ones_like(seqs), mask, P, scored, kl_coef=0.1, kl_estimator="k1",
+                           clip_reward_value=5.0, gamma=1.0, lam=0.95, estimator="group_mean_baseline",
+                           group=torch.tensor([7, 7, 9, 9]))
+    assert seen == {"values": None, "group": [7, 7, 9, 9]}
+    assert exp.advantages[:, 0].tolist() == [-1.0, 1.0, -2.0, 2.0]
+    assert exp.values is None and exp.returns is None
+    mb = exp.rows([1, 3])
+    assert "values" not in mb and "returns" not in mb and mb["group"].tolist() == [7, 9]

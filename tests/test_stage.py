@@ -1,0 +1,93 @@
+"""The stage skeleton (rlhf/stage.py) on a fake checkpointable state: cadence, resume, skip limit."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+
+from engine.checkpoint import META, write_meta
+from rlhf.app import TrainingError
+from rlhf.config import SFTConfig, TrainConfig
+from rlhf.runlog import read_metrics
+from rlhf.stage import Run
+
+
+class FakeState:
+    """Checkpointable: a checkpoint is a directory with meta.json holding extra_state."""
+
+    def __init__(self):
+        self.saved: list[tuple[str, dict]] = []
+
+    def save_checkpoint(self, path: str, extra_state: dict) -> None:
+        shutil.rmtree(path, ignore_errors=True)  # as the engines' publish: the new one replaces it
+        os.makedirs(path)
+        write_meta(path, {"step": extra_state["step"], "extra_state": extra_state})
+        self.saved.append((os.path.basename(path), extra_state))
+
+    def load_checkpoint(self, path: str) -> dict:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)["extra_state"]
+
+
+def make_run(tmp_path, **train):
+    t = TrainConfig(log_every=2, eval_every=3, save_every=2, keep_last_n=2, max_consecutive_skips=2, **train)
+    cfg = SFTConfig(output_dir=str(tmp_path), train=t)
+    run, _ = Run.open("sft", "SFT", cfg, cfg.train, lambda c, info: None)
+    return run
+
+
+def drive(run, state, evals, total=5, skipped=()):
+    def evaluate():
+        evals.append(len(evals))
+        return {"score": float(len(evals)), "samples": ["not logged"]}
+
+    run.begin(state, total, evaluate, lambda ev: f"score {ev['score']}", state_fn=lambda: {"extra": 1})
+    for step in run.steps():
+        run.check({"skipped": step in skipped, "loss": 0.0})
+        if run.logs(step):
+            run.log_train(step, {"loss": float(step)}, {})
+    return run.evaluate_after()
+
+
+def test_cadence_of_logs_evaluations_and_checkpoints(tmp_path):
+    state, evals = FakeState(), []
+    run = make_run(tmp_path)
+    drive(run, state, evals)
+    assert [r["step"] for r in read_metrics(str(tmp_path), "train")] == [2, 4, 5]  # every 2nd and the last
+    assert [(r["step"], r["score"]) for r in read_metrics(str(tmp_path), "eval")] == [(0, 1.0), (3, 2.0), (5, 3.0)]
+    assert all("samples" not in r for r in read_metrics(str(tmp_path)))
+    assert [name for name, _ in state.saved] == ["step_0000002", "step_0000004", "step_0000005"]
+    assert state.saved[0][1] == {"step": 2, "before": {"score": 1.0}, "extra": 1}
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_0000004", "step_0000005"]  # keep_last_n=2
+    out = run.finish({"figure": 1.5}, "model/", [("loss", [("train", "train", "loss")])])
+    assert list(out) == ["stage", "time_s", "steps", "figure", "model_dir"] and out["steps"] == 5
+    assert (tmp_path / "sft.png").is_file() and json.loads((tmp_path / "summary.json").read_text())["figure"] == 1.5
+
+
+def test_resume_keeps_the_before_evaluation_and_truncates_metrics(tmp_path):
+    state, evals = FakeState(), []
+    drive(make_run(tmp_path), state, evals)
+    evals.clear()
+    run = make_run(tmp_path, resume=str(tmp_path / "checkpoints" / "step_0000004"))
+    drive(run, state, evals)
+    assert run.start == 4 and run.before == {"score": 1.0} and run.extra_state["extra"] == 1
+    assert evals == [0]  # only the final evaluation: "before" came from the checkpoint
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 2, 3, 4, 5, 5]
+
+
+def test_consecutive_skipped_steps_stop_the_run(tmp_path):
+    drive(make_run(tmp_path), FakeState(), [], skipped={1, 3})  # never two in a row: fine
+    with pytest.raises(TrainingError, match="2 consecutive steps"):
+        drive(make_run(tmp_path / "b"), FakeState(), [], skipped={2, 3})
+
+
+def test_a_fresh_run_removes_the_previous_runs_checkpoints(tmp_path):
+    state = FakeState()
+    drive(make_run(tmp_path), state, [])
+    run = make_run(tmp_path, max_steps=1)
+    run.begin(FakeState(), 1, lambda: {}, str)
+    assert not (tmp_path / "checkpoints").exists()
+    assert dataclasses.is_dataclass(run.cfg)
