@@ -1,9 +1,11 @@
 """The RL step's experience, as named steps: generate -> score -> rewards -> advantages -> (update).
 
-    rollout = generate(actor_engine, prompts, group, sampling, eos_id, pad_id)   # sample responses
-    scored = score_rollout(...)                                                   # rlhf/rollout.py: 4 models
+    models = Models(cfg, tok, info, n_updates)            # actor, critic (if the estimator needs one), ref, reward
+    rollout = generate(models.actor, prompts, group, sampling, eos_id, pad_id)   # sample responses
+    scored = models.score(rollout, cfg)                                           # rlhf/rollout.py: the 4 models
     exp = build_experience(rollout..., scored, kl_coef=..., estimator="gae", ...) # rewards + advantages
-    exp.rows([0, 3])                                                              # a micro-batch dict
+    a_stats, c_stats = update(models, exp, cfg, (actor_loss, critic_loss), ptx, run)  # mini-batch steps
+    record = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_coef, times)    # over all ranks
 
 Every tensor is one rank's rows. Layout (P = prompt width, T = response width):
     sequences, attention_mask, position_ids   [B, P+T]  prompts LEFT-padded, responses right-padded
@@ -14,12 +16,25 @@ Every tensor is one rank's rows. Layout (P = prompt width, T = response width):
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
+from engine import FrozenEngine, TrainEngine
+from engine.checkpoint import published, read_meta
 from engine.distributed import all_reduce_sum
+from engine.ema import ParamEMA
 from rlhf import ppo_math
+from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, optim_config
+from rlhf.data import collate_sft
+from rlhf.data.stage import StepOrder
+from rlhf.models import disable_dropout, load_causal_lm, load_value_model, per_token_values
+from rlhf.rollout import score_rollout
 
 
 @dataclass
@@ -127,3 +142,131 @@ def world_whiten_(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-
     var = (stats[1] / n - mean * mean) * n / (n - 1)
     advantages.copy_(torch.where(m, ((a - mean) * torch.rsqrt(var + eps)).float(), torch.zeros_like(advantages)))
     return advantages
+
+
+# ----------------------------------------------------------------------------- the engines and the update
+
+
+def model_cfg(cfg: PPOConfig, path: str, lora=None) -> ModelConfig:
+    return dataclasses.replace(cfg.model, name_or_path=path, lora=lora or dataclasses.replace(cfg.model.lora, r=0))
+
+
+class Models:
+    """The engines of a PPO run: actor, critic (None when the advantage estimator needs none),
+    reference and reward model; saved and resumed together (`rlhf/stage.py` Checkpointable)."""
+
+    def __init__(self, cfg: PPOConfig, tok: Any, info, n_updates: int):
+        ecfg = engine_config(cfg.engine, info)
+        ref_path = cfg.reference.model or cfg.actor.model
+        rm_path = cfg.reward_model.model or cfg.critic.model
+        needs_critic = ppo_math.advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
+        actor = disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok, seed=cfg.seed,
+                                               key="actor"))
+        critic = disable_dropout(per_token_values(load_value_model(
+            model_cfg(cfg, cfg.critic.model, cfg.critic.lora), tok, seed=cfg.seed, key="critic"))) if needs_critic else None
+        ref = disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key="reference", lora=False))
+        rm = disable_dropout(per_token_values(load_value_model(model_cfg(cfg, rm_path), tok, seed=cfg.seed,
+                                                               key="reward_model", lora=False)))
+        for key, m in (("critic", critic), ("reward_model", rm)):
+            if m is not None and getattr(m, "get_base_model", lambda: m)().config.num_labels != 1:
+                raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
+        self.info = info
+        self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
+        self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
+                                             info=info)
+        self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=cfg.reference.offload), info)
+        self.reward = FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
+        self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
+        for e in (self.actor, self.critic, self.reference, self.reward):
+            if e is not None:
+                e.eval()  # dropout is off anyway; eval() keeps HF modules from training-only branches
+
+    def score(self, rollout, cfg: PPOConfig) -> dict[str, torch.Tensor]:
+        """The "score" step: old and reference log-probs, critic values, reward scores."""
+        return score_rollout(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
+                             actor=self.actor.model, reference=self.reference.model,
+                             critic=self.critic.model if self.critic else None, reward=self.reward.model,
+                             micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature)
+
+    def save_checkpoint(self, path: str, extra_state: dict) -> None:
+        """Actor + critic (+ this rank's EMA shards) in one checkpoint, published atomically. Collective."""
+        with published(path, {"step": extra_state["step"], "extra_state": extra_state}, self.info.is_main) as tmp:
+            self.actor.write_state(os.path.join(tmp, "actor"), rank_extra=self.ema.state_dict() if self.ema else None)
+            if self.critic is not None:
+                self.critic.write_state(os.path.join(tmp, "critic"))
+
+    def load_checkpoint(self, path: str) -> dict:
+        if self.critic is not None:
+            self.critic.read_state(os.path.join(path, "critic"))
+        self.actor.read_state(os.path.join(path, "actor"))  # last: its RNG state is the one kept
+        if self.ema is not None:
+            if self.actor.rank_extra is None:
+                raise ConfigError(f"{path} holds no EMA state for this rank (ppo.ema_decay was 0, or another "
+                                  "world size): resume with the same ppo.ema_decay and number of ranks")
+            self.ema.load_state_dict(self.actor.rank_extra)
+        return read_meta(path)["extra_state"]
+
+
+def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_batches, run) -> tuple[list, list]:
+    """The "update" step: `ppo.ppo_epochs` passes over shuffled mini-batches of this rank's rows, one
+    actor (and critic) optimizer step per mini-batch; `ptx_batches()` gives each micro-batch's SFT rows."""
+    r, p, info = cfg.rollout, cfg.ppo, models.info
+    per_rank, mini_rows = r.prompts_per_step // info.world_size, r.mini_batch_size // info.world_size
+    a_stats, c_stats = [], []
+    for _ in range(p.ppo_epochs):
+        perm = torch.randperm(per_rank).tolist()
+        for k in range(r.prompts_per_step // r.mini_batch_size):
+            rows_k = perm[k * mini_rows : (k + 1) * mini_rows]
+            micro = [exp.rows(rows_k[i : i + r.micro_batch_size]) for i in range(0, mini_rows, r.micro_batch_size)]
+            if ptx_batches is not None:
+                for mb in micro:
+                    mb["ptx"] = ptx_batches()
+            a_stats.append(models.actor.train_step(micro, losses[0]))
+            if models.critic is not None:
+                c_stats.append(models.critic.train_step(micro, losses[1]))
+            run.check(a_stats[-1])
+            if models.ema is not None:
+                models.ema.update()
+    return a_stats, c_stats
+
+
+def ptx_batches(feats: list, order: StepOrder, first: int, info, pad_id: int) -> Callable[[], dict]:
+    """The SFT micro-batches of one step's ptx loss, from position `first` on (a function of the step,
+    so a resumed run reads the same rows)."""
+    position = itertools.count(first)
+    return lambda: collate_sft([feats[i] for i in order.rank_rows(next(position), info.rank, info.world_size, 1)[0]],
+                               pad_id)
+
+
+def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list, cfg: PPOConfig, kl_coef: float,
+                times: tuple[float, ...]) -> dict[str, Any]:
+    """One step's metrics over every rank's rows (a collective)."""
+    p = cfg.ppo
+    kept = (~rollout.empty).float()
+    sums = all_reduce_sum(torch.stack([
+        (exp.score * kept).sum(), (exp.score.clamp(-p.clip_reward_value, p.clip_reward_value) * kept).sum(),
+        ppo_math.masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),
+        rollout.empty.sum(), rollout.truncated.sum(), torch.tensor(float(rollout.attention_mask.sum())),
+    ]).double().cpu()).tolist()
+    n_kept = max(sums[4], 1.0)
+    t0, t1, t2, t3 = times
+    rec = {
+        "reward": sums[0] / n_kept, "reward_clipped": sums[1] / n_kept, "kl": sums[2] / n_kept,
+        "kl_coef": kl_coef, "response_len": sums[3] / n_kept, "empty_responses": int(sums[5]),
+        "truncated_responses": int(sums[6]),
+        "actor_loss": _mean(a_stats, "loss"), "critic_loss": _mean(c_stats, "loss"),
+        "entropy": _mean(a_stats, "entropy"), "clipfrac": _mean(a_stats, "clipfrac"),
+        "approx_kl": _mean(a_stats, "approx_kl"), "value_error": _mean(c_stats, "value_error"),
+        "vf_clipfrac": _mean(c_stats, "vf_clipfrac"), "actor_grad_norm": _mean(a_stats, "grad_norm"),
+        "critic_grad_norm": _mean(c_stats, "grad_norm"), "actor_lr": a_stats[-1]["lr"],
+        "generation_s": t1 - t0, "scoring_s": t2 - t1, "training_s": t3 - t2,
+        "tokens_per_s": sums[7] / max(t3 - t0, 1e-9),
+    }
+    if p.ptx_coef:
+        rec["ptx_loss"] = _mean(a_stats, "ptx_loss")
+    return rec
+
+
+def _mean(stats: list[dict], key: str) -> float:
+    vals = [s[key] for s in stats if key in s]
+    return sum(vals) / len(vals) if vals else float("nan")

@@ -20,33 +20,25 @@ critic/, model_ema/ (with ppo.ema_decay), summary.json.
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from engine import FrozenEngine, TrainEngine
-from engine.checkpoint import published, read_meta
 from engine.distributed import all_reduce_sum
-from engine.ema import ParamEMA
 from engine.generation import SamplingParams
 from rlhf import ppo_math
 from rlhf.app import ConfigError, stage_main
-from rlhf.config import ModelConfig, PPOConfig, engine_config, optim_config, validate_ppo
-from rlhf.data import collate_prompts, collate_sft, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
+from rlhf.config import PPOConfig, validate_ppo
+from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import gold_eval, load_eval_prompts
+from rlhf.experience import Models, build_experience, generate, model_cfg, ptx_batches, step_metrics, update
 from rlhf.hub import check_local
-from rlhf.models import (
-    MODEL_SUBDIR, disable_dropout, export_hf, load_causal_lm, load_tokenizer, load_value_model, per_token_values,
-)
-from rlhf.experience import build_experience, generate
-from rlhf.rollout import score_rollout, token_logprobs, token_values
+from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer
+from rlhf.rollout import token_logprobs, token_values
 from rlhf.runlog import read_metrics
 from rlhf.sft import sft_loss
 from rlhf.stage import Run
@@ -93,126 +85,6 @@ def sampling(cfg: PPOConfig) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(max_new_tokens=r.max_new_tokens, greedy=False, temperature=r.temperature, top_k=r.top_k,
                           top_p=r.top_p)
-
-
-def model_cfg(cfg: PPOConfig, path: str, lora=None) -> ModelConfig:
-    return dataclasses.replace(cfg.model, name_or_path=path, lora=lora or dataclasses.replace(cfg.model.lora, r=0))
-
-
-class Models:
-    """The engines of a PPO run: actor, critic (None when the advantage estimator needs none),
-    reference and reward model; saved and resumed together (`rlhf/stage.py` Checkpointable)."""
-
-    def __init__(self, cfg: PPOConfig, tok: Any, info, n_updates: int):
-        ecfg = engine_config(cfg.engine, info)
-        ref_path = cfg.reference.model or cfg.actor.model
-        rm_path = cfg.reward_model.model or cfg.critic.model
-        needs_critic = ppo_math.advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
-        actor = disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok, seed=cfg.seed,
-                                               key="actor"))
-        critic = disable_dropout(per_token_values(load_value_model(
-            model_cfg(cfg, cfg.critic.model, cfg.critic.lora), tok, seed=cfg.seed, key="critic"))) if needs_critic else None
-        ref = disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key="reference", lora=False))
-        rm = disable_dropout(per_token_values(load_value_model(model_cfg(cfg, rm_path), tok, seed=cfg.seed,
-                                                               key="reward_model", lora=False)))
-        for key, m in (("critic", critic), ("reward_model", rm)):
-            if m is not None and getattr(m, "get_base_model", lambda: m)().config.num_labels != 1:
-                raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
-        self.info = info
-        self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
-        self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
-                                             info=info)
-        self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=cfg.reference.offload), info)
-        self.reward = FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
-        self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
-        for e in (self.actor, self.critic, self.reference, self.reward):
-            if e is not None:
-                e.eval()  # dropout is off anyway; eval() keeps HF modules from training-only branches
-
-    def score(self, rollout, cfg: PPOConfig) -> dict[str, torch.Tensor]:
-        """The "score" step: old and reference log-probs, critic values, reward scores."""
-        return score_rollout(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
-                             actor=self.actor.model, reference=self.reference.model,
-                             critic=self.critic.model if self.critic else None, reward=self.reward.model,
-                             micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature)
-
-    def save_checkpoint(self, path: str, extra_state: dict) -> None:
-        """Actor + critic (+ this rank's EMA shards) in one checkpoint, published atomically. Collective."""
-        with published(path, {"step": extra_state["step"], "extra_state": extra_state}, self.info.is_main) as tmp:
-            self.actor.write_state(os.path.join(tmp, "actor"), rank_extra=self.ema.state_dict() if self.ema else None)
-            if self.critic is not None:
-                self.critic.write_state(os.path.join(tmp, "critic"))
-
-    def load_checkpoint(self, path: str) -> dict:
-        if self.critic is not None:
-            self.critic.read_state(os.path.join(path, "critic"))
-        self.actor.read_state(os.path.join(path, "actor"))  # last: its RNG state is the one kept
-        if self.ema is not None:
-            if self.actor.rank_extra is None:
-                raise ConfigError(f"{path} holds no EMA state for this rank (ppo.ema_decay was 0, or another "
-                                  "world size): resume with the same ppo.ema_decay and number of ranks")
-            self.ema.load_state_dict(self.actor.rank_extra)
-        return read_meta(path)["extra_state"]
-
-
-def ppo_update(models: Models, exp, cfg: PPOConfig, losses: tuple, ptx_batches, run: Run) -> tuple[list, list]:
-    """The "update" step: `ppo.ppo_epochs` passes over shuffled mini-batches of this rank's rows, one
-    actor (and critic) optimizer step per mini-batch; `ptx_batches()` gives each micro-batch's SFT rows."""
-    r, p, info = cfg.rollout, cfg.ppo, models.info
-    per_rank, mini_rows = r.prompts_per_step // info.world_size, r.mini_batch_size // info.world_size
-    a_stats, c_stats = [], []
-    for _ in range(p.ppo_epochs):
-        perm = torch.randperm(per_rank).tolist()
-        for k in range(r.prompts_per_step // r.mini_batch_size):
-            rows_k = perm[k * mini_rows : (k + 1) * mini_rows]
-            micro = [exp.rows(rows_k[i : i + r.micro_batch_size]) for i in range(0, mini_rows, r.micro_batch_size)]
-            if ptx_batches is not None:
-                for mb in micro:
-                    mb["ptx"] = ptx_batches()
-            a_stats.append(models.actor.train_step(micro, losses[0]))
-            if models.critic is not None:
-                c_stats.append(models.critic.train_step(micro, losses[1]))
-            run.check(a_stats[-1])
-            if models.ema is not None:
-                models.ema.update()
-    return a_stats, c_stats
-
-
-def ptx_batches(feats: list, order: StepOrder, first: int, info, pad_id: int) -> Callable[[], dict]:
-    """The SFT micro-batches of one step's ptx loss, from position `first` on (a function of the step,
-    so a resumed run reads the same rows)."""
-    position = itertools.count(first)
-    return lambda: collate_sft([feats[i] for i in order.rank_rows(next(position), info.rank, info.world_size, 1)[0]],
-                               pad_id)
-
-
-def step_record(rollout, exp, a_stats: list, c_stats: list, cfg: PPOConfig, kl_coef: float,
-                times: tuple[float, ...]) -> dict[str, Any]:
-    """One step's metrics over every rank's rows (a collective)."""
-    p = cfg.ppo
-    kept = (~rollout.empty).float()
-    sums = all_reduce_sum(torch.stack([
-        (exp.score * kept).sum(), (exp.score.clamp(-p.clip_reward_value, p.clip_reward_value) * kept).sum(),
-        ppo_math.masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),
-        rollout.empty.sum(), rollout.truncated.sum(), torch.tensor(float(rollout.attention_mask.sum())),
-    ]).double().cpu()).tolist()
-    n_kept = max(sums[4], 1.0)
-    t0, t1, t2, t3 = times
-    rec = {
-        "reward": sums[0] / n_kept, "reward_clipped": sums[1] / n_kept, "kl": sums[2] / n_kept,
-        "kl_coef": kl_coef, "response_len": sums[3] / n_kept, "empty_responses": int(sums[5]),
-        "truncated_responses": int(sums[6]),
-        "actor_loss": _mean(a_stats, "loss"), "critic_loss": _mean(c_stats, "loss"),
-        "entropy": _mean(a_stats, "entropy"), "clipfrac": _mean(a_stats, "clipfrac"),
-        "approx_kl": _mean(a_stats, "approx_kl"), "value_error": _mean(c_stats, "value_error"),
-        "vf_clipfrac": _mean(c_stats, "vf_clipfrac"), "actor_grad_norm": _mean(a_stats, "grad_norm"),
-        "critic_grad_norm": _mean(c_stats, "grad_norm"), "actor_lr": a_stats[-1]["lr"],
-        "generation_s": t1 - t0, "scoring_s": t2 - t1, "training_s": t3 - t2,
-        "tokens_per_s": sums[7] / max(t3 - t0, 1e-9),
-    }
-    if p.ptx_coef:
-        rec["ptx_loss"] = _mean(a_stats, "ptx_loss")
-    return rec
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -299,9 +171,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages)
         t2 = time.time()
         ptx = None if ptx_feats is None else ptx_batches(ptx_feats, ptx_order, step * micro_per_step, info, pad)
-        a_stats, c_stats = ppo_update(models, exp, cfg, losses, ptx, run)
+        a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
         t3 = time.time()
-        rec = step_record(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3))
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3))
         for key in times:
             times[key].append(rec[key])
         kl_ctl.update(rec["kl"], r.prompts_per_step)
@@ -341,11 +213,6 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
     }, model_dir, plot(p.kl_estimator), after.get("samples", []))
-
-
-def _mean(stats: list[dict], key: str) -> float:
-    vals = [s[key] for s in stats if key in s]
-    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def _eval_line(ev: dict) -> str:
