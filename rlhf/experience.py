@@ -21,7 +21,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,7 +34,8 @@ from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, opti
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
 from rlhf.models import disable_dropout, load_causal_lm, load_value_model, per_token_values
-from rlhf.rollout import score_rollout
+from rlhf.reward_math import sequence_scores
+from rlhf.rollout import position_ids_from_mask, score_rollout
 
 
 @dataclass
@@ -151,11 +152,39 @@ def model_cfg(cfg: PPOConfig, path: str, lora=None) -> ModelConfig:
     return dataclasses.replace(cfg.model, name_or_path=path, lora=lora or dataclasses.replace(cfg.model.lora, r=0))
 
 
+class RewardSource(Protocol):
+    """Scores whole responses: `score(rollout)` -> [B] float32, one per row (every rank its rows).
+
+    The reward model is one (`RewardModelScore`). Another source is one class with this method: e.g.
+    a verifiable reward that decodes the responses and judges them against the dataset rows that
+    `rollout.group` indexes. `Models(..., reward_source=...)` takes it instead of the reward model."""
+
+    def score(self, rollout: Rollout) -> torch.Tensor: ...
+
+
+class RewardModelScore:
+    """The frozen reward model's value at the last real token of prompt + response (rlhf/reward_math.py)."""
+
+    def __init__(self, engine: FrozenEngine, micro_batch_size: int):
+        self.engine, self.micro_batch_size = engine, micro_batch_size
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        ids, mask = rollout.sequences, rollout.attention_mask
+        positions = position_ids_from_mask(mask)
+        parts = []
+        for s in range(0, ids.shape[0], self.micro_batch_size):  # the same forwards on every rank
+            sl = slice(s, s + self.micro_batch_size)
+            values = self.engine.model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=positions[sl])
+            parts.append(sequence_scores(values.float(), mask[sl]))
+        return torch.cat(parts)
+
+
 class Models:
     """The engines of a PPO run: actor, critic (None when the advantage estimator needs none),
     reference and reward model; saved and resumed together (`rlhf/stage.py` Checkpointable)."""
 
-    def __init__(self, cfg: PPOConfig, tok: Any, info, n_updates: int):
+    def __init__(self, cfg: PPOConfig, tok: Any, info, n_updates: int, reward_source: RewardSource | None = None):
         ecfg = engine_config(cfg.engine, info)
         ref_path = cfg.reference.model or cfg.actor.model
         rm_path = cfg.reward_model.model or cfg.critic.model
@@ -165,8 +194,8 @@ class Models:
         critic = disable_dropout(per_token_values(load_value_model(
             model_cfg(cfg, cfg.critic.model, cfg.critic.lora), tok, seed=cfg.seed, key="critic"))) if needs_critic else None
         ref = disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key="reference", lora=False))
-        rm = disable_dropout(per_token_values(load_value_model(model_cfg(cfg, rm_path), tok, seed=cfg.seed,
-                                                               key="reward_model", lora=False)))
+        rm = None if reward_source else disable_dropout(per_token_values(load_value_model(
+            model_cfg(cfg, rm_path), tok, seed=cfg.seed, key="reward_model", lora=False)))
         for key, m in (("critic", critic), ("reward_model", rm)):
             if m is not None and getattr(m, "get_base_model", lambda: m)().config.num_labels != 1:
                 raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
@@ -175,18 +204,21 @@ class Models:
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
                                              info=info)
         self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=cfg.reference.offload), info)
-        self.reward = FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
+        self.reward = rm and FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
+        self.reward_source = reward_source or RewardModelScore(self.reward, cfg.rollout.micro_batch_size)
         self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
         for e in (self.actor, self.critic, self.reference, self.reward):
             if e is not None:
                 e.eval()  # dropout is off anyway; eval() keeps HF modules from training-only branches
 
     def score(self, rollout, cfg: PPOConfig) -> dict[str, torch.Tensor]:
-        """The "score" step: old and reference log-probs, critic values, reward scores."""
-        return score_rollout(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
-                             actor=self.actor.model, reference=self.reference.model,
-                             critic=self.critic.model if self.critic else None, reward=self.reward.model,
-                             micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature)
+        """The "score" step: old and reference log-probs, critic values, and the reward source's scores."""
+        scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
+                               actor=self.actor.model, reference=self.reference.model,
+                               critic=self.critic.model if self.critic else None, reward=None,
+                               micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature)
+        scored["score"] = self.reward_source.score(rollout)
+        return scored
 
     def save_checkpoint(self, path: str, extra_state: dict) -> None:
         """Actor + critic (+ this rank's EMA shards) in one checkpoint, published atomically. Collective."""

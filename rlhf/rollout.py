@@ -65,7 +65,7 @@ def score_rollout(
     actor: torch.nn.Module,
     reference: torch.nn.Module,
     critic: torch.nn.Module | None,
-    reward: torch.nn.Module,
+    reward: torch.nn.Module | None,
     micro_batch_size: int,
     temperature: float,
 ) -> dict[str, torch.Tensor]:
@@ -83,6 +83,8 @@ def score_rollout(
         parts["logp_ref"].append(token_logprobs(reference, mb, temperature))
         if critic is not None:
             parts["values"].append(token_values(critic, mb))
+        if reward is None:  # scored elsewhere (rlhf/experience.py reward sources)
+            continue
         rm_values = reward(input_ids=mb["sequences"], attention_mask=mb["attention_mask"],
                            position_ids=mb["position_ids"])
         parts["score"].append(sequence_scores(rm_values.float(), mb["attention_mask"]))

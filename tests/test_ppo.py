@@ -65,6 +65,13 @@ def test_scores_and_rewards_on_left_padded_ragged_batch():
     assert scored["values"].tolist() == [[106, 201, 307], [206, 302, 403]]
     # reward: the value at the last real token -- the EOS (position 3) / the last token (position 5)
     assert scored["score"].tolist() == [307, 501]
+    # the reward model as a reward source (what PPO uses) reads the same positions
+    from types import SimpleNamespace
+
+    from rlhf.experience import RewardModelScore
+
+    rollout = SimpleNamespace(sequences=seqs, attention_mask=attn)
+    assert RewardModelScore(SimpleNamespace(model=PositionValue()), micro_batch_size=1).score(rollout).tolist() == [307, 501]
     exp = build_experience(seqs, attn, resp_mask, 3, scored, kl_coef=0.1, kl_estimator="k1",
                            clip_reward_value=5.0, gamma=1.0, lam=0.95)
     kl = (want_old - want_ref) * resp_mask
