@@ -12,7 +12,7 @@ from .distributed import DistInfo, exit_process, init_distributed, shutdown_dist
 from .loss_scale import DynamicLossScaler
 from .memory import format_memory_report
 from .optim import validate_optim_config
-from .parallelize import parallelize
+from .parallelize import ModuleView, hf_base_model, inner_module, parallelize
 from .train_engine import FrozenEngine, TrainEngine
 
 __all__ = [
@@ -21,12 +21,15 @@ __all__ = [
     "DynamicLossScaler",
     "EngineConfig",
     "FrozenEngine",
+    "ModuleView",
     "OptimConfig",
     "TrainEngine",
     "atomic_directory",
     "exit_process",
     "format_memory_report",
+    "hf_base_model",
     "init_distributed",
+    "inner_module",
     "latest_checkpoint",
     "list_checkpoints",
     "parallelize",

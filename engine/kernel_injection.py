@@ -1,33 +1,30 @@
-"""`engine.kernels=true`: the fused kernels of `kernels/` injected into transformers modules.
+"""`engine.kernels=true`: the fused kernels of `kernels/` injected into one model's modules.
 
     names = inject_kernels(model)      # norms, SwiGLU, rotary; returns what was replaced
-    model(input_ids=..., attention_mask=..., position_ids=...,
-          logprob_targets=targets, logprob_start=P - 1, temperature=0.7, with_entropy=True)
-        -> (logp [B, T], entropy [B, T] or None)   # no [B, T, vocab] logits
 
-What is replaced, per instance (weights, parameter names and state dicts are untouched):
+What is replaced, per instance (weights, parameter names and state dicts are untouched; other
+models in the process keep the plain transformers code):
 - RMSNorm modules (Llama family: a `weight` and `variance_epsilon`) -> `kernels.rms_norm`;
   `nn.LayerNorm` (OPT) -> `kernels.layer_norm`;
 - gated MLPs (`gate_proj`, `up_proj`, `down_proj`, SiLU) -> `down(silu_mul(gate(x), up(x)))`;
-- rotary: `apply_rotary_pos_emb` of the Llama/Mistral/Qwen2 modeling modules -> `kernels.apply_rotary`
-  (a module-level function in transformers, so this one is process-wide; same meaning either way);
-- causal LMs get the `logprob_targets` forward above: the backbone's last hidden states at columns
-  [start, start + T) go through `kernels.fused_logprobs_entropy` with the output embedding, chunked
-  over the vocabulary, forward and backward. Without `logprob_targets` the forward is the original.
-Every op dispatches as `kernels/` does: Triton on CUDA, the PyTorch reference elsewhere, so on CPU
-the results are the plain path's up to float rounding order.
+- rotary: the attention modules of the Llama/Mistral/Qwen2 modeling code call the module-level
+  `apply_rotary_pos_emb`; that name points (once, process-wide) at a dispatcher that runs
+  `kernels.apply_rotary` only while an injected attention module's forward is running (also in
+  an activation-checkpointing recompute, which re-enters the module), and the original otherwise.
+Log-probs and entropy from hidden states (no [B, T, vocab] logits) are not an injection: the
+policy role computes them (rlhf/roles.py). Every op dispatches as `kernels/` does: Triton on
+CUDA, the PyTorch reference elsewhere, so on CPU the results are the plain path's up to float
+rounding order.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import threading
 import types
-from typing import Any
 
-import torch
 from torch import nn
 
-from .parallelize import hf_base_model
 
 ROTARY_MODULES = ("llama", "mistral", "qwen2")
 
@@ -57,42 +54,11 @@ def inject_kernels(model: nn.Module) -> list[str]:
         module._kernels_injected = True
         bump(type(module).__name__)
     if _patch_rotary():
-        bump("rotary")
-    base = hf_base_model(model)
-    if hasattr(base, "get_output_embeddings") and base.get_output_embeddings() is not None:
-        fused_logprobs_forward(model)
-        bump("fused_logprobs")
+        for module in model.modules():
+            if _uses_patched_rotary(module) and not getattr(module, "_rotary_kernel", False):
+                _run_with_rotary_kernel(module)
+                bump("rotary")
     return [f"{k} x{v}" for k, v in counts.items()]
-
-
-def fused_logprobs_forward(model: nn.Module) -> nn.Module:
-    """Give a causal LM (peft-wrapped or not) the `logprob_targets=` forward of the module doc."""
-    if getattr(model, "_fused_logprobs", False):
-        return model
-    original = model.forward
-
-    def forward(self, *args: Any, logprob_targets: torch.Tensor | None = None, logprob_start: int = 0,
-                temperature: float = 1.0, with_entropy: bool = False, **kwargs: Any):
-        if logprob_targets is None:
-            return original(*args, **kwargs)
-        from kernels import fused_logprobs_entropy
-
-        base = hf_base_model(self)
-        backbone = getattr(base, base.base_model_prefix)
-        kwargs.pop("use_cache", None)
-        hidden = backbone(*args, use_cache=False, **kwargs).last_hidden_state
-        T = logprob_targets.shape[1]
-        hidden = hidden[:, logprob_start : logprob_start + T]
-        head = base.get_output_embeddings()
-        logp, entropy = fused_logprobs_entropy(hidden, head.weight.to(hidden.dtype), logprob_targets, bias=head.bias,
-                                               temperature=temperature, compute_entropy=with_entropy)
-        # NOTE: the op returns its flat [B*T] results `.view`ed to [B, T]; FSDP2 warns when a module
-        # returns a view (an in-place op on it would skip the pre-backward hook), so [B, T] copies leave.
-        return logp.clone(), None if entropy is None else entropy.clone()
-
-    model.forward = types.MethodType(forward, model)
-    model._fused_logprobs = True
-    return model
 
 
 def _is_rms_norm(m: nn.Module) -> bool:
@@ -107,9 +73,35 @@ def _is_swiglu(m: nn.Module) -> bool:
             and (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")))
 
 
+_rotary_depth = threading.local()  # > 0 while an injected attention module runs (this thread)
+
+
+def _uses_patched_rotary(m: nn.Module) -> bool:
+    """An attention module of a modeling file whose `apply_rotary_pos_emb` `_patch_rotary` replaced."""
+    mod = type(m).__module__
+    return (any(mod == f"transformers.models.{n}.modeling_{n}" for n in ROTARY_MODULES)
+            and type(m).__name__.endswith("Attention"))
+
+
+def _run_with_rotary_kernel(module: nn.Module) -> None:
+    """Make the dispatcher pick the kernel for calls made inside this module's forward."""
+    forward = module.forward
+
+    def run(self, *args, **kwargs):
+        _rotary_depth.n = getattr(_rotary_depth, "n", 0) + 1
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _rotary_depth.n -= 1
+
+    module.forward = types.MethodType(run, module)
+    module._rotary_kernel = True
+
+
 @functools.cache
 def _patch_rotary() -> bool:
-    """Point the Llama-family modeling modules' `apply_rotary_pos_emb` at the kernel (once)."""
+    """Point the Llama-family modeling modules' `apply_rotary_pos_emb` at a dispatcher (once): the
+    kernel inside injected attention modules, the original everywhere else."""
     import kernels
 
     patched = False
@@ -123,15 +115,10 @@ def _patch_rotary() -> bool:
             continue
 
         def rope(q, k, cos, sin, *args, _original=original, unsqueeze_dim: int = 1, **kwargs):
-            if args or kwargs or unsqueeze_dim != 1:
+            if args or kwargs or unsqueeze_dim != 1 or not getattr(_rotary_depth, "n", 0):
                 return _original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
             return kernels.apply_rotary(q, k, cos, sin)
 
         mod.apply_rotary_pos_emb = rope
         patched = True
     return patched
-
-
-def has_fused_logprobs(model: nn.Module) -> bool:
-    """Whether `model` (or the module a DDP wrapper holds) takes `logprob_targets=` (see above)."""
-    return bool(getattr(model, "_fused_logprobs", False) or getattr(getattr(model, "module", None), "_fused_logprobs", False))

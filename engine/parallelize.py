@@ -23,7 +23,7 @@ from .distributed import DistInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefixes that wrappers insert into parameter names; removed from every name the engine exports.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "_view_module.")
 
 
 @dataclass
@@ -42,8 +42,33 @@ def clean_name(name: str) -> str:
     return name
 
 
+class ModuleView(nn.Module):
+    """A module whose forward is a computation on another module (`inner`: a transformers model,
+    peft-wrapped or not), e.g. "log-probs of these tokens" or "a value per position".
+
+    The engine shards and wraps the view like any module, so its forward runs inside the FSDP2 /
+    DDP hooks; every name the engine hands out (state dicts, exports, generation weights) is
+    `inner`'s own (`_view_module.` is stripped like a wrapper prefix), and `hf_base_model` /
+    `inner_module` see through it (blocks to shard, generation, `config`).
+    """
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self._view_module = inner
+
+    @property
+    def inner(self) -> nn.Module:
+        return self._view_module
+
+
+def inner_module(model: nn.Module) -> nn.Module:
+    """The module a `ModuleView` computes on (a peft wrapper, if any, kept), or `model` itself."""
+    return model.inner if isinstance(model, ModuleView) else model
+
+
 def hf_base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft wrapper (or `model` itself)."""
+    """The transformers model inside a view and a peft wrapper (or `model` itself)."""
+    model = inner_module(model)
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 

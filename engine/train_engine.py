@@ -41,7 +41,7 @@ from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
-from .parallelize import clean_name, hf_base_model, parallelize
+from .parallelize import clean_name, hf_base_model, inner_module, parallelize
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,12 @@ class _ShardedModule:
     model: nn.Module
     unwrapped: nn.Module
     _fsdp_units: list[tuple[nn.Module, bool]]
+
+    @property
+    def inner(self) -> nn.Module:
+        """The module under the engine's wrappers and any `ModuleView`: the transformers model (or
+        its peft wrapper) whose state dict names `full_state_dict` returns; what an export saves."""
+        return inner_module(self.unwrapped)
 
     def eval(self) -> None:
         self.model.eval()
@@ -395,7 +401,7 @@ class TrainEngine(_ShardedModule):
                 was_training = self.unwrapped.training
                 self.unwrapped.eval()
                 try:
-                    yield HFGenerator(self.unwrapped)
+                    yield HFGenerator(inner_module(self.unwrapped))
                 finally:
                     self.unwrapped.train(was_training)
         if self.info.device.type == "cuda":
@@ -423,7 +429,7 @@ class TrainEngine(_ShardedModule):
         if want == "auto" and self.info.device.type != "cuda":
             return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {self.info.device})"
         base = hf_base_model(self.unwrapped)
-        if base is not self.unwrapped:
+        if base is not inner_module(self.unwrapped):
             return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
         ok, reason = supports(getattr(base, "config", None))
         if not ok:

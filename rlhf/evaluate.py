@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from engine import OptimConfig, TrainEngine, init_distributed
+from engine import OptimConfig, TrainEngine, hf_base_model, init_distributed
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
 from rlhf.app import save_config, seed_everything, setup_logging, stage_main
@@ -47,7 +46,8 @@ from rlhf.data import (
 from rlhf.data.stage import stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.hub import check_local
-from rlhf.models import load_causal_lm, load_tokenizer, load_value_model, per_token_values, resolve_model_path
+from rlhf.models import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path
+from rlhf.roles import Policy, ValueModel
 from rlhf.runlog import RunLog, format_summary, write_summary
 from rlhf.task import judge
 
@@ -157,17 +157,16 @@ def perplexity(
     world: int,
     device: torch.device,
 ) -> dict[str, float]:
-    """Token-weighted loss and perplexity on SFT features (labels -100 outside responses)."""
+    """Token-weighted loss and perplexity of a `Policy` role on SFT features (labels -100 outside responses)."""
     mine = list(features[rank::world])
     acc = torch.zeros(2, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
     for i in range(0, len(mine), batch_size):
         b = collate_sft(mine[i : i + batch_size], pad_id)
-        logits = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)).logits
         labels = b["labels"][:, 1:].to(device)
-        acc[0] += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                  reduction="sum").double()
+        acc[0] += model(b["input_ids"].to(device), b["attention_mask"].to(device), targets=labels,
+                        reduction="sum").double()
         acc[1] += (labels != IGNORE_INDEX).sum()
     model.train(was_training)
     all_reduce_sum(acc)
@@ -236,7 +235,8 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
         raise ConfigError("nothing to evaluate: set data.eval_prompts_path (generations) and/or data.eval_path "
                           "or data.path with data.eval_fraction > 0 (perplexity)")
     logger.info("evaluating a policy: %d eval prompts, %d held-out SFT rows (%s)", len(prompts), len(feats), stats)
-    engine = eval_engine(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), cfg, info)
+    engine = eval_engine(Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), fused=cfg.engine.kernels),
+                         cfg, info)
     out: dict[str, Any] = {"eval_prompts": len(prompts), "gold_score": None, "eval_rows": len(feats),
                            "eval_loss": None, "perplexity": None}
     samples: list[dict] = []
@@ -268,14 +268,14 @@ def evaluate_reward(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
         raise ConfigError(f"{path}: no pairs left to score ({stats})")
     logger.info("evaluating a reward model: %d held-out pairs from %s (%s)", len(feats), path, stats)
     model = load_value_model(cfg.model, tok, seed=cfg.seed, lora=False)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = hf_base_model(model)
     if base.config.num_labels != 1:
         raise ConfigError(f"model.name_or_path={cfg.model.name_or_path!r} has {base.config.num_labels} outputs: "
                           "a reward model has one (num_labels=1)")
     if not any(a.endswith("ForSequenceClassification") for a in (base.config.architectures or [])):
         logger.warning("%s is not a sequence-classification checkpoint: its score head is freshly initialised, "
                        "so these figures are those of an untrained head", cfg.model.name_or_path)
-    engine = eval_engine(per_token_values(model), cfg, info)
+    engine = eval_engine(ValueModel(model), cfg, info)
     scored = score_pairs(engine, feats, tok.pad_token_id, cfg.batch_size)
     ev = pair_metrics(scored, examples)
     out = {"eval_pairs": len(feats), **held_out_summary(ev), "eval_score_std": ev["score_std"]}

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine import FrozenEngine, TrainEngine
+from engine import FrozenEngine, TrainEngine, hf_base_model
 from engine.checkpoint import published, read_meta
 from engine.distributed import all_reduce_sum
 from engine.ema import ParamEMA
@@ -33,7 +33,8 @@ from rlhf import ppo_math
 from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, optim_config
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
-from rlhf.models import disable_dropout, load_causal_lm, load_value_model, per_token_values
+from rlhf.models import disable_dropout, load_causal_lm, load_value_model
+from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
 from rlhf.rollout import position_ids_from_mask, score_rollout
 
@@ -175,7 +176,7 @@ class RewardModelScore:
         parts = []
         for s in range(0, ids.shape[0], self.micro_batch_size):  # the same forwards on every rank
             sl = slice(s, s + self.micro_batch_size)
-            values = self.engine.model(input_ids=ids[sl], attention_mask=mask[sl], position_ids=positions[sl])
+            values = self.engine.model(ids[sl], mask[sl], positions[sl])
             parts.append(sequence_scores(values.float(), mask[sl]))
         return torch.cat(parts)
 
@@ -189,15 +190,17 @@ class Models:
         ref_path = cfg.reference.model or cfg.actor.model
         rm_path = cfg.reward_model.model or cfg.critic.model
         needs_critic = ppo_math.advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
-        actor = disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok, seed=cfg.seed,
-                                               key="actor"))
-        critic = disable_dropout(per_token_values(load_value_model(
+        fused = cfg.engine.kernels
+        actor = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok,
+                                                      seed=cfg.seed, key="actor")), fused=fused)
+        critic = ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, cfg.critic.model, cfg.critic.lora), tok, seed=cfg.seed, key="critic"))) if needs_critic else None
-        ref = disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key="reference", lora=False))
-        rm = None if reward_source else disable_dropout(per_token_values(load_value_model(
+        ref = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key="reference",
+                                                    lora=False)), fused=fused)
+        rm = None if reward_source else ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, rm_path), tok, seed=cfg.seed, key="reward_model", lora=False)))
         for key, m in (("critic", critic), ("reward_model", rm)):
-            if m is not None and getattr(m, "get_base_model", lambda: m)().config.num_labels != 1:
+            if m is not None and hf_base_model(m).config.num_labels != 1:
                 raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
         self.info = info
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)

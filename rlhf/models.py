@@ -4,6 +4,7 @@ and the Hugging Face export that the next stage reads.
     tok = load_tokenizer(cfg.model)                        # pad token ensured
     lm = load_causal_lm(cfg.model, tok, seed=1234)         # + LoRA when cfg.model.lora.r > 0
     vm = load_value_model(cfg.model, tok, seed=1234)       # backbone + scalar head (reward, critic)
+    (a stage wraps them in its role: rlhf/roles.py Policy, ValueModel)
     export_hf(engine.full_state_dict(), lm, tok, out_dir, cfg.model)   # rank 0, atomic
 
 A previous stage's output directory (`outputs/sft`) may be given wherever a model path is
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import types
 import os
 from typing import Any
 
@@ -241,30 +241,6 @@ def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model
     model = _build(cfg, tok, AutoModelForSequenceClassification, {"num_labels": 1}, key, seed)
     model.config.pad_token_id = tok.pad_token_id
     return apply_lora(model, cfg, key, seed, task_type="SEQ_CLS") if lora else model
-
-
-def per_token_values(model: nn.Module) -> nn.Module:
-    """Make `model(input_ids=, attention_mask=)` return per-token scalar values [B, T] (float32).
-
-    `model`: a value model from `load_value_model` (peft-wrapped or not). Its HF forward would pool
-    at the last token that is not `pad_token_id`, which is wrong when pad == eos; we return every
-    position and pick positions from the attention mask (rlhf/reward_math.py). The forward is
-    patched on the instance, so it runs inside the engine's wrappers (DDP, FSDP2 hooks) and the
-    state-dict names do not change.
-    """
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
-                **_: Any) -> torch.Tensor:
-        base = self.get_base_model() if hasattr(self, "get_base_model") else self
-        backbone = getattr(base, base.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
-        # NOTE: a new tensor, never a view: `.squeeze(-1).float()` is a view of the head's [B, T, 1]
-        # output in fp32, and FSDP2 warns when a module returns a view (an in-place op on it would skip
-        # the pre-backward hook). One [B, T] copy in every dtype (bf16 already paid it in `.float()`).
-        return base.score(hidden).squeeze(-1).to(torch.float32, copy=True)  # (B, T)
-
-    model.forward = types.MethodType(forward, model)
-    return model
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig, key: str, seed: int, task_type: str = "CAUSAL_LM") -> nn.Module:

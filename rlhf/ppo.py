@@ -192,12 +192,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     out_dir, model_dir = cfg.output_dir, os.path.join(cfg.output_dir, MODEL_SUBDIR)
     if info.is_main:
         actor_cfg = model_cfg(cfg, cfg.actor.model, cfg.actor.lora)
-        export_hf(actor_sd, models.actor.unwrapped, tok, model_dir, actor_cfg, add_bos=cfg.data.add_bos)
+        export_hf(actor_sd, models.actor.inner, tok, model_dir, actor_cfg, add_bos=cfg.data.add_bos)
         if critic_sd is not None:
-            export_hf(critic_sd, models.critic.unwrapped, tok, os.path.join(out_dir, "critic"),
+            export_hf(critic_sd, models.critic.inner, tok, os.path.join(out_dir, "critic"),
                       model_cfg(cfg, cfg.critic.model, cfg.critic.lora), add_bos=cfg.data.add_bos)
         if ema_sd is not None:
-            export_hf(ema_sd, models.actor.unwrapped, tok, os.path.join(out_dir, "model_ema"), actor_cfg,
+            export_hf(ema_sd, models.actor.inner, tok, os.path.join(out_dir, "model_ema"), actor_cfg,
                       add_bos=cfg.data.add_bos)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({

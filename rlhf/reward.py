@@ -27,7 +27,8 @@ from rlhf.config import RewardConfig, engine_config, optim_config, validate_rewa
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
-from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model, per_token_values
+from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model
+from rlhf.roles import ValueModel
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
 from rlhf.stage import Run
 from rlhf.task import judge, task_of
@@ -38,8 +39,7 @@ logger = logging.getLogger("rlhf.reward")
 def make_loss(margin: float, score_reg: float):
     def reward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
         """Summed pairwise loss over the B pairs of a [2B, L] batch (chosen rows first)."""
-        scores = sequence_scores(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]),
-                                 batch["attention_mask"])
+        scores = sequence_scores(model(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
         chosen, rejected = scores.chunk(2)
         loss = pairwise_loss(chosen, rejected, margin, score_reg)
         metrics = {"accuracy": pair_accuracy(chosen, rejected), "chosen_score": chosen.mean(),
@@ -62,7 +62,7 @@ def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size:
             chunk = mine[i : i + batch_size]
             b = collate_pairs(chunk, pad_id)
             mask = b["attention_mask"].to(info.device)
-            scores = sequence_scores(engine.unwrapped(input_ids=b["input_ids"].to(info.device), attention_mask=mask), mask)
+            scores = sequence_scores(engine.unwrapped(b["input_ids"].to(info.device), mask), mask)
             c, r = scores.chunk(2)
             out += [(f["index"], float(x), float(y)) for f, x, y in zip(chunk, c.tolist(), r.tolist())]
         engine.unwrapped.train()
@@ -120,7 +120,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
                 len(train_feats), stats, len(eval_feats), total, cfg.train.global_batch_size, order.steps_per_epoch)
 
     # ---- model + engine
-    model = per_token_values(load_value_model(cfg.model, tok, seed=cfg.seed))
+    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed))
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
                                               cfg.train.micro_batch_size), _eval_line, memory=engine)
@@ -144,7 +144,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     state = engine.full_state_dict()
     model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
     if info.is_main:
-        export_hf(state, engine.unwrapped, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
+        export_hf(state, engine.inner, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
     return run.finish({
         "train_pairs": len(train_feats),
         "eval_pairs": len(eval_feats),

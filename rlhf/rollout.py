@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernel_injection import has_fused_logprobs
-from rlhf import ppo_math
 from rlhf.reward_math import sequence_scores
 
 
@@ -25,33 +23,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def response_logits(logits: torch.Tensor, prompt_len: int, width: int) -> torch.Tensor:
-    """[B, P+T, V] -> [B, T, V]: the logits that predict response tokens 0..T-1 (positions P-1..)."""
-    return logits[:, prompt_len - 1 : prompt_len - 1 + width]
-
-
-def token_logprobs(model: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False):
-    """log p(response token) under `model` (logits / temperature): [B, T] (and entropy [B, T])."""
+def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False):
+    """log p(response token) under a `Policy` role (logits / temperature): [B, T] (and entropy [B, T])."""
     seqs, P = batch["sequences"], batch["prompt_len"]
-    T = seqs.shape[1] - P
-    if has_fused_logprobs(model):  # engine.kernels: from hidden states, no [B, T, vocab] logits
-        logp, entropy = model(input_ids=seqs, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                              logprob_targets=seqs[:, P:], logprob_start=P - 1, temperature=temperature,
-                              with_entropy=with_entropy)
-        return (logp, entropy.detach()) if with_entropy else logp
-    logits = model(input_ids=seqs, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                   use_cache=False).logits
-    logits = response_logits(logits, P, T).float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, seqs[:, P:, None]).squeeze(-1)
-    if not with_entropy:
-        return logp
-    return logp, ppo_math.entropy_from_logits(logits.detach())
+    logp, entropy = policy(seqs, batch["attention_mask"], batch["position_ids"], targets=seqs[:, P:], start=P - 1,
+                           temperature=temperature, with_entropy=with_entropy)
+    return (logp, entropy) if with_entropy else logp
 
 
-def token_values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """Critic values of the states before each response token: [B, T]."""
+def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """A `ValueModel` critic's values of the states before each response token: [B, T]."""
     seqs, P = batch["sequences"], batch["prompt_len"]
-    values = model(input_ids=seqs, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    values = critic(seqs, batch["attention_mask"], batch["position_ids"])
     return values[:, P - 1 : seqs.shape[1] - 1].float()
 
 
@@ -85,8 +68,7 @@ def score_rollout(
             parts["values"].append(token_values(critic, mb))
         if reward is None:  # scored elsewhere (rlhf/experience.py reward sources)
             continue
-        rm_values = reward(input_ids=mb["sequences"], attention_mask=mb["attention_mask"],
-                           position_ids=mb["position_ids"])
+        rm_values = reward(mb["sequences"], mb["attention_mask"], mb["position_ids"])
         parts["score"].append(sequence_scores(rm_values.float(), mb["attention_mask"]))
     out = {k: torch.cat(v) for k, v in parts.items() if v}
     out["position_ids"] = base["position_ids"]

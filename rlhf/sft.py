@@ -19,10 +19,8 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine import TrainEngine
-from engine.kernel_injection import has_fused_logprobs
 from rlhf.app import Throughput, stage_main
 from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
@@ -30,23 +28,17 @@ from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
 from rlhf.models import MODEL_SUBDIR, export_hf, load_causal_lm, load_tokenizer
+from rlhf.roles import Policy
 from rlhf.stage import Run
 
 logger = logging.getLogger("rlhf.sft")
 
 
-def sft_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Summed next-token cross-entropy over response tokens, and their count (the engine's weight).
-    With engine.kernels the log-probs come from hidden states (no [B, L, vocab] logits)."""
-    labels = batch["labels"][:, 1:]
-    if has_fused_logprobs(model):
-        logp, _ = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                        logprob_targets=labels, logprob_start=0)
-        return -logp.sum(), (labels != IGNORE_INDEX).sum(), {}
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+def sft_loss(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Summed next-token cross-entropy over response tokens under a `Policy` role, and their count
+    (the engine's weight). With engine.kernels the log-probs come from hidden states."""
     labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
-    loss_sum = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+    loss_sum = policy(batch["input_ids"], batch["attention_mask"], targets=labels, reduction="sum")
     return loss_sum, (labels != IGNORE_INDEX).sum(), {}
 
 
@@ -83,7 +75,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
                 order.steps_per_epoch)
 
     # ---- model + engine
-    model = load_causal_lm(cfg.model, tok, seed=cfg.seed)
+    model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, cfg, tok, eval_feats, prompts), _eval_line, memory=engine)
 
@@ -106,7 +98,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     state = engine.full_state_dict()  # collective; rank 0 gets the consolidated CPU copy
     model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
     if info.is_main:
-        export_hf(state, engine.unwrapped, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
+        export_hf(state, engine.inner, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
     before = run.before
     return run.finish({
         "train_rows": len(train_feats),

@@ -100,24 +100,18 @@ def flops_per_token(model, s: dict) -> float:
 
 def bench_train_step(s: dict, device, kernels_on: bool, precision: str, peak_tflops: float, steps: int) -> dict:
     from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
-    from engine.kernel_injection import has_fused_logprobs
+    from rlhf.sft import sft_loss
+    from rlhf.roles import Policy
 
     info = init_distributed()
     model = llama(s, torch.float32)
     fpt = flops_per_token(model, s)
-    eng = TrainEngine(model, EngineConfig(stage=3, precision=precision, kernels=kernels_on),
+    eng = TrainEngine(Policy(model, fused=kernels_on), EngineConfig(stage=3, precision=precision, kernels=kernels_on),
                       OptimConfig(lr=1e-5, scheduler="constant"), total_steps=steps + 2, info=info)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, s["vocab"], (s["batch"], s["seq"]), generator=g).to(device)
-    batch = {"input_ids": ids, "labels": ids}
-
-    def loss_fn(m, b):
-        labels = b["labels"][:, 1:]
-        if has_fused_logprobs(m):
-            lp, _ = m(input_ids=b["input_ids"], logprob_targets=labels, logprob_start=0)
-            return -lp.sum(), labels.numel(), {}
-        logits = m(input_ids=b["input_ids"]).logits[:, :-1].float()
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), labels.numel(), {}
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    loss_fn = sft_loss  # summed NLL through the Policy role (fused from hidden states with kernels on)
 
     eng.train_step([batch], loss_fn)  # warm-up
     sync(device)
@@ -146,12 +140,15 @@ def bench_scoring(s: dict, device, kernels_on: bool, precision: str) -> dict:
 
     info = init_distributed()
     cfg = EngineConfig(stage=3, precision=precision, kernels=kernels_on)
-    actor, ref = FrozenEngine(llama(s, torch.float32), cfg, info), FrozenEngine(llama(s, torch.float32), cfg, info)
+    from rlhf.roles import Policy, ValueModel
+
+    actor = FrozenEngine(Policy(llama(s, torch.float32), fused=kernels_on), cfg, info)
+    ref = FrozenEngine(Policy(llama(s, torch.float32), fused=kernels_on), cfg, info)
     lcfg = llama(s, torch.float32).config
     lcfg.num_labels = 1
     critic = LlamaForSequenceClassification(lcfg)
     reward = LlamaForSequenceClassification(lcfg)
-    critic, reward = FrozenEngine(critic, cfg, info), FrozenEngine(reward, cfg, info)
+    critic, reward = FrozenEngine(ValueModel(critic), cfg, info), FrozenEngine(ValueModel(reward), cfg, info)
     from rlhf.rollout import position_ids_from_mask, token_logprobs
 
     g = torch.Generator().manual_seed(2)
@@ -164,8 +161,8 @@ def bench_scoring(s: dict, device, kernels_on: bool, precision: str) -> dict:
     def score():
         token_logprobs(actor.model, mb, 1.0)
         token_logprobs(ref.model, mb, 1.0)
-        critic.model(input_ids=seqs, attention_mask=mask).logits
-        reward.model(input_ids=seqs, attention_mask=mask).logits
+        critic.model(seqs, mask)
+        reward.model(seqs, mask)
 
     t, peak = measure(score, device, repeat=2)
     gc.collect()

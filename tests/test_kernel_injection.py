@@ -1,13 +1,14 @@
 """engine.kernels=true: kernels injected into transformers modules keep the model's meaning (logits,
-gradients, state-dict names), the fused log-prob forward equals log_softmax of the logits, and SFT and
-PPO runs give the same losses with the switch on and off."""
+gradients, state-dict names) and touch no other model; the Policy role's fused log-probs equal
+log_softmax of the logits; SFT and PPO runs give the same losses with the switch on and off."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest import SMALL_MODEL, metrics, run_stage
-from engine.kernel_injection import fused_logprobs_forward, has_fused_logprobs, inject_kernels
+from engine.kernel_injection import inject_kernels
+from rlhf.roles import Policy
 
 
 def tiny(kind: str, seed: int = 0):
@@ -34,10 +35,9 @@ def batch():
 def test_injected_model_keeps_logits_gradients_and_names(kind):
     plain, fused = tiny(kind), tiny(kind)
     names = inject_kernels(fused)
-    assert any("fused_logprobs" in n for n in names)
     assert any(("RMSNorm" in n) if kind != "opt" else ("LayerNorm" in n) for n in names), names
     if kind != "opt":
-        assert any("MLP" in n for n in names) and "rotary x1" in names
+        assert any("MLP" in n for n in names) and "rotary x2" in names  # one per attention module
     assert list(plain.state_dict()) == list(fused.state_dict())
     ids, mask, pos = batch()
     outs = []
@@ -52,8 +52,32 @@ def test_injected_model_keeps_logits_gradients_and_names(kind):
         assert ((gb[k] - ga[k]).norm() / ga[k].norm()).item() < 1e-5, k
 
 
+def test_rotary_kernel_runs_only_in_injected_models(monkeypatch):
+    """The rotary kernel replaces a module-level transformers function, yet only the injected
+    model's attention calls it: another model in the same process keeps the original code."""
+    import kernels
+
+    calls = []
+    real = kernels.apply_rotary
+    monkeypatch.setattr(kernels, "apply_rotary", lambda *a: calls.append(1) or real(*a))
+    injected, plain, other = tiny("llama"), tiny("llama"), tiny("qwen2")
+    inject_kernels(injected)
+    ids, mask, pos = batch()
+    want = plain(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    other(input_ids=ids, attention_mask=mask, position_ids=pos)
+    assert calls == []
+    got = injected(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert len(calls) == 2  # one per layer
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("kind", ["llama", "opt"])
-def test_fused_logprobs_equal_log_softmax_of_the_logits(kind):
+@pytest.mark.parametrize("fused", [False, True])
+def test_policy_logprobs_equal_log_softmax_of_the_logits(kind, fused):
+    """Policy role (fused from hidden states or from the logits): log-probs, entropy, their gradients
+    and the summed NLL equal the plain transformers computation (float64)."""
+    import torch.nn.functional as F
+
     model = tiny(kind)
     ids, mask, pos = batch()
     P = 4
@@ -61,20 +85,27 @@ def test_fused_logprobs_equal_log_softmax_of_the_logits(kind):
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, P - 1 : -1] / 0.7
     want = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     want_ent = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
-    (want.sum() + want_ent.sum()).backward()
+    want.sum().backward()
     want_grad = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad()
-    fused_logprobs_forward(model)
-    assert has_fused_logprobs(model)
-    logp, ent = model(input_ids=ids, attention_mask=mask, position_ids=pos, logprob_targets=targets,
-                      logprob_start=P - 1, temperature=0.7, with_entropy=True)
-    torch.testing.assert_close(logp, want.detach(), rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(ent, want_ent.detach(), rtol=1e-10, atol=1e-12)
-    (logp.sum() + ent.sum()).backward()
+    policy = Policy(model, fused=fused)
+    logp, ent = policy(ids, mask, pos, targets=targets, start=P - 1, temperature=0.7, with_entropy=True)
+    # the fused op keeps the model's float64; the logits path computes in float32 by design
+    tol = dict(rtol=1e-10, atol=1e-12) if fused else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp.double(), want.detach(), **tol)
+    torch.testing.assert_close(ent.double(), want_ent.detach(), **tol)
+    assert not ent.requires_grad  # entropy is a metric here, never a loss term
+    logp.sum().backward()
     for k, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want_grad[k], rtol=1e-8, atol=1e-12)
-    # without logprob_targets the forward is the original one
-    torch.testing.assert_close(model(input_ids=ids).logits, tiny(kind)(input_ids=ids).logits)
+        torch.testing.assert_close(p.grad, want_grad[k], rtol=1e-8 if fused else 1e-4, atol=1e-12 if fused else 1e-6)
+    # reduction="sum": SFT's loss, -100 labels skipped
+    labels = ids[:, 1:].clone()
+    labels[:, :3] = -100
+    full = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    want_nll = F.cross_entropy(full.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    nll = policy(ids, mask, targets=labels, reduction="sum")
+    torch.testing.assert_close(nll.double(), want_nll.detach(), rtol=1e-10 if fused else 1e-6, atol=1e-8)
+    assert [n for n, _ in policy.named_parameters()] == ["_view_module." + n for n, _ in model.named_parameters()]
 
 
 SFT = [*SMALL_MODEL, "train.max_steps=4", "train.log_every=1", "train.eval_every=0", "train.save_every=0",

@@ -15,6 +15,7 @@ from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage, summary
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine.generation import SamplingParams, hf_generate, response_mask_from_eos
 from rlhf.experience import build_experience, empty_responses
+from rlhf.roles import Policy
 from rlhf.rollout import position_ids_from_mask, score_rollout, token_logprobs
 
 V = 8
@@ -52,7 +53,7 @@ def test_scores_and_rewards_on_left_padded_ragged_batch():
     assert resp_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
     g = torch.Generator().manual_seed(0)
     actor_t, ref_t = torch.randn(V, V, generator=g), torch.randn(V, V, generator=g)
-    scored = score_rollout(seqs, attn, resp_mask, 3, actor=FixedLM(actor_t), reference=FixedLM(ref_t),
+    scored = score_rollout(seqs, attn, resp_mask, 3, actor=Policy(FixedLM(actor_t)), reference=Policy(FixedLM(ref_t)),
                            critic=PositionValue(), reward=PositionValue(), micro_batch_size=1, temperature=1.0)
     assert scored["position_ids"].tolist() == [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5]]  # pads: never attended
     # response token t is predicted by the logits at column P-1+t (its predecessor)
@@ -302,7 +303,9 @@ def test_ppo_torchrun_zero3(stages, tmp_path):
 def test_zero3_ppo_gradients_equal_one_process(tmp_path):
     """Actor and critic gradients of one PPO mini-batch (rlhf/ppo.py's losses, kernels off and on):
     ZeRO-3 on 2 ranks = ZeRO-3 in 1 process = plain autograd, and no forward that FSDP wraps returns
-    a view (FSDP2's "returned a view tensor" warning; see tests/engine_scripts/ppo_grads.py)."""
+    a view (FSDP2's "returned a view tensor" warning; see tests/engine_scripts/ppo_grads.py). The
+    roles' outputs through the sharded engines (Policy log-probs and entropy, ValueModel values)
+    equal the plain transformers computation."""
     import socket
     import sys
 
@@ -320,6 +323,13 @@ def test_zero3_ppo_gradients_equal_one_process(tmp_path):
     two, one = torch.load(tmp_path / "grads_w2.pt"), torch.load(tmp_path / "grads_w1.pt")
     plain = torch.load(tmp_path / "grads_plain.pt")
     assert two.pop("view_warnings") == [] and one.pop("view_warnings") == []
+    want = plain.pop("outputs")
+    assert want["values"].shape == (8, 11) and want["logp"].shape == want["entropy"].shape == (8, 6)
+    for key in ("kernels=False", "kernels=True"):
+        for label, got in (("2 ranks", two.pop(f"outputs {key}")), ("1 process", one.pop(f"outputs {key}"))):
+            for name, w in want.items():
+                err = ((got[name] - w).norm() / w.norm()).item()
+                assert err < 1e-6, f"{key} {label} {name}: relative error {err:.2e}"
     for key in ("kernels=False", "kernels=True"):
         for role in ("actor", "critic"):
             got, ref, want = two[key][role], one[key][role], plain[key][role]

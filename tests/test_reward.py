@@ -85,13 +85,14 @@ def test_loss_gradient_pushes_chosen_up_and_rejected_down():
 
 def _value_model(seed: int = 0):
     from rlhf.config import ModelConfig
-    from rlhf.models import load_tokenizer, load_value_model, per_token_values
+    from rlhf.models import load_tokenizer, load_value_model
+    from rlhf.roles import ValueModel
 
     cfg = ModelConfig(name_or_path=None, tokenizer=str(ROOT / "data/tokenizer"),
                       config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})
     tok = load_tokenizer(cfg)
-    return per_token_values(load_value_model(cfg, tok, seed=seed)).eval(), tok
+    return ValueModel(load_value_model(cfg, tok, seed=seed)).eval(), tok
 
 
 def test_a_sequence_scores_the_same_alone_and_in_a_right_padded_batch():
@@ -151,14 +152,15 @@ def test_saved_reward_model_reloads_with_identical_scores(default_run):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf.config import ModelConfig
-    from rlhf.models import load_tokenizer, load_value_model, per_token_values
+    from rlhf.models import load_tokenizer, load_value_model
+    from rlhf.roles import ValueModel
 
     model_dir = str(default_run / "model")
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     assert hf.config.num_labels == 1
     cfg = ModelConfig(name_or_path=model_dir)
-    ours = per_token_values(load_value_model(cfg, load_tokenizer(cfg), seed=999)).eval()  # seed must not matter
+    ours = ValueModel(load_value_model(cfg, load_tokenizer(cfg), seed=999)).eval()  # seed must not matter
     chosen = []
     with torch.no_grad():
         for b in _eval_batches(tok):

@@ -1,10 +1,11 @@
-"""One PPO mini-batch's actor and critic gradients under ZeRO-3, for tests/test_ppo.py.
+"""One PPO mini-batch's role outputs and actor and critic gradients under ZeRO-3, for tests/test_ppo.py.
 
     torchrun --nproc_per_node 2 ppo_grads.py <out>   2 ranks (gloo), each takes half of the mini-batch
     python ppo_grads.py <out>                        1 process, the whole mini-batch; + plain autograd
 
-For engine.kernels false and true: a tiny seeded Llama actor (causal LM) and critic (a
-sequence-classification Llama under rlhf.models.per_token_values), one `TrainEngine.train_step` each
+For engine.kernels false and true: a tiny seeded Llama actor (causal LM as an rlhf.roles.Policy) and
+critic (a sequence-classification Llama as an rlhf.roles.ValueModel): the roles' outputs through the
+sharded engine (log-probs, entropy, values of every row, gathered to rank 0), then one `TrainEngine.train_step` each
 (engine.stage=3, fp32) with rlhf/ppo.py's actor and critic losses on a fixed left-padded mini-batch
 of GLOBAL rows in micro-batches of MICRO. The full (unsharded) gradients are read in an optimizer
 step pre-hook (clipping off, so they are exactly what the step would apply) and saved by rank 0 to
@@ -24,17 +25,16 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
 from engine.kernel_injection import inject_kernels  # noqa: E402
-from rlhf.models import per_token_values  # noqa: E402
 from rlhf.ppo import make_actor_loss, make_critic_loss  # noqa: E402
+from rlhf.roles import Policy, ValueModel  # noqa: E402
 from rlhf.rollout import position_ids_from_mask, token_logprobs, token_values  # noqa: E402
 
 VOCAB, P, T, GLOBAL, MICRO = 64, 5, 6, 8, 2
 CLIPRANGE, CLIPRANGE_VALUE, TEMPERATURE = 0.2, 0.2, 0.7
 
 
-def models(kernels: bool = False):
-    """The seeded tiny actor and critic; `kernels`: with the fused kernels injected (for the plain
-    reference: the engine injects them itself when EngineConfig.kernels is set)."""
+def hf_models():
+    """The seeded tiny transformers actor and critic (plain, no role)."""
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -42,11 +42,17 @@ def models(kernels: bool = False):
     torch.manual_seed(0)
     actor = LlamaForCausalLM(cfg)
     torch.manual_seed(1)
-    critic = per_token_values(LlamaForSequenceClassification(cfg))
-    if kernels:
+    return actor, LlamaForSequenceClassification(cfg)
+
+
+def models(kernels: bool = False, inject: bool = False):
+    """The actor and critic roles (`kernels`: fused log-probs); `inject`: the fused kernels injected
+    here (for the plain reference: the engine injects them itself when EngineConfig.kernels is set)."""
+    actor, critic = hf_models()
+    if inject:
         inject_kernels(actor)
         inject_kernels(critic)
-    return actor, critic
+    return Policy(actor, fused=kernels), ValueModel(critic)
 
 
 def minibatch() -> dict:
@@ -75,10 +81,21 @@ def rows(mb: dict, start: int, stop: int) -> dict:
     return {k: v[start:stop] if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
-def engine_grads(model, loss_fn, micro: list[dict], info, kernels: bool) -> dict[str, torch.Tensor]:
-    """Full gradients of one train_step (every rank calls; the gathers are collective)."""
+def engine_grads(model, loss_fn, micro: list[dict], info, kernels: bool) -> tuple[dict, dict]:
+    """The role's outputs on this rank's rows (gathered to every rank, in row order) and the full
+    gradients of one train_step (every rank calls; the gathers are collective)."""
     engine = TrainEngine(model, EngineConfig(stage=3, kernels=kernels), OptimConfig(grad_clip=0.0),
                          total_steps=1, info=info)
+    with torch.no_grad():
+        if isinstance(model, Policy):
+            pairs = [token_logprobs(engine.model, mb, TEMPERATURE, with_entropy=True) for mb in micro]
+            outs = {"logp": torch.cat([a for a, _ in pairs]), "entropy": torch.cat([b for _, b in pairs])}
+        else:
+            outs = {"values": torch.cat([engine.model(mb["sequences"], mb["attention_mask"], mb["position_ids"])
+                                         for mb in micro])}
+    every = [None] * info.world_size
+    dist.all_gather_object(every, outs)
+    outs = {k: torch.cat([o[k] for o in every]) for k in outs}
     grads = {}
 
     def capture(optimizer, args, kwargs):
@@ -88,7 +105,7 @@ def engine_grads(model, loss_fn, micro: list[dict], info, kernels: bool) -> dict
 
     engine.optimizer.register_step_pre_hook(capture)
     engine.train_step(micro, loss_fn)
-    return grads
+    return outs, grads
 
 
 def plain_grads(model, loss_fn, micro: list[dict]) -> dict[str, torch.Tensor]:
@@ -97,6 +114,22 @@ def plain_grads(model, loss_fn, micro: list[dict]) -> dict[str, torch.Tensor]:
     loss = sum(s for s, _ in parts) / sum(w for _, w in parts)
     loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def plain_outputs(mb: dict) -> dict[str, torch.Tensor]:
+    """The roles' outputs computed with plain transformers: log_softmax of the causal LM's logits,
+    and the sequence classifier's per-token head output (caught with a hook before its pooling)."""
+    actor, critic = hf_models()
+    seqs, mask, pos = mb["sequences"], mb["attention_mask"], mb["position_ids"]
+    logits = actor(input_ids=seqs, attention_mask=mask, position_ids=pos).logits[:, P - 1 : -1].float() / TEMPERATURE
+    logp = torch.log_softmax(logits, -1)
+    out = {"logp": logp.gather(-1, seqs[:, P:, None]).squeeze(-1), "entropy": -(logp.exp() * logp).sum(-1)}
+    caught = []
+    critic.score.register_forward_hook(lambda m, args, o: caught.append(o))
+    critic(input_ids=seqs, attention_mask=mask, position_ids=pos)
+    out["values"] = caught[0].squeeze(-1)
+    return out
 
 
 def main(out_dir: str) -> None:
@@ -111,12 +144,14 @@ def main(out_dir: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for kernels in (False, True):
-            actor, critic = models()
+            actor, critic = models(kernels)
             key = f"kernels={kernels}"
-            result[key] = {role: engine_grads(m, losses[role], micro, info, kernels)
-                           for role, m in (("actor", actor), ("critic", critic))}
+            result[key], result[f"outputs {key}"] = {}, {}
+            for role, m in (("actor", actor), ("critic", critic)):
+                outs, result[key][role] = engine_grads(m, losses[role], micro, info, kernels)
+                result[f"outputs {key}"].update(outs)
             if info.world_size == 1:
-                actor, critic = models(kernels)
+                actor, critic = models(kernels, inject=kernels)
                 plain[key] = {role: plain_grads(m, losses[role], micro) for role, m in (("actor", actor), ("critic", critic))}
     mine_warnings = [f"rank {info.rank}: {w.category.__name__}: {w.message}" for w in caught if "view tensor" in str(w.message)]
     every = [None] * info.world_size
@@ -125,6 +160,7 @@ def main(out_dir: str) -> None:
         result["view_warnings"] = [w for ws in every for w in ws]
         torch.save(result, os.path.join(out_dir, f"grads_w{info.world_size}.pt"))
         if plain:
+            plain["outputs"] = plain_outputs(mb)
             torch.save(plain, os.path.join(out_dir, "grads_plain.pt"))
     dist.barrier()
 

@@ -1,0 +1,98 @@
+"""Model roles: modules whose forward IS the role's computation, so an engine shards and wraps them
+like any module (FSDP2 / DDP hooks run around exactly what the stage calls) and nothing is patched
+onto model instances.
+
+    policy = Policy(load_causal_lm(...), fused=cfg.engine.kernels)        # actor, SFT model, reference
+    logp, entropy = policy(input_ids, attention_mask, position_ids, targets=seqs[:, P:], start=P - 1,
+                           temperature=0.7, with_entropy=True)             # [B, T], [B, T]
+    nll_sum = policy(input_ids, attention_mask, targets=labels[:, 1:], reduction="sum")   # SFT, ptx
+    values = ValueModel(load_value_model(...))(input_ids, attention_mask, position_ids)  # [B, L] fp32
+    scores = sequence_scores(values, attention_mask)                      # a reward model's score [B]
+
+A reference model is a `Policy` in a FrozenEngine. The role holds the transformers model (peft-
+wrapped or not) as `inner`; state-dict names, exports and generation see that model's own names
+(engine.ModuleView), so a checkpointed or exported role is the plain Hugging Face model.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import ModuleView, hf_base_model
+from rlhf import ppo_math
+from rlhf.data.tokenize import IGNORE_INDEX
+
+
+class Policy(ModuleView):
+    """A causal LM as a policy: log-probs (and entropy) of given tokens.
+
+    forward(input_ids [B, L], attention_mask [B, L], position_ids [B, L] | None, *, targets [B, T],
+            start, temperature, with_entropy, reduction)
+      position t of `targets` is predicted at input position start + t;
+      reduction="none" -> (logp [B, T] float32, entropy [B, T] detached, or None);
+      reduction="sum"  -> the summed negative log-likelihood of the targets (IGNORE_INDEX skipped).
+    `fused` (engine.kernels): the backbone's hidden states go through `kernels.fused_logprobs_entropy`
+    with the output embedding, chunked over the vocabulary, so [B, T, vocab] logits never exist;
+    otherwise the model's logits (temperature-scaled in float32) go through log_softmax.
+    """
+
+    def __init__(self, lm: nn.Module, *, fused: bool = False):
+        super().__init__(lm)
+        self.fused = fused
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
+                *, targets: torch.Tensor, start: int = 0, temperature: float = 1.0, with_entropy: bool = False,
+                reduction: str = "none"):
+        T = targets.shape[1]
+        if self.fused:
+            return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
+                               reduction)
+        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False).logits
+        logits = logits[:, start : start + T].float()  # (B, T, V): the logits that predict each target
+        if reduction == "sum":  # NOTE: cross_entropy's own sum (SFT's loss, bit for bit as before roles)
+            return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])
+        # NOTE: `.squeeze` would return a view, which FSDP2 warns about (see `_fused`): one [B, T] copy
+        return logp[..., 0].clone(), ppo_math.entropy_from_logits(logits.detach()) if with_entropy else None
+
+    def _fused(self, input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy, reduction):
+        from kernels import fused_logprobs_entropy
+
+        base = hf_base_model(self)
+        backbone = getattr(base, base.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        hidden = hidden[:, start : start + targets.shape[1]]
+        head = base.get_output_embeddings()
+        logp, entropy = fused_logprobs_entropy(hidden, head.weight.to(hidden.dtype), targets, bias=head.bias,
+                                               temperature=temperature, compute_entropy=with_entropy)
+        if reduction == "sum":  # ignored targets have log-prob 0
+            return -logp.sum()
+        # NOTE: the op returns its flat [B*T] results `.view`ed to [B, T]; FSDP2 warns when a module
+        # returns a view (an in-place op on it would skip the pre-backward hook), so copies leave.
+        return logp.clone(), None if entropy is None else entropy.detach().clone()
+
+
+class ValueModel(ModuleView):
+    """Backbone + scalar head (an `AutoModelForSequenceClassification` with num_labels=1, peft-wrapped
+    or not) as per-token values: forward(input_ids, attention_mask, position_ids=None) -> [B, L] float32.
+
+    The critic's value of the state before response token t is column P - 1 + t; a reward model's
+    score is the value at the last real token (`rlhf.reward_math.sequence_scores`). Transformers'
+    own pooling (the last token that is not `pad_token_id`) is not used: it is wrong when pad == eos.
+    """
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        base = hf_base_model(self)
+        backbone = getattr(base, base.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        # NOTE: a new tensor, never a view: `.squeeze(-1).float()` is a view of the head's [B, L, 1]
+        # output in fp32, and FSDP2 warns when a module returns a view (an in-place op on it would skip
+        # the pre-backward hook). One [B, L] copy in every dtype (bf16 already paid it in `.float()`).
+        return base.score(hidden).squeeze(-1).to(torch.float32, copy=True)
