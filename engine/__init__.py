@@ -7,7 +7,7 @@ Knows nothing about RLHF. Entry points:
     frozen = FrozenEngine(model, engine_cfg, info)
 """
 from .checkpoint import atomic_directory, latest_checkpoint, list_checkpoints, prune_checkpoints
-from .config import CheckpointConfig, EngineConfig, OptimConfig, validate_engine_config
+from .config import TORCH_DTYPES, EngineConfig, OptimConfig, validate_engine_config
 from .distributed import DistInfo, exit_process, init_distributed, shutdown_distributed
 from .loss_scale import DynamicLossScaler
 from .memory import format_memory_report
@@ -16,12 +16,12 @@ from .parallelize import parallelize
 from .train_engine import FrozenEngine, TrainEngine
 
 __all__ = [
-    "CheckpointConfig",
     "DistInfo",
     "DynamicLossScaler",
     "EngineConfig",
     "FrozenEngine",
     "OptimConfig",
+    "TORCH_DTYPES",
     "TrainEngine",
     "atomic_directory",
     "exit_process",

@@ -44,7 +44,6 @@ def sft_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.T
                         logprob_targets=labels, logprob_start=0)
         return -logp.sum(), (labels != IGNORE_INDEX).sum(), {}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
     loss_sum = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_sum, (labels != IGNORE_INDEX).sum(), {}
