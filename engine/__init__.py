@@ -7,7 +7,7 @@ Knows nothing about RLHF. Entry points:
     frozen = FrozenEngine(model, engine_cfg, info)
 """
 from .checkpoint import atomic_directory, latest_checkpoint, list_checkpoints, prune_checkpoints
-from .config import CheckpointConfig, EngineConfig, OptimConfig, validate_engine_config
+from .config import TORCH_DTYPES, EngineConfig, OptimConfig, validate_engine_config
 from .distributed import DistInfo, exit_process, init_distributed, shutdown_distributed
 from .loss_scale import DynamicLossScaler
 from .memory import format_memory_report
@@ -16,13 +16,13 @@ from .parallelize import ModuleView, hf_base_model, inner_module, parallelize
 from .train_engine import FrozenEngine, TrainEngine
 
 __all__ = [
-    "CheckpointConfig",
     "DistInfo",
     "DynamicLossScaler",
     "EngineConfig",
     "FrozenEngine",
     "ModuleView",
     "OptimConfig",
+    "TORCH_DTYPES",
     "TrainEngine",
     "atomic_directory",
     "exit_process",

@@ -8,10 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from .distributed import DistInfo
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+# The one map from dtype names to torch dtypes (engine.precision is one of its keys).
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = tuple(TORCH_DTYPES)
 GENERATION_PATHS = ("auto", "injected", "hf")
 
 
@@ -57,11 +61,6 @@ class OptimConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio for linear/cosine
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-
-
-@dataclass(kw_only=True, slots=True)
-class CheckpointConfig:
-    keep_last_n: int = 2
 
 
 def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = False) -> None:

@@ -20,22 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# The one settings class of both paths (its docstring states the sampling convention), also
+# imported from here: this module is the generation interface.
+from .inference.sampling import SamplingParams
 
-@dataclass(kw_only=True, slots=True)
-class SamplingParams:
-    max_new_tokens: int
-    greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
 
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k}, {self.top_p}")
+def _max_new_tokens(params: SamplingParams) -> int:
+    if params.max_new_tokens is None:
+        raise ValueError("generation needs SamplingParams(max_new_tokens=...)")
+    return params.max_new_tokens
 
 
 @dataclass(slots=True)
@@ -78,7 +71,7 @@ def hf_generate(
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     sampling = {} if params.greedy else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     gen_cfg = GenerationConfig(
-        max_new_tokens=params.max_new_tokens,
+        max_new_tokens=_max_new_tokens(params),
         do_sample=not params.greedy,
         eos_token_id=eos_ids,
         pad_token_id=pad_token_id,
@@ -132,13 +125,10 @@ class InjectedGenerator:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
                  eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False) -> Generated:
-        from .inference import SamplingParams as DrawParams
         from .inference import generate
 
-        draw = DrawParams(greedy=True) if params.greedy else DrawParams(
-            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
-        out = generate(self.model, prompt_ids, prompt_mask, params.max_new_tokens, eos_token_id=eos_token_id,
-                       pad_token_id=pad_token_id, sampling=draw, return_logprobs=return_logprobs)
+        out = generate(self.model, prompt_ids, prompt_mask, _max_new_tokens(params), eos_token_id=eos_token_id,
+                       pad_token_id=pad_token_id, sampling=params, return_logprobs=return_logprobs)
         resp_mask = out.response_mask.long()
         logprobs = out.logprobs.float() * resp_mask if return_logprobs else None
         return Generated(sequences=out.sequences, attention_mask=out.attention_mask.long(), response_mask=resp_mask,

@@ -18,10 +18,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from .config import EngineConfig
+from .config import TORCH_DTYPES, EngineConfig
 from .distributed import DistInfo
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Prefixes that wrappers insert into parameter names; removed from every name the engine exports.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "_view_module.")
 
@@ -151,7 +150,7 @@ def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: 
     no activation checkpointing, and FSDP units reshard after every forward (there is no backward to
     keep the gathered params for).
     """
-    dtype = DTYPES[cfg.precision]
+    dtype = TORCH_DTYPES[cfg.precision]
     blocks = find_blocks(model)
 
     if cfg.stage <= 1:

@@ -36,7 +36,7 @@ from .checkpoint import (
     set_rng_state,
     write_meta,
 )
-from .config import EngineConfig, OptimConfig, validate_engine_config
+from .config import TORCH_DTYPES, EngineConfig, OptimConfig, validate_engine_config
 from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
@@ -441,8 +441,8 @@ class TrainEngine(_ShardedModule):
 
         named = self.named_full_parameters()
         if self._inference is None:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.cfg.precision, torch.float32)
-            self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named, dtype=dtype,
+            self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named,
+                                             dtype=TORCH_DTYPES[self.cfg.precision],
                                              device=self.info.device)
         else:
             self._inference.load_weights(named)

@@ -2,8 +2,9 @@
 
 Every public op takes `impl="auto"`: the Triton kernel when `use_triton(...)` holds (Triton
 installed, tensors on CUDA or TRITON_INTERPRET=1, not disabled), else the PyTorch path. `impl` can
-force "triton" or "reference" (and "chunked" for log-probs). Imports only torch; Triton is imported
-when a kernel first launches.
+force "triton" or "reference" (and "chunked" for log-probs). Needs only torch: Triton is imported
+too when it is installed (the import in dispatch.py is guarded), and without it every op takes the
+PyTorch path.
 """
 from .dispatch import disabled, is_enabled, set_enabled, triton_available, use_triton
 from .logprobs import fused_logprobs_entropy, logprobs_entropy_reference

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine import TORCH_DTYPES
 from rlhf.config import ConfigError, ModelConfig
 from rlhf.hub import ensure_hub
 
 logger = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL_SUBDIR = "model"  # where a stage writes its final HF model inside output_dir
 
 

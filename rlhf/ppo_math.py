@@ -190,31 +190,6 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, returns
 
 
-@torch.no_grad()
-def gae_advantages_loop(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                        gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference GAE with plain Python loops per row and token (tests only; slow).
-
-    Same contract as `gae_advantages`: [B, T] in, (advantages, returns) [B, T] out.
-    """
-    _check_2d("mask", mask)
-    _check_shapes(rewards=rewards, values=values, mask=mask)
-    B, T = mask.shape
-    advantages = torch.zeros(B, T, dtype=torch.float32)
-    returns = torch.zeros(B, T, dtype=torch.float32)
-    for b in range(B):
-        n = int(mask[b].bool().sum())
-        r = [float(x) for x in rewards[b, :n]]
-        v = [float(x) for x in values[b, :n]]
-        gae = 0.0
-        for t in reversed(range(n)):
-            next_v = v[t + 1] if t + 1 < n else 0.0
-            gae = r[t] + gamma * next_v - v[t] + gamma * lam * gae
-            advantages[b, t] = gae
-            returns[b, t] = gae + v[t]
-    return advantages.to(mask.device), returns.to(mask.device)
-
-
 # ----------------------------------------------------------------------------- losses
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,

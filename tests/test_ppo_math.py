@@ -12,7 +12,6 @@ from rlhf.ppo_math import (
     compute_rewards,
     entropy_from_logits,
     gae_advantages,
-    gae_advantages_loop,
     kl_estimate,
     make_kl_controller,
     masked_mean,
@@ -139,6 +138,26 @@ def test_gae_hand_gamma_1():
     adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.95)
     close(adv, [[0.361, 0.38, 0.4, 0.0]])
     close(ret, [[0.861, 0.78, 1.0, 0.0]])
+
+
+def gae_advantages_loop(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                        gamma: float = 1.0, lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference GAE with plain Python loops per row and token (slow; the vectorised one is checked
+    against it). Same contract as `gae_advantages`: [B, T] in, (advantages, returns) [B, T] out."""
+    B, T = mask.shape
+    advantages = torch.zeros(B, T, dtype=torch.float32)
+    returns = torch.zeros(B, T, dtype=torch.float32)
+    for b in range(B):
+        n = int(mask[b].bool().sum())
+        r = [float(x) for x in rewards[b, :n]]
+        v = [float(x) for x in values[b, :n]]
+        gae = 0.0
+        for t in reversed(range(n)):
+            next_v = v[t + 1] if t + 1 < n else 0.0
+            gae = r[t] + gamma * next_v - v[t] + gamma * lam * gae
+            advantages[b, t] = gae
+            returns[b, t] = gae + v[t]
+    return advantages.to(mask.device), returns.to(mask.device)
 
 
 def test_gae_hand_gamma_09():

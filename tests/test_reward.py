@@ -174,8 +174,9 @@ def test_saved_reward_model_reloads_with_identical_scores(default_run):
 
 
 def _shapes(tmp_path, n: int = 192) -> dict[str, str]:
-    """The shipped task's prompts written as each pair shape of DESIGN.md, with an easy preference
-    (the correct answer over a refusal), so a few steps must lift accuracy well above chance."""
+    """The shipped task's prompts written as each pair shape rlhf/data/records.py accepts, with an
+    easy preference (the correct answer over a refusal), so a few steps must lift accuracy well
+    above chance."""
     rows = [json.loads(line) for line in open(ROOT / "data/default/pairs_train.jsonl")][:n]
     bad = " I do not know."
     shapes = {

@@ -6,8 +6,8 @@
               already finished -> done |= EOS -> advance slot and positions. All state lives in
               device tensors, so the step has fixed shapes and no host sync; on CUDA it is captured
               once per (batch size, sampling settings) in a CUDA graph and replayed per token
-              (DESIGN.md's H100 reference, 1.2B Llama: a plain static-cache decoder takes 15-19
-              ms/step eager and 2.3-2.9 ms graphed; launch overhead dominates eager decode).
+              (reference figures for a 1.2B Llama on an H100: a plain static-cache decoder takes
+              15-19 ms/step eager and 2.3-2.9 ms graphed; launch overhead dominates eager decode).
     stop      a row stops at its own EOS (kept, and counted in response_mask); later columns are pad.
               The host reads "all rows done" every `check_every` steps: on CUDA that read is the only
               sync in the loop, so it is taken every 8 steps (at most 7 wasted, all-pad steps, trimmed
@@ -152,8 +152,8 @@ def generate(
     """Sample up to `max_new_tokens` for left-padded prompts [B, P] (mask 1 = real token).
 
     Stops early once every row has emitted an EOS; T' = steps actually taken (the longest response).
-    sampling: SamplingParams (default: temperature 1, no top-k/top-p). check_every: steps between
-    "all done" host reads (default 8 on CUDA, 1 elsewhere).
+    sampling: SamplingParams (default: temperature 1, no top-k/top-p; its max_new_tokens is not read
+    here). check_every: steps between "all done" host reads (default 8 on CUDA, 1 elsewhere).
     """
     sampling = sampling or SamplingParams()
     if max_new_tokens < 1:
@@ -221,7 +221,8 @@ def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos) -> DecodeGraph | 
     off CUDA / when disabled."""
     if not graphs_enabled(model):
         return None
-    key = (B, sampling, pad_token_id, tuple(eos_ids))
+    draw = sampling.draw_settings()
+    key = (B, draw, pad_token_id, tuple(eos_ids))
     if key not in model.graphs:
-        model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos), sampling, pad_token_id)
+        model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos), draw, pad_token_id)
     return model.graphs[key]

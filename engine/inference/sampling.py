@@ -1,38 +1,59 @@
 """Token sampling on a batch of logits, without host syncs (so a CUDA graph can hold it).
 
-Order and semantics are transformers' warpers: temperature, then top-k (keep every token whose
-logit is >= the k-th largest, ties included), then top-p (drop the low tokens whose cumulative
-probability stays <= 1 - top_p, always keeping the most likely). `greedy` is argmax and ignores the
-three settings. The draw is exponential-race sampling, `argmax(p / E)` with E ~ Exp(1), which picks
-token i with probability p_i and needs no `torch.multinomial` (whose CUDA version syncs).
+`SamplingParams` states the sampling convention, once, for every sampler in the project. `sample`
+follows transformers' warpers for top-k (keep every token whose logit is >= the k-th largest, ties
+included) and top-p (drop the low tokens whose cumulative probability stays <= 1 - top_p, always
+keeping the most likely). The draw is exponential-race sampling, `argmax(p / E)` with E ~ Exp(1),
+which picks token i with probability p_i and needs no `torch.multinomial` (whose CUDA version syncs).
 
-The log-prob returned for a chosen token is `log_softmax(logits / temperature)` at that token: the
-temperature-scaled distribution *before* top-k/top-p truncation (greedy: temperature 1). It is a
-by-product, not the PPO "old" log-prob, which scoring recomputes under the training forward.
+The log-prob returned for a chosen token is a by-product, not the PPO "old" log-prob, which scoring
+recomputes under the training forward.
 
 TODO(kernels): kernels.sampling fuses scale, filter and draw without the full-vocab sort.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
+    """How responses are drawn: the one settings object of both generation paths (`transformers`
+    `generate` in engine/generation.py, and this package). The convention every sampler follows
+    (`sample` here, the HF path, kernels.sampling):
+
+    - greedy=True: argmax of the logits; temperature, top_k and top_p are ignored. kernels.sampling
+      takes plain arguments and spells greedy as temperature=0.
+    - otherwise, in transformers' order: logits / temperature (> 0), then top-k, then top-p.
+      top_k=0 is off (as is top_k >= vocab size); top_p=1.0 is off.
+    - The log-prob reported for a drawn token is log_softmax(logits / temperature) at that token:
+      the scaled distribution *before* top-k/top-p truncation (greedy: temperature 1).
+    - max_new_tokens caps the response length. engine.generation requires it;
+      `engine.inference.generate` takes the length as an argument and does not read this field.
+    """
+
+    max_new_tokens: int | None = None
+    greedy: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1.0 = off
-    greedy: bool = False
 
     def __post_init__(self):
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if not self.greedy and not self.temperature > 0:
             raise ValueError(f"temperature must be > 0 when sampling (got {self.temperature}); use greedy=True")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (got {self.top_k})")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+
+    def draw_settings(self) -> SamplingParams:
+        """Only what one draw reads: no length, and for greedy none of the settings it ignores. The
+        decode-graph key, so one captured step serves every length and every greedy request."""
+        return SamplingParams(greedy=True) if self.greedy else replace(self, max_new_tokens=None)
 
 
 def filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
