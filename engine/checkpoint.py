@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .parallelize import VIEW_PREFIX
+
 META = "meta.json"
 ENGINE_META = "engine.json"
 TMP_MARK = ".tmp-"
@@ -171,18 +173,48 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) 
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _inner_names(state: dict) -> dict:
+    """`state` with a `ModuleView`'s prefix dropped from every FQN (same values, not copies), so a
+    checkpoint holds the inner model's own names whether or not a role wraps it."""
+    def strip(fqn: str) -> str:
+        return fqn.removeprefix(VIEW_PREFIX)
+
+    out = {"model": {strip(k): v for k, v in state["model"].items()}}
+    if "optim" in state:
+        optim = state["optim"]
+        out["optim"] = {"state": {strip(k): v for k, v in optim["state"].items()},
+                        "param_groups": [{**g, "params": [strip(p) for p in g["params"]]} for g in optim["param_groups"]]}
+    return out
+
+
+def _view_names(loaded: dict, like: dict) -> dict:
+    """`loaded` (inner names, as `_inner_names` gave) back under the FQNs of `like`."""
+    def strip(fqn: str) -> str:
+        return fqn.removeprefix(VIEW_PREFIX)
+
+    out = {"model": {k: loaded["model"][strip(k)] for k in like["model"]}}
+    if "optim" in like:
+        optim = loaded["optim"]
+        out["optim"] = {"state": {k: optim["state"][strip(k)] for k in like["optim"]["state"]},
+                        "param_groups": [{**g, "params": list(lg["params"])}
+                                         for g, lg in zip(optim["param_groups"], like["optim"]["param_groups"])]}
+    return out
+
+
 def save_model_optimizer(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_dcp_state(model, optimizer, zero1), checkpoint_id=directory)
+    dcp.save(_inner_names(_dcp_state(model, optimizer, zero1)), checkpoint_id=directory)
 
 
 def load_model_optimizer(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    state = _dcp_state(model, optimizer, zero1)
-    dcp.load(state, checkpoint_id=directory)  # in place, each rank reads the pieces of its shards
+    live = _dcp_state(model, optimizer, zero1)
+    loaded = _inner_names(live)
+    dcp.load(loaded, checkpoint_id=directory)  # in place, each rank reads the pieces of its shards
+    state = _view_names(loaded, live)
     if zero1:
         set_model_state_dict(model, state["model"])
     else:

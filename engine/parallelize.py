@@ -22,7 +22,8 @@ from .config import TORCH_DTYPES, EngineConfig
 from .distributed import DistInfo
 
 # Prefixes that wrappers insert into parameter names; removed from every name the engine exports.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", "_view_module.")
+VIEW_PREFIX = "_view_module."  # what a ModuleView (below) adds in front of its inner module's names
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", VIEW_PREFIX)
 
 
 @dataclass

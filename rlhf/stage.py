@@ -100,12 +100,7 @@ class Run:
         if self.info.is_main:
             save_config(self.out_dir, self.cfg)
         if path:
-            # NOTE: checkpoints before the skeleton kept no "before": metrics.jsonl still has it
-            kept = self.extra_state.get("before")
-            if kept is None:
-                kept = next((r for r in read_metrics(self.out_dir, "eval") if r["step"] == 0), {})
-                kept = {k: v for k, v in kept.items() if k not in ("step", "kind")}
-            self.before = kept
+            self.before = self.extra_state["before"]
         else:
             self.before = without_samples(self._evaluate(0))
             logger.info("before training: %s", self.eval_line(self.before))
