@@ -1,10 +1,12 @@
 """Typed configuration of the training engine.
 
 The engine knows nothing about RLHF: these dataclasses are all it reads. The stage apps in `rlhf/`
-build them from Hydra YAML once, at start, and pass them down.
+build them from Hydra YAML once, at start, and pass them down (EngineConfig is their `engine` group's
+schema itself).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,28 +27,35 @@ class EngineConfig:
 
     stage 0 = DDP; 1 = DDP + ZeroRedundancyOptimizer; 2 = FSDP2 fully_shard(reshard_after_forward=False);
     3 = FSDP2 fully_shard(reshard_after_forward=True).
+
+    Also the schema of the stage apps' `engine` config group (conf/engine/*.yaml), used as is: each
+    field's trailing comment is its description in their `--help`.
     """
 
-    stage: int = 0
-    offload: bool = False  # CPUOffloadPolicy: sharded params/grads/optimizer step live on the CPU
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 = dynamic loss scaling, CUDA only)
-    activation_checkpointing: bool = False  # recompute each transformer block in backward
-    initial_loss_scale: float = 65536.0  # fp16 only
+    stage: int = 0  # ZeRO stage: 0 DDP, 1 + sharded optimizer, 2 FSDP2 (grads), 3 FSDP2 (params)
+    # CPUOffloadPolicy: sharded params/grads/optimizer step live on the CPU (stage 2/3; FrozenEngine:
+    # any stage, moved by hand).
+    offload: bool = False  # params/grads/optimizer step on the CPU (stage 2/3; frozen models: any stage)
+    # "auto" = bf16 on CUDA, fp32 on CPU: `resolve_precision` makes it concrete before the config
+    # reaches TrainEngine / FrozenEngine.
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (dynamic loss scaling, CUDA only) | auto (bf16 on CUDA, fp32 on CPU)
+    activation_checkpointing: bool = False  # recompute each transformer block in backward (less memory)
+    initial_loss_scale: float = 65536.0  # fp16 only: the first loss scale
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
-    min_loss_scale: float = 1.0
-    # stage 0/1 (DDP): set when some trainable params get no gradient in a step (e.g. an unused head);
-    # costs a graph traversal per step. FSDP2 (stage 2/3) needs no such flag.
-    find_unused_parameters: bool = False
+    min_loss_scale: float = 1.0  # fp16: the scale never goes below this
+    # Costs a graph traversal per step. FSDP2 (stage 2/3) needs no such flag.
+    find_unused_parameters: bool = False  # stage 0/1 (DDP): some trainable params get no gradient
     # Generation mode (`TrainEngine.generation()`): "injected" = engine.inference (fused weights,
-    # static KV cache, CUDA graphs) for supported architectures, "hf" = transformers `generate`,
-    # "auto" = injected on CUDA, hf elsewhere. An unsupported model falls back to hf, logged once.
-    generation: str = "auto"
+    # static KV cache, CUDA graphs) for supported architectures (Llama family, OPT), "hf" =
+    # transformers `generate`, "auto" = injected on CUDA, hf elsewhere. An unsupported model falls
+    # back to hf, logged once.
+    generation: str = "auto"  # auto (injected on CUDA for Llama-family/OPT, else hf) | injected | hf
     # Fused kernels (kernels/) in the model's forwards: norms, SwiGLU, rotary, and log-probs/entropy
     # straight from hidden states (engine/kernel_injection.py). Triton on CUDA, references elsewhere.
-    kernels: bool = False
+    kernels: bool = False  # fused kernels: norms, SwiGLU, rotary, log-probs from hidden states
     # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
     # for training) instead of keeping them for the next phase (an in-place weight refresh).
-    release_inference_cache: bool = False
+    release_inference_cache: bool = False  # free the injected weights/KV cache/graphs after each generation phase
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,6 +72,13 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
 
+def resolve_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:
+    """`precision="auto"` made concrete for `device`: bf16 on CUDA, fp32 elsewhere (a copy); any
+    other config is returned as it is. Call it before TrainEngine / FrozenEngine, which take no "auto"."""
+    if cfg.precision != "auto":
+        return cfg
+    return dataclasses.replace(cfg, precision="bf16" if device.type == "cuda" else "fp32")
+
 def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = False) -> None:
     """Reject combinations that cannot work here, at construction, naming the key (`engine.<field>`).
 
@@ -70,8 +86,10 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
     """
     if cfg.stage not in (0, 1, 2, 3):
         raise ValueError(f"engine.stage must be 0, 1, 2 or 3 (ZeRO stages), got {cfg.stage!r}")
+    if cfg.precision == "auto":
+        raise ValueError("engine.precision=auto must be resolved for the device first (engine.config.resolve_precision)")
     if cfg.precision not in PRECISIONS:
-        raise ValueError(f"engine.precision must be one of {PRECISIONS}, got {cfg.precision!r}")
+        raise ValueError(f"engine.precision must be one of {PRECISIONS} (or auto), got {cfg.precision!r}")
     if cfg.generation not in GENERATION_PATHS:
         raise ValueError(f"engine.generation must be one of {GENERATION_PATHS}, got {cfg.generation!r}")
     if cfg.precision == "fp16" and info.device.type != "cuda":

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rlhf.config import ROOT, ConfigError, as_yaml, to_config
+from rlhf.config import ROOT, ConfigError, as_yaml, compose, to_config
 from rlhf.data.records import DataFormatError
 
 logger = logging.getLogger("rlhf")
@@ -96,18 +96,11 @@ def _stage_module(run: Callable) -> str:
 
 
 def _help_page(config_name: str, schema: type, module: str, overrides: list[str], run: Callable) -> str:
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
     from rlhf import cli
 
     rewrites = cli.check_overrides(overrides, schema, CONF_DIR, module)
     overrides = [rewrites.get(o, o) for o in overrides]
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR, job_name=module.rsplit(".", 1)[-1]):
-            raw = compose(config_name, overrides=overrides, return_hydra_config=True)
-    except HydraException as e:
-        raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
+    raw = compose(config_name, overrides, return_hydra_config=True, job_name=module.rsplit(".", 1)[-1])
     choices = cli.config_groups(CONF_DIR)
     chosen = {g: raw.hydra.runtime.choices.get(g) for g in choices}
     choices = {g: opts for g, opts in choices.items() if chosen[g] is not None}  # groups this stage uses

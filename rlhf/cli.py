@@ -4,8 +4,8 @@
     python -m rlhf.sft train.lr=3e-4 --help    # the same, with the override applied
     python -m rlhf.sft train.lrr=1             # error (configuration/data): ... did you mean 'train.lr'?
 
-The descriptions come from the schema's source (rlhf/config.py), so there is one place to write
-them: a field's trailing `# comment`, else the comment block just above it, else
+The descriptions come from the schema's source (rlhf/config.py; engine.* from engine/config.py), so
+there is one place to write them: a field's trailing `# comment`, else the comment block just above it, else
 `field(metadata={"help": ...})`. A group's description is its field's comment in the parent, else its
 docstring. Any dataclass schema works; `rlhf.app.stage_main` is the entry that uses this module.
 """
@@ -128,11 +128,13 @@ def _as_phrase(sentence: str) -> str:
 
 def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str) -> dict[str, str]:
     """Raise ConfigError for an override naming a key that `schema` does not have (with `+` or
-    without), suggesting the closest valid key, or a config-group option that does not exist;
-    hydra.* passes through. Returns {override: rewritten} for keys below a dict-valued key
+    without), suggesting the closest valid key, a value of the wrong type for its key (Hydra, which
+    composes onto the schema, would stop with its own report), or a config-group option that does
+    not exist; hydra.* passes through. Returns {override: rewritten} for keys below a dict-valued key
     (`model.config.rope_theta=1e4` -> `++...`: set or add, as the dict's contents are the user's)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
+    from omegaconf import OmegaConf
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -140,6 +142,7 @@ def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str)
         raise ConfigError(f"command line: {str(e).splitlines()[0]}") from None
     keys = {k.path: k for k in schema_keys(schema)}
     rewrites = {}
+    typed = None  # the schema as an OmegaConf node, built for the first value to check
     for o in parsed:
         name = o.key_or_group
         if name == "hydra" or name.startswith(("hydra.", "hydra/")) or o.package is not None:
@@ -148,6 +151,10 @@ def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str)
             _check_option(o, conf_dir)
             continue
         if name in keys:
+            typed = OmegaConf.structured(schema) if typed is None else typed
+            _check_not_below_interpolation(typed, name, o.input_line)
+            if not (o.is_delete() or o.is_sweep_override()):
+                _check_value(typed, name, o.value(), o.input_line)
             continue
         parts = name.split(".")
         prefixes = [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
@@ -166,6 +173,30 @@ def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str)
             + f" (python -m {app} --help lists every key)"
         )
     return rewrites
+
+
+def _check_not_below_interpolation(typed: Any, key: str, line: str) -> None:
+    """`critic.lora.alpha=8` where critic.lora is ${model.lora}: OmegaConf would write through the
+    link into model.lora (the actor's too), so it is an error naming the key to set instead."""
+    from omegaconf import OmegaConf
+
+    parts, node = key.split("."), typed
+    for i, part in enumerate(parts[:-1]):
+        if OmegaConf.is_interpolation(node, part):
+            link = OmegaConf.to_container(node, resolve=False)[part]  # "${model.lora}"
+            raise ConfigError(f"{key!r} (in {line!r}) is below {'.'.join(parts[:i + 1])}, which is {link}: "
+                              f"set {link[2:-1]}.{'.'.join(parts[i + 1:])} (everything that links to it follows)")
+        node = node[part]
+
+
+def _check_value(typed: Any, key: str, value: Any, line: str) -> None:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.update(typed, key, value, merge=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config key {key!r} (in {line!r}): {str(e).splitlines()[0]}") from None
 
 
 def _check_option(o: Any, conf_dir: str) -> None:

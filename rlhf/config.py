@@ -1,9 +1,15 @@
 """Typed configuration of the stage apps: Hydra YAML (conf/) -> these dataclasses, once, at start.
 
-Every key lives in the YAML with its default (so `--cfg job` shows everything); the dataclasses
-are the schema: a misspelt key or a value of the wrong type fails in `to_config`, and `validate_*`
-check ranges and the batch-size arithmetic, each error naming the key (`train.lr`, ...), before any
-model is loaded. A function receives only the sub-config it uses.
+The dataclasses hold every key and its default: they are Hydra structured configs, stored in
+Hydra's ConfigStore as `<stage>_schema` (`register_schemas`), and each conf/<stage>.yaml starts its
+defaults list from its schema. The YAML holds only what differs: the config-group choices (model,
+data, engine, logger; a group's option file holds only its own values), values that must win over a
+group's (reward's model.name_or_path), `${...}` interpolations, and the hydra: settings. A misspelt
+key or a value of the wrong type fails at composition (`compose`, rlhf/cli.py for the command line)
+or in `to_config`; `validate_*` check ranges and the batch-size arithmetic, each error naming the key
+(`train.lr`, ...), before any model is loaded. A function receives only the sub-config it uses. The
+`engine` group's schema is the engine's own EngineConfig (engine/config.py), with precision "auto"
+as the stages' default (`resolve_precision` makes it bf16 on CUDA, fp32 on CPU).
 
 Each field's trailing `# comment` (else the comment block above it) is its one-line description in
 `--help` (rlhf/cli.py): write one for every new field. `metadata={"hub": "model"|"dataset"}` marks
@@ -17,11 +23,14 @@ from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import II, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from engine.config import PRECISIONS as ENGINE_PRECISIONS
+from engine.config import EngineConfig, resolve_precision
+
 ROOT = Path(__file__).resolve().parents[1]  # the project checkout: conf/, data/, scripts/
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PRECISIONS = ("auto", *ENGINE_PRECISIONS)
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 T = TypeVar("T")
 
@@ -104,19 +113,9 @@ class DataConfig:
     cache_dir: str | None = None  # datasets cache for hub names
 
 
-@dataclass(kw_only=True)
-class EngineGroupConfig:
-    stage: int = 0  # ZeRO stage: 0 DDP, 1 + sharded optimizer, 2 FSDP2 (grads), 3 FSDP2 (params)
-    offload: bool = False  # params/grads/optimizer step on the CPU (stage 2/3; frozen models: any stage)
-    precision: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
-    activation_checkpointing: bool = False  # recompute each transformer block in backward (less memory)
-    initial_loss_scale: float = 65536.0  # fp16 only: the first loss scale
-    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
-    min_loss_scale: float = 1.0  # fp16: the scale never goes below this
-    find_unused_parameters: bool = False  # stage 0/1 (DDP): some trainable params get no gradient
-    generation: str = "auto"  # auto | injected | hf (see engine/config.py)
-    kernels: bool = False  # fused kernels in all four models (engine/kernel_injection.py)
-    release_inference_cache: bool = False  # free generation weights/KV cache/graphs after each use
+def stage_engine() -> EngineConfig:
+    """The stages' `engine` default: the engine's defaults with precision "auto" (bf16 on CUDA, fp32 on CPU)."""
+    return EngineConfig(precision="auto")
 
 
 @dataclass(kw_only=True)
@@ -169,7 +168,7 @@ class StageConfig:
     seed: int = 1234  # random init, dropout and data order
     model: ModelConfig = field(default_factory=ModelConfig)  # the model trained (and its tokenizer)
     data: DataConfig = field(default_factory=DataConfig)  # training and held-out data
-    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)  # parallelism and precision
+    engine: EngineConfig = field(default_factory=stage_engine)  # parallelism and precision
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics go besides metrics.jsonl
     train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, schedule, logging and checkpoints
 
@@ -177,6 +176,9 @@ class StageConfig:
 @dataclass(kw_only=True)
 class SFTConfig(StageConfig):
     output_dir: str = "outputs/sft"
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        epochs=5, warmup_steps=100, min_lr_ratio=0.05, eval_every=250, save_every=500,
+    ))  # optimizer, schedule, logging and checkpoints
     eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
 
 
@@ -189,6 +191,10 @@ class RewardLossConfig:
 @dataclass(kw_only=True)
 class RewardConfig(StageConfig):
     output_dir: str = "outputs/reward"
+    # max_steps=625: 2.5 passes over the 8,000 shipped pairs, which fits 5 minutes on 2 CPU cores
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        epochs=3, max_steps=625, lr=3e-4, warmup_steps=20, eval_every=125,
+    ))  # optimizer, schedule, logging and checkpoints
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss
 
 
@@ -240,7 +246,7 @@ class PPOAlgoConfig:
 class RolloutConfig:
     prompts_per_step: int = 64  # generation batch (global)
     mini_batch_size: int = 32  # rows per optimizer step (global)
-    micro_batch_size: int = 16  # rows per forward on one rank
+    micro_batch_size: int = 32  # rows per forward on one rank
     max_new_tokens: int = 16  # response tokens sampled per prompt
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)
@@ -263,15 +269,24 @@ class PPOTrainConfig:
 class PPOConfig:
     output_dir: str = "outputs/ppo"  # the run's directory: config.yaml, metrics.jsonl, checkpoints/, model/, ...
     seed: int = 1234  # sampling, dropout and prompt order
-    model: ModelConfig = field(default_factory=ModelConfig)  # shared: tokenizer, dtype, save_dtype, ...
+    # Settings shared by the four models: tokenizer (null = the one saved with actor.model), dtype,
+    # save_dtype, ...; name_or_path is unused here (the models are actor.model, critic.model, ...).
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)  # the prompts (path) and held-out prompts
     # SFT data for the ptx loss (null = data/default's demonstrations)
     ptx_path: str | None = field(default=None, metadata={"hub": "dataset"})
-    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)  # parallelism and precision (all four models)
+    engine: EngineConfig = field(default_factory=stage_engine)  # parallelism and precision (all four models)
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics go besides metrics.jsonl
-    actor: TrainedModelConfig = field(default_factory=TrainedModelConfig)  # the policy trained (starts from SFT)
-    # The value model trained (starts from the reward model)
-    critic: TrainedModelConfig = field(default_factory=TrainedModelConfig)
+    # NOTE: lora=${model.lora} (model.lora.r=8 gives both trained models adapters) is an OmegaConf
+    # interpolation, resolved by `to_config`: a PPOConfig built in Python must set actor.lora and
+    # critic.lora itself. It lives here, not in conf/ppo.yaml, because OmegaConf cannot merge an
+    # interpolation from YAML into a dataclass-typed node (it can hold one as the default).
+    actor: TrainedModelConfig = field(default_factory=lambda: TrainedModelConfig(
+        model="outputs/sft", lora=II("model.lora"), lr=5e-5, warmup_steps=5,
+    ))  # the policy trained (starts from SFT)
+    critic: TrainedModelConfig = field(default_factory=lambda: TrainedModelConfig(
+        model="outputs/reward", lora=II("model.lora"), lr=5e-4, warmup_steps=5,
+    ))  # the value model trained (starts from the reward model)
     reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen policy the KL is measured to
     reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen scorer of responses
     ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)  # PPO's algorithm settings
@@ -287,13 +302,58 @@ class EvaluateConfig:
     output_dir: str = "outputs/evaluate"  # config.yaml, metrics.jsonl, samples.jsonl and summary.json go here
     mode: str = "auto"  # auto (reward when the model's architectures end in ForSequenceClassification) | policy | reward
     seed: int = 1234  # seeds torch before loading (and the draws of eval.greedy=false)
-    batch_size: int = 32  # rows per forward for perplexity and pair scoring (the stages: train.micro_batch_size)
+    # Rows per forward for perplexity and pair scoring; the stage's train.micro_batch_size reproduces
+    # its figures bit for bit
+    batch_size: int = 32
     default_pairs_path: str | None = None  # mode=reward with data.eval_path=null scores these pairs
-    model: ModelConfig = field(default_factory=ModelConfig)  # name_or_path: a HF dir, hub name or a stage's output_dir
+    # name_or_path: a stage's output_dir (its model/ is read), a HF directory or a hub name; tokenizer
+    # null = the tokenizer saved with the model
+    model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)  # eval_prompts_path, eval_path, tokenization as the stages
-    engine: EngineGroupConfig = field(default_factory=EngineGroupConfig)  # sharding, precision, generation path
+    engine: EngineConfig = field(default_factory=stage_engine)  # sharding, precision, generation path
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics.jsonl also goes (wandb)
-    eval: GenerationConfig = field(default_factory=GenerationConfig)  # mode=policy: generation (the SFT stage's eval.*)
+    # mode=policy: generations on data.eval_prompts_path (the SFT and PPO stages' eval.*)
+    eval: GenerationConfig = field(default_factory=GenerationConfig)
+
+
+# ----------------------------------------------------------------------------- Hydra
+
+SCHEMAS = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}
+
+
+def register_schemas() -> None:
+    """Each stage's dataclass into Hydra's ConfigStore as `<stage>_schema`, the first entry of
+    conf/<stage>.yaml's defaults list (done on import: composing needs it)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for stage, schema in SCHEMAS.items():
+        cs.store(name=f"{stage}_schema", node=schema)
+
+
+register_schemas()
+
+
+def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), *, return_hydra_config: bool = False,
+            job_name: str | None = None) -> DictConfig:
+    """conf/<config_name>.yaml with `overrides`, composed by Hydra outside a Hydra app (`--help`,
+    scripts/stage_plan.py, tests). A key the schema lacks or a value of the wrong type, on the command
+    line or in a YAML file, raises ConfigError naming the key."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    # job_name: hydra.job.name (in a run: the app's module); Hydra cannot always tell it from the stack
+    job_name = job_name or config_name
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name=job_name):
+            return hydra_compose(config_name, overrides=list(overrides), return_hydra_config=return_hydra_config)
+    except HydraException as e:
+        cause = e.__cause__
+        key = getattr(cause, "full_key", None) if isinstance(cause, OmegaConfBaseException) else None
+        if key:
+            raise ConfigError(f"config key {key!r}: {str(cause).splitlines()[0]}") from None
+        raise ConfigError(f"config: {str(e).splitlines()[0]}") from None
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -421,20 +481,12 @@ def check_optim(t: TrainConfig, prefix: str = "train") -> None:
         raise ConfigError(str(e).replace("optim.", f"{prefix}.")) from None
 
 
-def engine_config(e: EngineGroupConfig, info, *, frozen: bool = False):
-    """The engine's EngineConfig (precision "auto" resolved for this device), validated."""
-    from engine import EngineConfig, validate_engine_config
+def engine_config(e: EngineConfig, info, *, frozen: bool = False) -> EngineConfig:
+    """The `engine` group as the engine takes it: precision "auto" resolved for this device, validated."""
+    from engine import validate_engine_config
 
     _need(e.precision in PRECISIONS, f"engine.precision must be one of {PRECISIONS}, got {e.precision!r}")
-    precision = e.precision
-    if precision == "auto":
-        precision = "bf16" if info.device.type == "cuda" else "fp32"
-    cfg = EngineConfig(
-        stage=e.stage, offload=e.offload, precision=precision, activation_checkpointing=e.activation_checkpointing,
-        initial_loss_scale=e.initial_loss_scale, loss_scale_window=e.loss_scale_window,
-        min_loss_scale=e.min_loss_scale, find_unused_parameters=e.find_unused_parameters,
-        generation=e.generation, release_inference_cache=e.release_inference_cache, kernels=e.kernels,
-    )
+    cfg = resolve_precision(e, info.device)
     try:
         validate_engine_config(cfg, info, frozen=frozen)
     except ValueError as e2:

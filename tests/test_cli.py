@@ -111,6 +111,21 @@ def test_wrongly_nested_key_and_bad_group_option(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_wrong_type_or_a_key_below_a_link_is_caught_before_hydra():
+    # Hydra composes onto the schema, so it would stop on these with its own report (exit 1); and
+    # critic.lora.alpha=8 would write through critic.lora=${model.lora} into the actor's LoRA too.
+    from rlhf.cli import check_overrides
+    from rlhf.config import ConfigError
+
+    conf = str(ROOT / "conf")
+    with pytest.raises(ConfigError, match=r"config key 'train\.lr' \(in 'train\.lr=fast'\): Value 'fast'"):
+        check_overrides(["train.lr=fast"], SFTConfig, conf, "rlhf.sft")
+    with pytest.raises(ConfigError, match=r"below critic\.lora, which is \$\{model\.lora\}: set model\.lora\.alpha"):
+        check_overrides(["critic.lora.alpha=8"], PPOConfig, conf, "rlhf.ppo")
+    assert check_overrides(["actor.lora={r:2}", "model.lora.r=4", "ptx_path=null", "model.config.x=1"],
+                           PPOConfig, conf, "rlhf.ppo") == {"model.config.x=1": "++model.config.x=1"}
+
+
 def test_keys_below_a_dict_key_are_free(tmp_path):
     # model.config holds HF config kwargs: a key the YAML lacks is added (not a Hydra struct error)
     proc = run_stage("ppo", "model.config.rope_theta=500.0", "--cfg", "job")

@@ -5,12 +5,11 @@ import json
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from engine import init_distributed
 from rlhf.app import CONF_DIR
 from rlhf.config import (
-    ROOT, ConfigError, DataConfig, LoraConfig, ModelConfig, SFTConfig, to_config, validate_sft,
+    ROOT, SCHEMAS, ConfigError, DataConfig, LoraConfig, ModelConfig, SFTConfig, compose, to_config, validate_sft,
 )
 from rlhf.task import gold_answer, gold_score, judge, mean_gold_score
 
@@ -23,8 +22,7 @@ def read_jsonl(name: str) -> list[dict]:
 
 
 def sft_config(*overrides: str) -> SFTConfig:
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return to_config(compose("sft", overrides=list(overrides)), SFTConfig)
+    return to_config(compose("sft", overrides), SFTConfig)
 
 
 # --------------------------------------------------------------------------- package
@@ -40,25 +38,48 @@ def test_our_kernels_package_does_not_look_like_hub_kernels():
     assert import_utils.is_kernels_available() is False
 
 
-def test_every_yaml_key_is_in_the_schema_and_back():
-    # The YAML holds every key with its default (so `--cfg job` shows all of them); the dataclass
-    # schema has no key the YAML lacks.
-    from dataclasses import fields, is_dataclass
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and k != "config":  # model.config's contents are the user's
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# The key that names what a group option is (zero0 = stage 0, local = backend local): kept in its file
+# even where it equals the schema's default, so the option means its name whatever the default.
+OPTION_KEYS = {"engine": {"stage"}, "logger": {"backend"}}
+
+
+def test_the_yaml_holds_only_what_differs_from_the_schema():
+    # One source of truth: each key's default lives in the dataclass (rlhf/config.py; the engine group:
+    # engine/config.py). A conf file names only keys of the schema, and repeats no default, except a
+    # stage file's value that must win over its group choice's (evaluate's model.tokenizer: null).
+    import os
 
     from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        raw = OmegaConf.to_container(compose("sft"), resolve=False)
-
-    def walk(schema, node, path):
-        names = {f.name for f in fields(schema)}
-        assert set(node) == names, (path, set(node) ^ names)
-        for f in fields(schema):
-            default = f.default_factory() if callable(f.default_factory) else f.default
-            if is_dataclass(default):
-                walk(type(default), node[f.name], f"{path}{f.name}.")
-
-    walk(SFTConfig, raw, "")
+    for stage, schema in SCHEMAS.items():
+        defaults = _flat(OmegaConf.to_container(OmegaConf.structured(schema)))
+        raw = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF_DIR, f"{stage}.yaml")))
+        assert raw["defaults"][0] == f"{stage}_schema"
+        groups = [next(iter(d)) for d in raw["defaults"] if isinstance(d, dict)]
+        set_by_groups = set()
+        for group in groups:
+            for option in os.listdir(os.path.join(CONF_DIR, group)):
+                path = os.path.join(CONF_DIR, group, option)
+                values = _flat(OmegaConf.to_container(OmegaConf.load(path)), f"{group}.")
+                set_by_groups |= set(values)
+                for key, value in values.items():
+                    assert key in defaults, (group, option, key)
+                    named = key.split(".", 1)[1] in OPTION_KEYS.get(group, ())
+                    assert value != defaults[key] or named, (group, option, key)
+        for key, value in _flat({k: v for k, v in raw.items() if k not in ("defaults", "hydra")}).items():
+            assert key in defaults, (stage, key)
+            assert value != defaults[key] or key in set_by_groups, (stage, key, value)
+        compose(stage)  # and it composes onto the schema
 
 
 # --------------------------------------------------------------------------- validation
