@@ -6,14 +6,31 @@ Knows nothing about RLHF. Entry points:
     out = engine.train_step(micro_batches, loss_fn)
     frozen = FrozenEngine(model, engine_cfg, info)
 """
-from .checkpoint import atomic_directory, latest_checkpoint, list_checkpoints, prune_checkpoints
-from .config import TORCH_DTYPES, EngineConfig, OptimConfig, validate_engine_config
-from .distributed import DistInfo, exit_process, init_distributed, shutdown_distributed
-from .loss_scale import DynamicLossScaler
-from .memory import format_memory_report
-from .optim import validate_optim_config
-from .parallelize import ModuleView, hf_base_model, inner_module, parallelize
-from .train_engine import FrozenEngine, TrainEngine
+import importlib
+
+# Loaded on first use (PEP 562), so `engine.config` alone imports no torch (see its NOTE).
+_WHERE = {
+    "atomic_directory": "checkpoint", "latest_checkpoint": "checkpoint", "list_checkpoints": "checkpoint",
+    "prune_checkpoints": "checkpoint",
+    "EngineConfig": "config", "OptimConfig": "config", "validate_engine_config": "config",
+    "DistInfo": "distributed", "exit_process": "distributed", "init_distributed": "distributed",
+    "shutdown_distributed": "distributed",
+    "DynamicLossScaler": "loss_scale", "format_memory_report": "memory", "validate_optim_config": "optim",
+    "TORCH_DTYPES": "parallelize", "ModuleView": "parallelize", "hf_base_model": "parallelize",
+    "inner_module": "parallelize", "parallelize": "parallelize",
+    "FrozenEngine": "train_engine", "TrainEngine": "train_engine",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
 
 __all__ = [
     "DistInfo",

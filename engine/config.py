@@ -10,14 +10,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from .distributed import DistInfo
 
-# The one map from dtype names to torch dtypes (engine.precision is one of its keys).
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PRECISIONS = tuple(TORCH_DTYPES)
+# NOTE: no torch import at run time: the stage configs (rlhf/config.py) import this module, and
+# scripts/stage_plan.py composes them in ~1 s without loading torch. The dtypes: parallelize.TORCH_DTYPES.
+PRECISIONS = ("fp32", "bf16", "fp16")
 GENERATION_PATHS = ("auto", "injected", "hf")
 
 

@@ -18,10 +18,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from .config import TORCH_DTYPES, EngineConfig
+from .config import PRECISIONS, EngineConfig
 from .distributed import DistInfo
 
 # Prefixes that wrappers insert into parameter names; removed from every name the engine exports.
+# The one map from dtype names to torch dtypes (engine.precision is one of its keys).
+TORCH_DTYPES = dict(zip(PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 VIEW_PREFIX = "_view_module."  # what a ModuleView (below) adds in front of its inner module's names
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.", VIEW_PREFIX)
 

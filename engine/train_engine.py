@@ -36,12 +36,12 @@ from .checkpoint import (
     set_rng_state,
     write_meta,
 )
-from .config import TORCH_DTYPES, EngineConfig, OptimConfig, validate_engine_config
+from .config import EngineConfig, OptimConfig, validate_engine_config
 from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
-from .parallelize import clean_name, hf_base_model, inner_module, parallelize
+from .parallelize import TORCH_DTYPES, clean_name, hf_base_model, inner_module, parallelize
 
 logger = logging.getLogger(__name__)
 
