@@ -211,6 +211,10 @@ def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: 
         fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
     # 3. The root last: it takes the remaining params and drives lazy init and the streams.
     fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
+    # NOTE: FSDP2 makes the first unit to run forward the root (lazily). A ModuleView's inner model
+    # can run before the view does (generation mode calls `generate` on it), which would make a block
+    # a root of its own; so the root's lazy init runs now, as its first forward would run it.
+    model._get_fsdp_state()._lazy_init()
     # (fully_shard moved the params and buffers to the mesh's device; CPUOffloadPolicy then keeps the
     # sharded params on the CPU and copies each unit's shard to the device for its all-gather.)
     units = [(m, reshard_root if m is model else reshard_blocks) for m in model.modules() if isinstance(m, FSDPModule)]

@@ -302,18 +302,13 @@ class EvaluateConfig:
     output_dir: str = "outputs/evaluate"  # config.yaml, metrics.jsonl, samples.jsonl and summary.json go here
     mode: str = "auto"  # auto (reward when the model's architectures end in ForSequenceClassification) | policy | reward
     seed: int = 1234  # seeds torch before loading (and the draws of eval.greedy=false)
-    # Rows per forward for perplexity and pair scoring; the stage's train.micro_batch_size reproduces
-    # its figures bit for bit
-    batch_size: int = 32
+    batch_size: int = 32  # rows per forward (perplexity, pair scoring); a stage's micro batch gives its figures exactly
     default_pairs_path: str | None = None  # mode=reward with data.eval_path=null scores these pairs
-    # name_or_path: a stage's output_dir (its model/ is read), a HF directory or a hub name; tokenizer
-    # null = the tokenizer saved with the model
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # a stage's output_dir, a HF dir or hub name; its tokenizer
     data: DataConfig = field(default_factory=DataConfig)  # eval_prompts_path, eval_path, tokenization as the stages
     engine: EngineConfig = field(default_factory=stage_engine)  # sharding, precision, generation path
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics.jsonl also goes (wandb)
-    # mode=policy: generations on data.eval_prompts_path (the SFT and PPO stages' eval.*)
-    eval: GenerationConfig = field(default_factory=GenerationConfig)
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # mode=policy: generations (as the stages' eval.*)
 
 
 # ----------------------------------------------------------------------------- Hydra

@@ -150,7 +150,7 @@ def test_scoring_logprobs_equal_generation_logprobs():
     batch = {"sequences": out.sequences, "attention_mask": out.attention_mask,
              "position_ids": position_ids_from_mask(out.attention_mask), "prompt_len": out.prompt_len}
     with torch.no_grad():
-        logp = token_logprobs(model, batch, temperature=0.7)
+        logp = token_logprobs(Policy(model), batch, temperature=0.7)
     m = out.response_mask.bool()
     torch.testing.assert_close(logp[m], out.logprobs[m], rtol=1e-4, atol=1e-5)
 
