@@ -209,7 +209,8 @@ class TrainEngine(_ShardedModule):
         )
         self._trainable = [p for p in self.unwrapped.parameters() if p.requires_grad]
         self.global_step = 0  # train_step calls, skipped ones included
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # steps that updated nothing: non-finite gradients, or empty ones
+        self.empty_steps = 0  # of those, steps whose global loss weight was 0
         self._grad_bytes: int | None = None
         self._cuda_peak: int | None = None
         self.rank_extra: Any = None  # set by load_checkpoint
@@ -234,7 +235,8 @@ class TrainEngine(_ShardedModule):
         units (tokens, sequences); metrics are per-micro-batch means with the same keys on every
         micro-batch and rank (they are all-reduced as one packed tensor). The micro-batch's top-level
         tensors are moved to the device first. Returns loss (global weighted mean), grad_norm
-        (pre-clip), lr (used by this step), skipped, loss_scale, weight (global) and the metrics'
+        (pre-clip), lr (used by this step), skipped (non-finite gradients, or `empty`: a global weight
+        of 0; either way nothing was updated), empty, loss_scale, weight (global) and the metrics'
         means weighted by `weight`. Collective: every rank calls it with the same number of micro-batches.
         """
         if not micro_batches:
@@ -268,9 +270,13 @@ class TrainEngine(_ShardedModule):
         scale_grads_(grads, correction / loss_scale)  # skipped when exactly 1 (one micro-batch, no fp16)
         grad_norm = global_grad_norm(grads, sharded=self._sharded)
         overflow = not math.isfinite(grad_norm)
+        # NOTE: a step with nothing to learn from (weight 0 on every rank: e.g. every response empty)
+        # must not step either: AdamW would still move the parameters on its momentum and decay.
+        empty = total_weight <= 0
         lr = self.optimizer.param_groups[0]["lr"]
-        if overflow:
+        if overflow or empty:
             self.skipped_steps += 1  # params, optimizer state and schedule untouched (DeepSpeed semantics)
+            self.empty_steps += empty
         else:
             clip = self.optim_cfg.grad_clip
             if clip > 0 and grad_norm > clip:
@@ -292,7 +298,8 @@ class TrainEngine(_ShardedModule):
             loss=mean(totals[0]),
             grad_norm=grad_norm,
             lr=lr,
-            skipped=overflow,
+            skipped=overflow or empty,
+            empty=empty,
             loss_scale=loss_scale,
             weight=total_weight,
         )
@@ -307,6 +314,7 @@ class TrainEngine(_ShardedModule):
             "scaler": self.scaler.state_dict(),
             "global_step": self.global_step,
             "skipped_steps": self.skipped_steps,
+            "empty_steps": self.empty_steps,
         }
         if self._zero1:
             state["zero1_optimizer"] = self.optimizer.optim.state_dict()  # this rank's shard
@@ -361,6 +369,7 @@ class TrainEngine(_ShardedModule):
         self.scaler.load_state_dict(state["scaler"])
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
+        self.empty_steps = state.get("empty_steps", 0)  # checkpoints before it was counted: 0
         if self._zero1:
             self.optimizer.optim.load_state_dict(state["zero1_optimizer"])
         if own:

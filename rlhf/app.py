@@ -160,15 +160,39 @@ def resolve_resume(resume: bool | str, output_dir: str, key: str = "train.resume
     return resume
 
 
-def fresh_checkpoints(output_dir: str, is_main: bool) -> None:
-    """A run that does not resume starts without the old run's checkpoints (so `resume=true`
-    later can never pick up a different run's state)."""
+# What a finished or interrupted run leaves in its output_dir (besides config.yaml, metrics.jsonl and
+# logs, which a fresh run rewrites): a fresh run replaces these only with train.overwrite=true.
+PREVIOUS_OUTPUTS = ("summary.json", "model", "critic", "model_ema")
+
+
+def replace_previous_run(output_dir: str, overwrite: bool, is_main: bool) -> None:
+    """A fresh run (nothing resumed) into `output_dir`: a previous run's checkpoints or outputs are
+    an error naming the two ways on (nothing is deleted), or with `overwrite` are removed first (so
+    `resume=true` later, or the next stage, never picks up a different run's state or model)."""
     import shutil
 
+    from engine import list_checkpoints
+    from engine.distributed import barrier
+
     root = checkpoint_root(output_dir)
-    if is_main and os.path.isdir(root) and os.listdir(root):
-        logger.info("removing the previous run's checkpoints in %s (train.resume=false)", root)
-        shutil.rmtree(root)
+    found = [f"checkpoints/{os.path.basename(c)}" for c in list_checkpoints(root)[-1:]] if os.path.isdir(root) else []
+    found += [f for f in PREVIOUS_OUTPUTS if os.path.exists(os.path.join(output_dir, f))]
+    if not found:
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"output_dir={output_dir} holds a previous run ({', '.join(found)}): train.resume=true continues it "
+            "from its last checkpoint, train.overwrite=true deletes it and starts afresh, or choose another output_dir"
+        )
+    if is_main:
+        logger.warning("train.overwrite=true: removing the previous run in %s (%s)", output_dir, ", ".join(found))
+        for f in (CHECKPOINTS, *PREVIOUS_OUTPUTS):
+            path = os.path.join(output_dir, f)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+    barrier()
 
 
 def progress(total: int, initial: int, desc: str, is_main: bool) -> tqdm:

@@ -146,6 +146,7 @@ class TrainConfig:
     save_every: int = 0  # steps between sharded checkpoints (0 = none until the end)
     keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
+    overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
     max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
 
 
@@ -262,6 +263,7 @@ class PPOTrainConfig:
     save_every: int = 0  # steps between sharded checkpoints (0 = none until the end)
     keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
+    overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
     max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
 
 

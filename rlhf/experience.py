@@ -259,7 +259,7 @@ def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_b
             a_stats.append(models.actor.train_step(micro, losses[0]))
             if models.critic is not None:
                 c_stats.append(models.critic.train_step(micro, losses[1]))
-            run.check(a_stats[-1])
+            run.check(a_stats[-1], *c_stats[-1:])  # the critic's skips count toward the limit too
             if models.ema is not None:
                 models.ema.update()
     return a_stats, c_stats
@@ -294,6 +294,7 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
         "approx_kl": _mean(a_stats, "approx_kl"), "value_error": _mean(c_stats, "value_error"),
         "vf_clipfrac": _mean(c_stats, "vf_clipfrac"), "actor_grad_norm": _mean(a_stats, "grad_norm"),
         "critic_grad_norm": _mean(c_stats, "grad_norm"), "actor_lr": a_stats[-1]["lr"],
+        "skipped_updates": sum(bool(s["skipped"]) for s in a_stats + c_stats),  # non-finite or empty
         "generation_s": t1 - t0, "scoring_s": t2 - t1, "training_s": t3 - t2,
         "tokens_per_s": sums[7] / max(t3 - t0, 1e-9),
     }

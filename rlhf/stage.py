@@ -14,7 +14,9 @@
 What a stage says is only its own: data, its step, its evaluation, its summary figures. What
 every stage gets the same way:
   - output_dir with config.yaml, metrics.jsonl (truncated after the resumed step), checkpoints/
-    (`train.save_every`, `train.keep_last_n`; a fresh run removes the previous run's);
+    (`train.save_every`, `train.keep_last_n`). A fresh run (nothing to resume) into a directory that
+    holds a previous run's checkpoints or outputs stops before any model loads, naming
+    `train.resume=true` and `train.overwrite=true`; only the latter deletes them;
   - resume (`train.resume`): the engines' sharded state and a JSON `extra_state` holding the step,
     the "before" evaluation (so summary.json compares with the untrained model after any resume)
     and what the stage adds (`state()`, e.g. PPO's adaptive KL controller);
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 
 from engine import format_memory_report, init_distributed, prune_checkpoints
 from rlhf.app import (
-    TrainingError, checkpoint_root, fresh_checkpoints, progress, resolve_resume, save_config, seed_everything,
+    TrainingError, checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything,
     setup_logging,
 )
 from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
@@ -70,12 +72,17 @@ class Run:
         self.before: dict[str, Any] = {}
         self.extra_state: dict[str, Any] = {}
         self._skips = 0
+        self.resume_path: str | None = None
 
     @classmethod
     def open(cls, name: str, title: str, cfg: Any, train: Any, validate: Callable[[Any, Any], Any]) -> tuple[Run, Any]:
-        """The process group, logging, `validate(cfg, info)` (its result is returned), the seed."""
+        """The process group, logging, `validate(cfg, info)` (its result is returned), the checkpoint
+        to resume from (or the previous run's outputs refused / removed: see the module doc), the seed."""
         run = cls(name, title, cfg, train)
         checked = validate(cfg, run.info)
+        run.resume_path = resolve_resume(train.resume, run.out_dir)
+        if run.resume_path is None:
+            replace_previous_run(run.out_dir, train.overwrite, run.info.is_main)
         seed_everything(cfg.seed)
         return run, checked
 
@@ -88,13 +95,11 @@ class Run:
         stage adds to each checkpoint's extra_state (read back from `self.extra_state`)."""
         self.state, self.total, self.evaluate, self.eval_line = state, total, evaluate, eval_line
         self.memory, self.state_fn = memory, state_fn or dict
-        path = resolve_resume(self.train.resume, self.out_dir)
+        path = self.resume_path
         if path:
             self.extra_state = state.load_checkpoint(path)
             self.start = int(self.extra_state["step"])
             logger.info("resumed from %s at step %d", path, self.start)
-        else:
-            fresh_checkpoints(self.out_dir, self.info.is_main)
         self.log = RunLog(self.out_dir, self.cfg.logger, is_main=self.info.is_main,
                           resume_step=self.start if path else None)
         if self.info.is_main:
@@ -137,15 +142,19 @@ class Run:
         self.log.log(step + 1, "train", **record)
         self.bar.set_postfix(**postfix)
 
-    def check(self, out: dict) -> None:
-        """Counts an engine step's `skipped` (a non-finite loss or gradient); train.max_consecutive_skips
-        in a row raise TrainingError."""
-        self._skips = self._skips + 1 if out["skipped"] else 0
+    def check(self, *outs: dict) -> None:
+        """Counts a step as skipped when any engine step of it (`outs`: e.g. PPO's actor and critic)
+        was skipped: a non-finite loss or gradient, or nothing to learn from (a loss weight of 0);
+        train.max_consecutive_skips in a row raise TrainingError."""
+        skipped = [o for o in outs if o["skipped"]]
+        self._skips = self._skips + 1 if skipped else 0
         if self._skips >= self.train.max_consecutive_skips:
-            raise TrainingError(
-                f"{self._skips} consecutive steps had a non-finite loss or gradient (last loss {out['loss']}); "
-                "lower the learning rate, check the data, or use engine.precision=fp32"
-            )
+            last = skipped[0]
+            why = ("had nothing to train on (a total loss weight of 0: every target masked or every response "
+                   "empty); check the data and the over-long rule" if last.get("empty") else
+                   f"had a non-finite loss or gradient (last loss {last['loss']}); lower the learning rate, check "
+                   "the data, or use engine.precision=fp32")
+            raise TrainingError(f"{self._skips} consecutive steps {why}")
 
     # ------------------------------------------------------------------ the end
 

@@ -18,12 +18,12 @@
 #            would run;
 #   resumed  (train.resume=true) no summary.json, config.yaml matches, and <stage>/checkpoints holds
 #            a complete checkpoint (checkpoints are written with train.save_every > 0);
-#   running  otherwise: no output yet, a changed config, nothing to resume from, an earlier stage
-#            that ran or resumed in this invocation (its output changed, so every later stage runs
-#            fresh), or FORCE=1.
+#   running  (train.overwrite=true: the stage's previous output is replaced) otherwise: no output
+#            yet, a changed config, nothing to resume from, an earlier stage that ran or resumed in
+#            this invocation (its output changed, so every later stage runs fresh), or FORCE=1.
 # "Matches": the stage's config composed by Hydra from conf/<stage>.yaml and these overrides and
 # converted to its dataclass exactly as the stage does (what it saves as config.yaml) is equal, key
-# by key, to the saved config.yaml, train.resume excepted. Paths compare as written. Not compared:
+# by key, to the saved config.yaml, train.resume and train.overwrite excepted. Paths compare as written. Not compared:
 # the contents of data files, the code, LAUNCH: after changing those use FORCE=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,7 +79,7 @@ stage() {  # stage <module> <title> <overrides...>: skip, resume or run it, and 
     resume) echo "== $title: resumed ($reason) -> $out"
             run "$module" "output_dir=$out" "$@" train.resume=true; UPSTREAM_RAN="$module" ;;
     *) echo "== $title: running (${reason:-stage_plan.py gave no answer}) -> $out"
-       run "$module" "output_dir=$out" "$@"; UPSTREAM_RAN="$module" ;;
+       run "$module" "output_dir=$out" "$@" train.overwrite=true; UPSTREAM_RAN="$module" ;;
   esac
 }
 

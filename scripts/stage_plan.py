@@ -6,7 +6,7 @@ action is `skip`, `resume` or `run`. The overrides are the ones run_all.sh passe
 train.resume). "The saved config matches" means: the config this invocation would run, composed by
 Hydra from conf/<stage>.yaml with these overrides and converted to the stage's dataclass exactly as
 the stage does (`to_config`, then `as_yaml`, which is what it writes as config.yaml), equals
-<out>/config.yaml key by key, `train.resume` excepted (a resumed run is the same run). Paths
+<out>/config.yaml key by key, `train.resume` and `train.overwrite` excepted (how a run starts). Paths
 compare as written (`outputs/sft` and its absolute form differ) and `${root:...}` data paths as
 absolute paths into this checkout. Not compared: the contents of data files, the code, LAUNCH.
 
@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 STAGES = {"sft": "SFTConfig", "reward": "RewardConfig", "ppo": "PPOConfig"}
-IGNORED = ("train.resume",)
+IGNORED = ("train.resume", "train.overwrite")  # how a run starts, not what it computes
 
 
 def composed_config(stage: str, overrides: list[str]) -> dict:

@@ -193,6 +193,29 @@ def test_overflow_skips_step_and_halves_scale(info):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=k)
 
 
+def test_a_step_with_zero_weight_updates_nothing(info):
+    """Every target masked (e.g. every PPO response empty): no optimizer step, though AdamW would
+    still move the parameters on its momentum and weight decay; the step is counted as skipped."""
+    engine = TrainEngine(TinyNet(), EngineConfig(stage=0), OPTIM, total_steps=10, info=info)
+    assert not engine.train_step([batch(0)], tiny_loss_fn)["skipped"]  # momentum now non-zero
+    before = {k: v.clone() for k, v in engine.unwrapped.state_dict().items()}
+    steps = {k: s["step"].clone() for k, s in engine.optimizer.state.items()}
+    lr = engine.scheduler.get_last_lr()
+    empty = batch(1)
+    empty["labels"][:] = -100
+    out = engine.train_step(split(empty, 2), tiny_loss_fn)
+    assert out["skipped"] and out["empty"] and out["weight"] == 0 and out["loss"] == 0.0
+    assert engine.skipped_steps == 1 and engine.empty_steps == 1
+    assert all(torch.equal(v, before[k]) for k, v in engine.unwrapped.state_dict().items())
+    assert all(torch.equal(s["step"], steps[k]) for k, s in engine.optimizer.state.items())
+    assert engine.scheduler.get_last_lr() == lr
+    # and without the guard the same step (zero gradients) would have moved them (the test can fail)
+    for p in engine.unwrapped.parameters():
+        p.grad = torch.zeros_like(p)
+    engine.optimizer.step()
+    assert any(not torch.equal(v, before[k]) for k, v in engine.unwrapped.state_dict().items())
+
+
 # ---------------------------------------------------------------- train_step semantics
 
 

@@ -142,6 +142,16 @@ def test_bad_value_fails_before_loading_with_the_key(tmp_path):
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # nothing ran
 
 
+def test_a_fresh_run_into_a_finished_run_stops_and_deletes_nothing(run_a):
+    out, _ = run_a
+    before = sorted(p.name for p in (out / "checkpoints").iterdir()), (out / "model" / "model.safetensors").stat()
+    proc = run_stage("sft", f"output_dir={out}", *BASE, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "train.resume=true" in proc.stderr and "train.overwrite=true" in proc.stderr, proc.stderr[-2000:]
+    after = sorted(p.name for p in (out / "checkpoints").iterdir()), (out / "model" / "model.safetensors").stat()
+    assert after == before and len(metrics(out, "train")) == STEPS  # nothing touched, metrics kept
+
+
 def test_malformed_data_names_file_line_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')

@@ -84,10 +84,24 @@ def test_consecutive_skipped_steps_stop_the_run(tmp_path):
         drive(make_run(tmp_path / "b"), FakeState(), [], skipped={2, 3})
 
 
-def test_a_fresh_run_removes_the_previous_runs_checkpoints(tmp_path):
-    state = FakeState()
-    drive(make_run(tmp_path), state, [])
-    run = make_run(tmp_path, max_steps=1)
+def test_a_fresh_run_into_a_previous_run_is_refused_unless_overwrite(tmp_path):
+    """Forgetting train.resume=true after a crash must not cost the run: nothing is deleted without
+    train.overwrite=true, and the refusal names both keys."""
+    from rlhf.config import ConfigError
+
+    drive(make_run(tmp_path), FakeState(), [])
+    kept = sorted(os.listdir(tmp_path / "checkpoints"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"train\.resume=true .* train\.overwrite=true") as e:
+        make_run(tmp_path, max_steps=1)
+    assert f"checkpoints/{kept[-1]}" in str(e.value) and "summary.json" in str(e.value)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == kept and (tmp_path / "model").is_dir()
+    run = make_run(tmp_path, max_steps=1, overwrite=True)  # removed before any model would load
+    assert not any((tmp_path / f).exists() for f in ("checkpoints", "model", "summary.json"))
     run.begin(FakeState(), 1, lambda: {}, str)
-    assert not (tmp_path / "checkpoints").exists()
     assert dataclasses.is_dataclass(run.cfg)
+    # resume=true with nothing to resume from is a fresh run too: refused again over a finished run
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="summary.json"):
+        make_run(tmp_path, resume=True)
