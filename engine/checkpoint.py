@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import uuid
@@ -40,16 +41,51 @@ def new_tmp_path(path: str) -> str:
     return f"{os.path.abspath(path)}{TMP_MARK}{uuid.uuid4().hex[:8]}"
 
 
+def fsync_tree(root: str) -> None:
+    """Every file and directory under `root` (and `root`) flushed to disk: a rename published after
+    this never points at data still in the page cache when the machine goes down."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish(tmp: str, path: str) -> None:
-    """Rename the finished `tmp` to `path`, replacing an existing `path` (old one moved aside first)."""
+    """Rename the finished `tmp` to `path` (its contents synced first), replacing an existing `path`
+    (the old one moved aside first, then deleted)."""
     path = os.path.abspath(path)
+    fsync_tree(tmp)
     old = None
     if os.path.exists(path):
         old = new_tmp_path(path)
         os.replace(path, old)
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path))  # the rename itself
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_leftovers(directory: str) -> list[str]:
+    """Delete `.tmp-` entries under `directory` (one level): what a killed write or prune left.
+    Not collective: the main rank, while nothing writes there. Returns what was removed."""
+    if not os.path.isdir(directory):
+        return []
+    gone = [os.path.join(directory, n) for n in os.listdir(directory) if TMP_MARK in n]
+    for path in gone:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+    return gone
 
 
 @contextmanager
@@ -129,7 +165,10 @@ def prune_checkpoints(root: str, keep_last_n: int) -> list[str]:
         return []
     doomed = list_checkpoints(root)[:-keep_last_n]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        # NOTE: renamed first, so a kill mid-delete leaves a `.tmp-` leftover, never a listed half checkpoint
+        gone = new_tmp_path(path)
+        os.replace(path, gone)
+        shutil.rmtree(gone, ignore_errors=True)
     return doomed
 
 
@@ -137,11 +176,14 @@ def prune_checkpoints(root: str, keep_last_n: int) -> list[str]:
 
 
 def rng_state() -> dict:
+    """Every RNG's state as tensors and plain Python values (what `torch.load(weights_only=True)` reads)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     try:
         import numpy as np
 
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
     except ImportError:
         pass
     if torch.cuda.is_available():
@@ -155,7 +197,8 @@ def set_rng_state(state: dict) -> None:
     if "numpy" in state:
         import numpy as np
 
-        np.random.set_state(state["numpy"])
+        s = state["numpy"]
+        np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"], s["has_gauss"], s["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -233,5 +276,9 @@ def load_rank_state(directory: str, rank: int) -> dict[str, Any] | None:
     path = rank_file(directory, rank)
     if not os.path.exists(path):
         return None
-    # weights_only=False: the file holds Python RNG tuples and numpy state, written by us.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: tensors and plain Python values only (rng_state stores numpy's state as a tensor)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds objects that are not tensors or plain values (written by an older "
+                         f"version of this program, or not by it): it cannot be resumed ({str(e).splitlines()[0]})") from None

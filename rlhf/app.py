@@ -175,7 +175,7 @@ def replace_previous_run(output_dir: str, overwrite: bool, is_main: bool) -> Non
     from engine.distributed import barrier
 
     root = checkpoint_root(output_dir)
-    found = [f"checkpoints/{os.path.basename(c)}" for c in list_checkpoints(root)[-1:]] if os.path.isdir(root) else []
+    found = [f"checkpoints/{os.path.basename(c)}" for c in list_checkpoints(root)[-1:]]
     found += [f for f in PREVIOUS_OUTPUTS if os.path.exists(os.path.join(output_dir, f))]
     if not found:
         return

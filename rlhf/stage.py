@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from engine import format_memory_report, init_distributed, prune_checkpoints
+from engine.checkpoint import remove_leftovers
 from rlhf.app import (
     TrainingError, checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything,
     setup_logging,
@@ -80,6 +81,9 @@ class Run:
         to resume from (or the previous run's outputs refused / removed: see the module doc), the seed."""
         run = cls(name, title, cfg, train)
         checked = validate(cfg, run.info)
+        if run.info.is_main:  # what a killed checkpoint write, export or prune left behind
+            for path in remove_leftovers(checkpoint_root(run.out_dir)) + remove_leftovers(run.out_dir):
+                logger.info("removed %s (left by an interrupted write)", path)
         run.resume_path = resolve_resume(train.resume, run.out_dir)
         if run.resume_path is None:
             replace_previous_run(run.out_dir, train.overwrite, run.info.is_main)

@@ -314,6 +314,23 @@ def test_listing_ignores_incomplete_and_prune_keeps_last(tmp_path):
     assert list_checkpoints(root) == [os.path.join(root, f"step_{s}") for s in (10, 30)]
     assert prune_checkpoints(root, 0) == []
     assert latest_checkpoint(str(tmp_path / "missing")) is None
+    # a prune killed mid-delete leaves a renamed (.tmp-) directory, never a listed half checkpoint
+    import shutil
+
+    from engine.checkpoint import remove_leftovers
+
+    real = shutil.rmtree
+    shutil.rmtree = lambda path, **kw: (_ for _ in ()).throw(KeyboardInterrupt)  # "killed" inside the delete
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            prune_checkpoints(root, 1)
+    finally:
+        shutil.rmtree = real
+    assert list_checkpoints(root) == [os.path.join(root, "step_30")]
+    left = sorted(n for n in os.listdir(root) if ".tmp-" in n)
+    assert len(left) == 2 and left[0].startswith("step_10.tmp-")  # + the killed write's step_40.tmp-
+    assert sorted(remove_leftovers(root)) == sorted(os.path.join(root, n) for n in left)
+    assert sorted(os.listdir(root)) == ["step_30", "step_50"]
 
 
 def test_atomic_directory(tmp_path):
