@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -38,6 +39,8 @@ from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
 from rlhf.rollout import position_ids_from_mask, score_rollout
 
+logger = logging.getLogger("rlhf.ppo")
+
 
 @dataclass
 class Rollout:
@@ -51,6 +54,7 @@ class Rollout:
     group: torch.Tensor          # [B] the dataset row of each prompt
     empty: torch.Tensor          # [B] bool: nothing said before the EOS (dropped from the update)
     truncated: torch.Tensor      # [B] bool: hit max_new_tokens without an EOS
+    nonfinite: torch.Tensor | None = None  # [B] bool: a model scored it NaN/inf (dropped; mask_nonfinite)
 
 
 def empty_responses(responses: torch.Tensor, response_mask: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -72,6 +76,36 @@ def generate(actor, prompts: dict, group: torch.Tensor, sampling, eos_id: int, p
     return Rollout(sequences=g.sequences, attention_mask=g.attention_mask,
                    response_mask=g.response_mask.masked_fill(empty[:, None], 0), responses=g.responses,
                    prompt_len=g.prompt_len, group=group.to(g.sequences.device), empty=empty, truncated=truncated)
+
+
+# What each scored quantity comes from, for the message that names it.
+SCORED_BY = {"score": "the reward source", "logp_old": "the actor", "logp_ref": "the reference", "values": "the critic"}
+
+
+def mask_nonfinite(rollout: Rollout, scored: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Rows where a model gave a non-finite value (score [B], or log-prob/value [B, T] on a response
+    token) are dropped from the update: their response mask is zeroed and the values set to 0, so
+    rewards, advantages and whitening stay finite for the other rows. In place; sets
+    `rollout.nonfinite`; returns {quantity: rows} (this rank's) for the ones that had any."""
+    mask = rollout.response_mask.bool()
+    bad = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    counts = {}
+    for key in SCORED_BY:
+        t = scored.get(key)
+        if t is None:
+            continue
+        finite = torch.isfinite(t)
+        rows = ~finite if t.dim() == 1 else (~finite & mask).any(1)
+        if rows.any():
+            counts[key] = int(rows.sum())
+            bad |= rows
+        scored[key] = torch.where(finite, t, torch.zeros_like(t))
+    rollout.response_mask = rollout.response_mask.masked_fill(bad[:, None], 0)
+    rollout.nonfinite = bad
+    if counts:
+        logger.warning("%s: non-finite values, rows dropped from this step's update", ", ".join(
+            f"{n} row(s) from {SCORED_BY[k]} ({k})" for k, n in counts.items()))
+    return counts
 
 
 @dataclass
@@ -277,18 +311,20 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
                 times: tuple[float, ...]) -> dict[str, Any]:
     """One step's metrics over every rank's rows (a collective)."""
     p = cfg.ppo
-    kept = (~rollout.empty).float()
+    nonfinite = rollout.nonfinite if rollout.nonfinite is not None else torch.zeros_like(rollout.empty)
+    kept = (~rollout.empty & ~nonfinite).float()
     sums = all_reduce_sum(torch.stack([
         (exp.score * kept).sum(), (exp.score.clamp(-p.clip_reward_value, p.clip_reward_value) * kept).sum(),
         ppo_math.masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),
         rollout.empty.sum(), rollout.truncated.sum(), torch.tensor(float(rollout.attention_mask.sum())),
+        nonfinite.sum(),
     ]).double().cpu()).tolist()
     n_kept = max(sums[4], 1.0)
     t0, t1, t2, t3 = times
     rec = {
         "reward": sums[0] / n_kept, "reward_clipped": sums[1] / n_kept, "kl": sums[2] / n_kept,
         "kl_coef": kl_coef, "response_len": sums[3] / n_kept, "empty_responses": int(sums[5]),
-        "truncated_responses": int(sums[6]),
+        "truncated_responses": int(sums[6]), "nonfinite_rows": int(sums[8]),
         "actor_loss": _mean(a_stats, "loss"), "critic_loss": _mean(c_stats, "loss"),
         "entropy": _mean(a_stats, "entropy"), "clipfrac": _mean(a_stats, "clipfrac"),
         "approx_kl": _mean(a_stats, "approx_kl"), "value_error": _mean(c_stats, "value_error"),

@@ -35,7 +35,9 @@ from rlhf.config import PPOConfig, validate_ppo
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import gold_eval, load_eval_prompts
-from rlhf.experience import Models, build_experience, generate, model_cfg, ptx_batches, step_metrics, update
+from rlhf.experience import (
+    Models, build_experience, generate, mask_nonfinite, model_cfg, ptx_batches, step_metrics, update,
+)
 from rlhf.hub import check_local
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer
 from rlhf.rollout import token_logprobs, token_values
@@ -165,8 +167,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad), torch.tensor(idx),
                            sampling(cfg), eos, pad)
         t1 = time.time()
+        scored = models.score(rollout, cfg)
+        mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
-                               models.score(rollout, cfg), kl_coef=kl_ctl.value, kl_estimator=p.kl_estimator,
+                               scored, kl_coef=kl_ctl.value, kl_estimator=p.kl_estimator,
                                clip_reward_value=p.clip_reward_value, gamma=p.gamma, lam=p.lam,
                                estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages)
         t2 = time.time()

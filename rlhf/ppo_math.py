@@ -314,10 +314,11 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Move `value` toward keeping `current_kl` (a float or 0-d tensor) at `target`."""
+        """Move `value` toward keeping `current_kl` (a float or 0-d tensor) at `target`; a non-finite
+        KL (nothing measured, or a fault upstream) leaves `value` as it is."""
         current_kl = float(current_kl)
         if not math.isfinite(current_kl):
-            raise ValueError(f"current_kl must be finite, got {current_kl}")
+            return
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 

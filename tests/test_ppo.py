@@ -84,6 +84,51 @@ def test_scores_and_rewards_on_left_padded_ragged_batch():
     torch.testing.assert_close(exp.returns, (exp.advantages + exp.values) * resp_mask)
 
 
+def test_a_nonfinite_score_or_logprob_drops_its_row_counted_and_named(caplog):
+    """A NaN reward on one row and an inf log-prob on another: those rows leave the update (mask 0),
+    the rest are untouched and every reward, advantage and return stays finite; counted and named."""
+    import logging
+
+    from rlhf.experience import Rollout, mask_nonfinite, step_metrics
+
+    B, P, T = 4, 2, 3
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(1, V, (B, P + T), generator=g)
+    attn = torch.ones(B, P + T, dtype=torch.long)
+    resp = torch.ones(B, T, dtype=torch.long)
+    resp[3, 2] = 0  # row 3's last column is padding: a NaN there is no fault
+    rollout = Rollout(sequences=seqs, attention_mask=attn, response_mask=resp.clone(), responses=seqs[:, P:],
+                      prompt_len=P, group=torch.arange(B), empty=torch.zeros(B, dtype=torch.bool),
+                      truncated=torch.zeros(B, dtype=torch.bool))
+    scored = {"logp_old": torch.randn(B, T, generator=g), "logp_ref": torch.randn(B, T, generator=g),
+              "values": torch.randn(B, T, generator=g), "score": torch.randn(B, generator=g),
+              "position_ids": position_ids_from_mask(attn)}
+    want = {k: v.clone() for k, v in scored.items()}
+    scored["score"][1] = float("nan")
+    scored["logp_ref"][2, 0] = float("-inf")
+    scored["values"][3, 2] = float("nan")  # outside the response mask
+    with caplog.at_level(logging.WARNING, logger="rlhf.ppo"):
+        counts = mask_nonfinite(rollout, scored)
+    assert counts == {"score": 1, "logp_ref": 1}
+    assert "the reward source" in caplog.text and "the reference" in caplog.text
+    assert rollout.nonfinite.tolist() == [False, True, True, False]
+    assert rollout.response_mask.sum(1).tolist() == [3, 0, 0, 2]
+    for k in ("logp_old", "logp_ref", "values"):
+        torch.testing.assert_close(scored[k][[0, 3]][:, :2], want[k][[0, 3]][:, :2])
+    exp = build_experience(seqs, attn, rollout.response_mask, P, scored, kl_coef=0.1, kl_estimator="k1",
+                           clip_reward_value=5.0, gamma=1.0, lam=0.95, whiten=True)
+    for t in (exp.rewards, exp.advantages, exp.returns):
+        assert torch.isfinite(t).all()
+    assert (exp.advantages[[1, 2]] == 0).all()
+    stats = [{"loss": 0.0, "grad_norm": 0.0, "lr": 1e-5, "skipped": False}]
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(ppo=SimpleNamespace(clip_reward_value=5.0, ptx_coef=0.0))
+    rec = step_metrics(rollout, exp, stats, stats, cfg, 0.1, (0.0, 1.0, 2.0, 3.0))
+    assert rec["nonfinite_rows"] == 2 and math.isfinite(rec["reward"])
+    assert rec["reward"] == pytest.approx(float(want["score"][[0, 3]].mean()))
+
+
 def test_empty_responses_are_found():
     EOS = 7
     resp = torch.tensor([[EOS, 0, 0], [3, EOS, 0], [3, 4, 5]])

@@ -308,6 +308,9 @@ def test_adaptive_kl_controller_two_updates_and_round_trip():
     ctl.update(7.0, 100)
     other.update(7.0, 100)
     assert other.value == ctl.value
+    for bad in (float("nan"), float("inf"), torch.tensor(float("nan"))):  # never a crash, never a NaN coef
+        ctl.update(bad, 100)
+        assert ctl.value == other.value
 
 
 def test_fixed_kl_controller_and_factory():
