@@ -34,7 +34,7 @@ from rlhf import ppo_math
 from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, optim_config
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
-from rlhf.models import disable_dropout, load_causal_lm, load_value_model
+from rlhf.models import disable_dropout, load_causal_lm, load_tokenizer, load_value_model, tokenizer_mismatch
 from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
 from rlhf.rollout import position_ids_from_mask, score_rollout
@@ -223,6 +223,11 @@ class Models:
         ecfg = engine_config(cfg.engine, info)
         ref_path = cfg.reference.model or cfg.actor.model
         rm_path = cfg.reward_model.model or cfg.critic.model
+        if cfg.model.tokenizer is None:  # each model brings its own: they must all be the actor's
+            for key, path in (("reference", ref_path), ("critic", cfg.critic.model), ("reward_model", rm_path)):
+                if path != cfg.actor.model and (why := tokenizer_mismatch(tok, load_tokenizer(model_cfg(cfg, path), key))):
+                    raise ConfigError(f"{key}.model={path!r} was saved with another tokenizer than actor.model "
+                                      f"({why}): the four PPO models must share one (set model.tokenizer to force one)")
         needs_critic = ppo_math.advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
         fused = cfg.engine.kernels
         actor = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok,

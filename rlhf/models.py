@@ -40,9 +40,17 @@ def quiet_transformers() -> None:
 
 
 def resolve_model_path(path: str, require_model: bool = True) -> str:
-    """A stage output directory -> its model/ subdirectory; anything else unchanged."""
+    """A stage output directory -> its model/ subdirectory; anything else unchanged. A stage directory
+    without summary.json (a killed, half-written or still running stage) is an error: its model/
+    may be a previous run's (name the model/ directory itself to use it anyway)."""
     sub = os.path.join(path, MODEL_SUBDIR)
     if os.path.isdir(sub) and any(os.path.exists(os.path.join(sub, f)) for f in ("config.json", "adapter_config.json")):
+        if os.path.exists(os.path.join(path, "config.yaml")) and not os.path.exists(os.path.join(path, "summary.json")):
+            raise ConfigError(
+                f"{path} is a stage's output without summary.json: that run did not finish (killed, failed or "
+                f"still running), so {sub} may not be its model; finish it (train.resume=true), or name {sub} "
+                "itself to use that model anyway"
+            )
         return sub
     if require_model and os.path.isdir(path) and not any(
         os.path.exists(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")
@@ -86,6 +94,19 @@ def load_tokenizer(cfg: ModelConfig, key: str = "model") -> Any:
         tok.pad_token = tok.eos_token
         logger.info("tokenizer has no pad token: using eos (%r) as pad", tok.eos_token)
     return tok
+
+
+def tokenizer_mismatch(a: Any, b: Any) -> str | None:
+    """Why tokenizers `a` and `b` would give different ids (vocabulary, bos/eos), or None if they agree."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        differ = sorted(t for t in set(va) | set(vb) if va.get(t) != vb.get(t))
+        return f"vocabularies differ ({len(va)} vs {len(vb)} tokens; e.g. {differ[:3]})"
+    for name in ("bos", "eos"):
+        ia, ib = getattr(a, f"{name}_token_id"), getattr(b, f"{name}_token_id")
+        if ia != ib:
+            return f"{name} token ids differ ({ia} vs {ib})"
+    return None
 
 
 def _adapter_base(path: str) -> str:

@@ -152,6 +152,18 @@ def test_a_fresh_run_into_a_finished_run_stops_and_deletes_nothing(run_a):
     assert after == before and len(metrics(out, "train")) == STEPS  # nothing touched, metrics kept
 
 
+def test_an_unfinished_stage_output_is_not_a_model_to_start_from(run_a, tmp_path):
+    """A killed SFT run's directory (no summary.json) may hold an older model/: the next stage refuses it."""
+    out, _ = run_a
+    half = tmp_path / "half"
+    shutil.copytree(out, half)
+    os.remove(half / "summary.json")
+    proc = run_stage("reward", f"output_dir={tmp_path / 'rm'}", f"model.name_or_path={half}", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "without summary.json" in proc.stderr and "train.resume=true" in proc.stderr
+    assert not (tmp_path / "rm" / "metrics.jsonl").exists()
+
+
 def test_malformed_data_names_file_line_and_field(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c"}\n')

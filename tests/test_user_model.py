@@ -113,6 +113,30 @@ def test_vocabulary_larger_than_the_embedding_is_an_error(user_model):
         check_tokenizer_fits(model, tok, "model")
 
 
+def test_ppo_models_saved_with_another_tokenizer_are_an_error(user_model, tmp_path):
+    """The four PPO models must share one tokenizer: a critic directory whose tokenizer is not the
+    actor's stops the run before any model loads, naming the key (embedding sizes alone would not)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rlhf.models import tokenizer_mismatch
+
+    shipped = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
+    mine = AutoTokenizer.from_pretrained(user_model)
+    assert tokenizer_mismatch(mine, AutoTokenizer.from_pretrained(user_model)) is None
+    assert "vocabularies differ" in tokenizer_mismatch(mine, shipped)
+    other = tmp_path / "critic"
+    shutil.copytree(user_model, other)
+    for f in other.glob("tokenizer*"):
+        f.unlink()
+    shipped.save_pretrained(other)
+    proc = run_stage("ppo", f"output_dir={tmp_path / 'ppo'}", f"actor.model={user_model}", f"critic.model={other}",
+                     *PPO, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "critic.model=" in proc.stderr and "another tokenizer than actor.model" in proc.stderr
+
+
 # ----------------------------------------------------------------------------- presets: keys of the family
 
 
