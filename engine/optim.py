@@ -25,8 +25,10 @@ SCHEDULERS = ("constant", "linear", "cosine")
 
 def validate_optim_config(cfg: OptimConfig, total_steps: int) -> None:
     """Raise ValueError naming the offending key (`optim.<field>`)."""
-    if not cfg.lr > 0:
-        raise ValueError(f"optim.lr must be > 0, got {cfg.lr}")
+    if not (cfg.lr > 0 and math.isfinite(cfg.lr)):
+        raise ValueError(f"optim.lr must be a finite number > 0, got {cfg.lr}")
+    if not (cfg.eps > 0 and math.isfinite(cfg.eps)):
+        raise ValueError(f"optim.eps must be a finite number > 0, got {cfg.eps}")
     if cfg.weight_decay < 0:
         raise ValueError(f"optim.weight_decay must be >= 0, got {cfg.weight_decay}")
     if len(cfg.betas) != 2 or not all(0 <= b < 1 for b in cfg.betas):

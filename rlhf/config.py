@@ -452,7 +452,7 @@ def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> in
     for key in ("log_every", "eval_every", "save_every", "keep_last_n", "warmup_steps"):
         _need(getattr(t, key) >= 0, f"{prefix}.{key} must be >= 0, got {getattr(t, key)}")
     _need(t.log_every >= 1, f"{prefix}.log_every must be >= 1, got {t.log_every}")
-    _need(t.max_consecutive_skips >= 1, f"{prefix}.max_consecutive_skips must be >= 1")
+    _need(t.max_consecutive_skips >= 1, f"{prefix}.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
     _need(isinstance(t.resume, (bool, str)), f"{prefix}.resume must be true, false or a checkpoint path, got {t.resume!r}")
     return t.global_batch_size // per_step
 
@@ -494,6 +494,7 @@ def engine_config(e: EngineConfig, info, *, frozen: bool = False) -> EngineConfi
 def validate_sft(cfg: SFTConfig, info) -> int:
     """Everything an SFT run needs, checked before any model loads; returns accumulation steps."""
     _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
@@ -506,6 +507,7 @@ def validate_sft(cfg: SFTConfig, info) -> int:
 def validate_reward(cfg: RewardConfig, info) -> int:
     """Everything a reward run needs, checked before any model loads; returns accumulation steps."""
     _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
@@ -520,6 +522,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     from rlhf.ppo_math import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
     _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     for key in ("actor", "critic"):
         group = getattr(cfg, key)
         _need(bool(group.model), f"{key}.model must be set (a HF directory, hub name or a stage's output_dir)")
@@ -546,7 +549,8 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     _need(r.top_k >= 0 and 0 < r.top_p <= 1, "rollout.top_k must be >= 0 and rollout.top_p in (0, 1]")
     w = info.world_size
-    _need(r.micro_batch_size >= 1, f"rollout.micro_batch_size must be >= 1, got {r.micro_batch_size}")
+    for key in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
+        _need(getattr(r, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(r, key)}")
     _need(r.mini_batch_size % (r.micro_batch_size * w) == 0,
           f"rollout.mini_batch_size ({r.mini_batch_size}) must be a multiple of rollout.micro_batch_size "
           f"({r.micro_batch_size}) x world size ({w})")
@@ -558,6 +562,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     for key in ("max_steps", "eval_every", "save_every", "keep_last_n"):
         _need(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
     _need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
+    _need(t.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
     _need(isinstance(t.resume, (bool, str)), f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
     engine_config(cfg.engine, info)
 

@@ -34,7 +34,9 @@ from rlhf import ppo_math
 from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, optim_config
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
-from rlhf.models import disable_dropout, load_causal_lm, load_tokenizer, load_value_model, tokenizer_mismatch
+from rlhf.models import (
+    check_context, disable_dropout, load_causal_lm, load_tokenizer, load_value_model, tokenizer_mismatch,
+)
 from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
 from rlhf.rollout import position_ids_from_mask, score_rollout
@@ -241,6 +243,10 @@ class Models:
         for key, m in (("critic", critic), ("reward_model", rm)):
             if m is not None and hf_base_model(m).config.num_labels != 1:
                 raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
+        for m in (actor, critic, ref, rm):
+            if m is not None:
+                check_context(m, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+                              "data.max_prompt_len + rollout.max_new_tokens")
         self.info = info
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,

@@ -109,6 +109,17 @@ def tokenizer_mismatch(a: Any, b: Any) -> str | None:
     return None
 
 
+def check_context(model: nn.Module, length: int, what: str) -> None:
+    """Sequences of `length` tokens must fit the model's positions (`max_position_embeddings`): past
+    them a learned position table fails deep in torch and rotary models silently extrapolate."""
+    from engine import hf_base_model
+
+    n = getattr(hf_base_model(model).config, "max_position_embeddings", None)
+    if n is not None and length > n:
+        raise ConfigError(f"{what} ({length}) exceeds the model's context (max_position_embeddings={n}): "
+                          "lower it, or use a model with a longer context")
+
+
 def _adapter_base(path: str) -> str:
     with open(os.path.join(path, "adapter_config.json")) as f:
         base = json.load(f).get("base_model_name_or_path")

@@ -27,7 +27,7 @@ from rlhf.config import RewardConfig, engine_config, optim_config, validate_rewa
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
-from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer, load_value_model
+from rlhf.models import MODEL_SUBDIR, check_context, export_hf, load_tokenizer, load_value_model
 from rlhf.roles import ValueModel
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
 from rlhf.stage import Run
@@ -121,6 +121,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     # ---- model + engine
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed))
+    check_context(model, cfg.data.max_len, "data.max_len")
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
                                               cfg.train.micro_batch_size), _eval_line, memory=engine)

@@ -76,7 +76,15 @@ def read_metrics(output_dir: str, kind: str | None = None) -> list[dict]:
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}:{i + 1}: not a JSON record (the file is corrupt)") from None
+            # NOTE: a run killed while appending leaves a cut last line: it was never a record
     return [r for r in rows if kind is None or r.get("kind") == kind]
 
 

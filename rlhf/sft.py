@@ -27,7 +27,7 @@ from rlhf.data import collate_sft, parse_sft, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
-from rlhf.models import MODEL_SUBDIR, export_hf, load_causal_lm, load_tokenizer
+from rlhf.models import MODEL_SUBDIR, check_context, export_hf, load_causal_lm, load_tokenizer
 from rlhf.roles import Policy
 from rlhf.stage import Run
 
@@ -76,6 +76,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
     # ---- model + engine
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
+    check_context(model, cfg.data.max_len, "data.max_len")
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, cfg, tok, eval_feats, prompts), _eval_line, memory=engine)
 

@@ -108,7 +108,13 @@ def _get_str(data: Mapping[str, Any], key: str) -> str:
     value = _get(data, key)
     if not isinstance(value, str):
         raise _RowError(f"field {key!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise _RowError(f"field {key!r} is empty")
     return value
+
+
+# Roles a chat template knows; another one is a typo more often than a template feature.
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _is_messages(value: Any) -> bool:
@@ -125,6 +131,8 @@ def _get_messages(data: Mapping[str, Any], key: str, min_len: int = 1) -> list[d
     for i, m in enumerate(value):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise _RowError(f"field {key!r}[{i}] is not a {{role: str, content: str}} message: {m!r:.80}")
+        if m["role"] not in MESSAGE_ROLES:
+            raise _RowError(f"field {key!r}[{i}] has role {m['role']!r}; known roles: {', '.join(MESSAGE_ROLES)}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 

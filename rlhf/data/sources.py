@@ -39,6 +39,11 @@ def load_rows(source: str, split: str = "train", cache_dir: str | None = None, k
             f"{path}: unsupported file type {suffix!r}; supported: {', '.join(SUPPORTED_EXTENSIONS)} "
             "files, a directory of them, or a datasets hub name"
         )
+    if path.is_dir():
+        kinds = sorted({f.suffix.lower() for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_EXTENSIONS})
+        if len(kinds) > 1:  # datasets.load_dataset(dir) would read one kind and silently drop the others
+            raise DataFormatError(f"{path}: a directory of mixed formats ({', '.join(kinds)}): keep one kind of "
+                                  "file in it, or name a single file")
     if not path.exists():
         if suffix in SUPPORTED_EXTENSIONS:
             raise DataFileNotFoundError(f"data file not found: {path}")
@@ -54,11 +59,16 @@ def load_rows(source: str, split: str = "train", cache_dir: str | None = None, k
 
 def _read_jsonl(path: Path) -> list[Row]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            origin = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(f"{origin}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                      f"{e.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
-            origin = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
@@ -74,6 +84,8 @@ def _read_json(path: Path) -> list[Row]:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DataFormatError(f"{path}: invalid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise DataFormatError(f"{path}: not UTF-8 text (byte {e.start}); re-encode the file as UTF-8") from None
     if isinstance(obj, dict) and len(obj) == 1 and isinstance(next(iter(obj.values())), list):
         obj = next(iter(obj.values()))  # {"data": [...]}
     if not isinstance(obj, list):
@@ -87,9 +99,14 @@ def _read_json(path: Path) -> list[Row]:
 
 
 def _read_parquet(path: Path) -> list[Row]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return [Row(d, f"{path} row {i}") for i, d in enumerate(pq.read_table(path).to_pylist())]
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataFormatError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    return [Row(d, f"{path} row {i}") for i, d in enumerate(table.to_pylist())]
 
 
 def _load_dataset(source: str, split: str, cache_dir: str | None, key: str | None = None) -> list[Row]:

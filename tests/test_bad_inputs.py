@@ -1,0 +1,130 @@
+"""Bad input through the command line: every case exits with code 2, prints no traceback, and its
+message names the key (config) or the file and line (data). Nothing is written to output_dir."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import SMALL_MODEL, run_stage
+
+# (stage, overrides, what the message must name)
+CONFIG_CASES = [
+    ("sft", ["train.micro_batch_size=0"], "train.micro_batch_size"),
+    ("sft", ["train.micro_batch_size=-4"], "train.micro_batch_size"),
+    ("sft", ["train.global_batch_size=0"], "train.global_batch_size"),
+    ("sft", ["train.global_batch_size=48"], "train.global_batch_size"),
+    ("sft", ["seed=-1"], "seed must be >= 0"),
+    ("sft", ["train.max_consecutive_skips=0"], "train.max_consecutive_skips"),
+    ("sft", ["train.eps=0"], "train.eps"),
+    ("sft", ["train.lr=nan"], "train.lr"),
+    ("sft", ["train.lr=inf"], "train.lr"),
+    ("sft", ["train.lr=-1e-3"], "train.lr"),
+    ("sft", ["train.betas=[0.9,1.5]"], "train.betas"),
+    ("sft", ["train.scheduler=step"], "train.scheduler"),
+    ("sft", ["train.epochs=0"], "train.epochs"),
+    ("sft", ["train.log_every=0"], "train.log_every"),
+    ("sft", ["data.max_len=10", "data.max_prompt_len=20"], "data.max_len"),
+    ("sft", ["data.overlong=chop"], "data.overlong"),
+    ("sft", ["data.eval_fraction=1.5"], "data.eval_fraction"),
+    ("sft", ["engine.precision=fp8"], "engine.precision"),
+    ("sft", ["engine=zero9"], "engine"),
+    ("sft", ["train.lrr=1"], "train.lr"),
+    ("sft", ["train.lr=fast"], "train.lr"),
+    ("sft", ["model.lora.r=-1"], "model.lora.r"),
+    ("sft", ["eval.temperature=0"], "eval.temperature"),
+    ("sft", [*SMALL_MODEL, "data.max_len=4096"], "data.max_len (4096) exceeds the model's context"),
+    ("reward", ["train.micro_batch_size=-1"], "train.micro_batch_size"),
+    ("reward", ["reward.score_reg=-1"], "reward.score_reg"),
+    ("reward", ["seed=-3"], "seed must be >= 0"),
+    ("ppo", ["rollout.prompts_per_step=48"], "rollout.prompts_per_step"),
+    ("ppo", ["rollout.prompts_per_step=0"], "rollout.prompts_per_step"),
+    ("ppo", ["rollout.mini_batch_size=0"], "rollout.mini_batch_size"),
+    ("ppo", ["rollout.micro_batch_size=0"], "rollout.micro_batch_size"),
+    ("ppo", ["rollout.mini_batch_size=24"], "rollout.mini_batch_size"),
+    ("ppo", ["seed=-5"], "seed must be >= 0"),
+    ("ppo", ["train.max_consecutive_skips=0"], "train.max_consecutive_skips"),
+    ("ppo", ["actor.eps=0"], "actor.eps"),
+    ("ppo", ["critic.lr=nan"], "critic.lr"),
+    ("ppo", ["ppo.kl_coef=-0.1"], "ppo.kl_coef"),
+    ("ppo", ["ppo.kl_estimator=k9"], "ppo.kl_estimator"),
+    ("ppo", ["ppo.advantage_estimator=magic"], "ppo.advantage_estimator"),
+    ("ppo", ["ppo.gamma=1.5"], "ppo.gamma"),
+    ("ppo", ["ppo.ema_decay=1"], "ppo.ema_decay"),
+    ("ppo", ["rollout.top_p=0"], "rollout.top_p"),
+    ("ppo", ["critic.lora.alpha=8"], "model.lora.alpha"),
+]
+
+
+@pytest.mark.parametrize("stage,overrides,named", CONFIG_CASES, ids=[" ".join(c[1][-1:]) + f" ({c[0]})" for c in CONFIG_CASES])
+def test_bad_config_value_exits_2_naming_the_key(stage, overrides, named, tmp_path):
+    # PPO's model paths must exist before its values are checked (a typo'd path is its own error)
+    models = [f"actor.model={tmp_path}", f"critic.model={tmp_path}"] if stage == "ppo" else []
+    proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", *models, *overrides, check=False, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert named in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def _write(path, text: bytes | str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
+SFT_ROW = '{"prompt": "Human: Reverse ab.\\n\\nAssistant:", "response": " ba"}\n'
+PAIR_ROW = '{"prompt": "Human: Reverse ab.\\n\\nAssistant:", "chosen": " ba", "rejected": " ab"}\n'
+
+# (stage, file name, contents, what the message must say, line named?)
+DATA_CASES = [
+    ("sft", "nonutf8.jsonl", SFT_ROW.encode() + b'{"prompt": "\xff\xfe", "response": " x"}\n', "not UTF-8", 2),
+    ("sft", "badjson.jsonl", SFT_ROW + '{"prompt": "a", "response": \n', "invalid JSON", 2),
+    ("sft", "array.jsonl", SFT_ROW + '["a", "b"]\n', "expected a JSON object", 2),
+    ("sft", "missing.jsonl", SFT_ROW + '{"prompt": "a"}\n', "'response'", 2),
+    ("sft", "emptyprompt.jsonl", '{"prompt": "", "response": " b"}\n', "field 'prompt' is empty", 1),
+    ("sft", "emptyresponse.jsonl", '{"prompt": "a", "response": "  "}\n', "field 'response' is empty", 1),
+    ("sft", "notstring.jsonl", '{"prompt": 3, "response": " b"}\n', "must be a string", 1),
+    ("sft", "role.jsonl", '{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n',
+     "role 'wizard'", 1),
+    ("sft", "lastrole.jsonl", '{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}]}\n',
+     "expected 'assistant'", 1),
+    ("sft", "corrupt.parquet", b"PAR1 this is not parquet", "not a readable parquet file", None),
+    ("sft", "unsupported.csv", "prompt,response\na,b\n", "unsupported file type", None),
+    ("sft", "nonutf8.json", b'[{"prompt": "\xff", "response": "b"}]', "not UTF-8", None),
+    ("reward", "emptychosen.jsonl", '{"prompt": "a", "chosen": "", "rejected": " b"}\n', "field 'chosen' is empty", 1),
+    ("reward", "hh.jsonl", '{"chosen": "Human: a\\n\\nAssistant: b", "rejected": "Human: c\\n\\nAssistant: d"}\n',
+     "must share the prompt", 1),
+    ("reward", "nonutf8.jsonl", PAIR_ROW.encode() + b'{"prompt": "\xc3\x28", "chosen": "a", "rejected": "b"}\n',
+     "not UTF-8", 2),
+]
+
+
+@pytest.mark.parametrize("stage,name,contents,says,line", DATA_CASES, ids=[c[1] + f" ({c[0]})" for c in DATA_CASES])
+def test_bad_data_file_exits_2_naming_file_and_line(stage, name, contents, says, line, tmp_path):
+    path = _write(tmp_path / "data" / name, contents)
+    extra = ["model.fallback_to_config=true"] if stage == "reward" else []
+    proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", f"data.path={path}", *extra, check=False, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert says in proc.stderr, proc.stderr[-3000:]
+    assert (f"{path}:{line}" if line else path) in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_directory_of_mixed_formats_is_refused_not_half_read(tmp_path):
+    d = tmp_path / "mixed"
+    _write(d / "a.jsonl", SFT_ROW * 4)
+    _write(d / "b.json", json.dumps([json.loads(SFT_ROW)] * 4))
+    proc = run_stage("sft", f"output_dir={tmp_path / 'o'}", f"data.path={d}", check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{d}: a directory of mixed formats (.json, .jsonl)" in proc.stderr
+
+
+def test_a_cut_last_line_of_metrics_jsonl_is_not_a_record(tmp_path):
+    from rlhf.runlog import read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 1.0}\n{"step": 2, "kind": "tr')
+    assert read_metrics(str(tmp_path)) == [{"step": 1, "kind": "train", "loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "ki\n{"step": 2, "kind": "train"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON record"):
+        read_metrics(str(tmp_path))
