@@ -56,6 +56,9 @@ class EngineConfig:
     # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
     # for training) instead of keeping them for the next phase (an in-place weight refresh).
     release_inference_cache: bool = False  # free the injected weights/KV cache/graphs after each generation phase
+    # A rank that waits longer than this in a collective (another rank died or hangs) fails instead of
+    # hanging for good; rank-0-only work between collectives (export, pruning) must stay well under it.
+    timeout_s: float = 1800.0  # process-group timeout in seconds (torchrun runs)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,6 +89,8 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
     """
     if cfg.stage not in (0, 1, 2, 3):
         raise ValueError(f"engine.stage must be 0, 1, 2 or 3 (ZeRO stages), got {cfg.stage!r}")
+    if not cfg.timeout_s > 0:
+        raise ValueError(f"engine.timeout_s must be > 0 seconds, got {cfg.timeout_s!r}")
     if cfg.precision == "auto":
         raise ValueError("engine.precision=auto must be resolved for the device first (engine.config.resolve_precision)")
     if cfg.precision not in PRECISIONS:

@@ -6,6 +6,7 @@ train step then run the same code at world size 1 as under `torchrun`.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,9 @@ class DistInfo:
 _INFO: DistInfo | None = None
 
 
-def init_distributed() -> DistInfo:
+def init_distributed(timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group and pick this rank's device. Idempotent.
+    `timeout_s`: how long a collective may wait for the other ranks (None: torch's default).
 
     Under torchrun (RANK/WORLD_SIZE set): NCCL on CUDA, gloo on CPU. Without torchrun: a group of one.
     On CUDA the backend is "cpu:gloo,cuda:nccl" so that collectives on CPU tensors (CPU-offloaded
@@ -44,7 +46,8 @@ def init_distributed() -> DistInfo:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)  # env:// rendezvous set up by torchrun
+            timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+            dist.init_process_group(backend, **timeout)  # env:// rendezvous set up by torchrun
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -97,6 +100,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (pickled; for small things)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

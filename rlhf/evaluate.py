@@ -294,7 +294,7 @@ def write_jsonl(path: str, rows: Sequence[dict]) -> None:
 
 def run(cfg: EvaluateConfig) -> dict[str, Any]:
     t_start = time.time()
-    info = init_distributed()
+    info = init_distributed(timeout_s=cfg.engine.timeout_s)
     setup_logging(info.is_main)
     validate_evaluate(cfg, info)
     check_local(cfg.model.name_or_path, "model.name_or_path")

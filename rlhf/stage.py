@@ -39,6 +39,7 @@ from rlhf.app import (
     TrainingError, checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything,
     setup_logging,
 )
+from rlhf.config import ConfigError, as_yaml
 from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
 
 logger = logging.getLogger("rlhf")
@@ -58,6 +59,22 @@ def without_samples(ev: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ev.items() if k != "samples"}
 
 
+def agree(resume_path: str | None, cfg: Any) -> None:
+    """Every rank must run the same config from the same checkpoint (a rank that saw another file
+    system, or another command line, would train something else in lock-step): compared across
+    ranks, a mismatch is an error on every rank naming what differs."""
+    import hashlib
+
+    from engine.distributed import all_gather_object
+
+    mine = (resume_path, hashlib.sha256(as_yaml(cfg).encode()).hexdigest()[:16])
+    every = all_gather_object(mine)
+    if any(e != every[0] for e in every):
+        what = "checkpoint to resume from" if any(e[0] != every[0][0] for e in every) else "configuration"
+        raise ConfigError(f"the ranks disagree on the {what}: " + "; ".join(
+            f"rank {r}: {p or 'none'} (config {h})" for r, (p, h) in enumerate(every)))
+
+
 class Run:
     """One stage run; see the module docstring. `name`: the progress bar, `<name>.png` and summary's
     "stage"; `title`: the plot's title and the last lines. `cfg` has output_dir, seed and logger;
@@ -67,7 +84,7 @@ class Run:
         self.t_start = time.time()
         self.name, self.title, self.cfg, self.train = name, title, cfg, train
         self.out_dir = cfg.output_dir
-        self.info = init_distributed()
+        self.info = init_distributed(timeout_s=cfg.engine.timeout_s)
         setup_logging(self.info.is_main)
         self.total = self.start = 0
         self.before: dict[str, Any] = {}
@@ -85,6 +102,7 @@ class Run:
             for path in remove_leftovers(checkpoint_root(run.out_dir)) + remove_leftovers(run.out_dir):
                 logger.info("removed %s (left by an interrupted write)", path)
         run.resume_path = resolve_resume(train.resume, run.out_dir)
+        agree(run.resume_path, cfg)
         if run.resume_path is None:
             replace_previous_run(run.out_dir, train.overwrite, run.info.is_main)
         seed_everything(cfg.seed)

@@ -29,6 +29,7 @@ CONFIG_CASES = [
     ("sft", ["data.eval_fraction=1.5"], "data.eval_fraction"),
     ("sft", ["engine.precision=fp8"], "engine.precision"),
     ("sft", ["engine=zero9"], "engine"),
+    ("sft", ["engine.timeout_s=0"], "engine.timeout_s"),
     ("sft", ["train.lrr=1"], "train.lr"),
     ("sft", ["train.lr=fast"], "train.lr"),
     ("sft", ["model.lora.r=-1"], "model.lora.r"),

@@ -105,3 +105,30 @@ def test_a_fresh_run_into_a_previous_run_is_refused_unless_overwrite(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     with pytest.raises(ConfigError, match="summary.json"):
         make_run(tmp_path, resume=True)
+
+
+def test_ranks_that_disagree_on_the_checkpoint_or_config_stop(monkeypatch):
+    """Rank 0's view of the resume checkpoint and the config hash against the other ranks': any
+    difference is an error (raised on every rank, as every rank sees every view)."""
+    import engine.distributed as D
+    from rlhf.config import ConfigError
+    from rlhf.stage import agree
+
+    cfg = SFTConfig()
+    agree("/ckpt/step_4", cfg)  # one process: nothing to disagree with
+    views = {}
+    monkeypatch.setattr(D, "all_gather_object", lambda obj: [obj, views["other"]])
+    views["other"] = ("/ckpt/step_4", None)
+    import hashlib
+
+    from rlhf.config import as_yaml
+
+    same = hashlib.sha256(as_yaml(cfg).encode()).hexdigest()[:16]
+    views["other"] = ("/ckpt/step_4", same)
+    agree("/ckpt/step_4", cfg)
+    views["other"] = ("/ckpt/step_2", same)
+    with pytest.raises(ConfigError, match="disagree on the checkpoint to resume from: rank 0: /ckpt/step_4"):
+        agree("/ckpt/step_4", cfg)
+    views["other"] = ("/ckpt/step_4", "0123456789abcdef")
+    with pytest.raises(ConfigError, match="disagree on the configuration"):
+        agree("/ckpt/step_4", cfg)
