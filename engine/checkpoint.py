@@ -216,29 +216,27 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) 
     return {"model": model_sd, "optim": optim_sd}
 
 
+def _strip(fqn: str) -> str:
+    return fqn.removeprefix(VIEW_PREFIX)
+
+
 def _inner_names(state: dict) -> dict:
     """`state` with a `ModuleView`'s prefix dropped from every FQN (same values, not copies), so a
     checkpoint holds the inner model's own names whether or not a role wraps it."""
-    def strip(fqn: str) -> str:
-        return fqn.removeprefix(VIEW_PREFIX)
-
-    out = {"model": {strip(k): v for k, v in state["model"].items()}}
+    out = {"model": {_strip(k): v for k, v in state["model"].items()}}
     if "optim" in state:
         optim = state["optim"]
-        out["optim"] = {"state": {strip(k): v for k, v in optim["state"].items()},
-                        "param_groups": [{**g, "params": [strip(p) for p in g["params"]]} for g in optim["param_groups"]]}
+        out["optim"] = {"state": {_strip(k): v for k, v in optim["state"].items()},
+                        "param_groups": [{**g, "params": [_strip(p) for p in g["params"]]} for g in optim["param_groups"]]}
     return out
 
 
 def _view_names(loaded: dict, like: dict) -> dict:
     """`loaded` (inner names, as `_inner_names` gave) back under the FQNs of `like`."""
-    def strip(fqn: str) -> str:
-        return fqn.removeprefix(VIEW_PREFIX)
-
-    out = {"model": {k: loaded["model"][strip(k)] for k in like["model"]}}
+    out = {"model": {k: loaded["model"][_strip(k)] for k in like["model"]}}
     if "optim" in like:
         optim = loaded["optim"]
-        out["optim"] = {"state": {k: optim["state"][strip(k)] for k in like["optim"]["state"]},
+        out["optim"] = {"state": {k: optim["state"][_strip(k)] for k in like["optim"]["state"]},
                         "param_groups": [{**g, "params": list(lg["params"])}
                                          for g, lg in zip(optim["param_groups"], like["optim"]["param_groups"])]}
     return out
