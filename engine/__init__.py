@@ -10,8 +10,8 @@ import importlib
 
 # Loaded on first use (PEP 562), so `engine.config` alone imports no torch (see its NOTE).
 _WHERE = {
-    "atomic_directory": "checkpoint", "latest_checkpoint": "checkpoint", "list_checkpoints": "checkpoint",
-    "prune_checkpoints": "checkpoint",
+    "atomic_directory": "checkpoint", "atomic_directories": "checkpoint", "latest_checkpoint": "checkpoint",
+    "list_checkpoints": "checkpoint", "prune_checkpoints": "checkpoint",
     "EngineConfig": "config", "OptimConfig": "config", "validate_engine_config": "config",
     "DistInfo": "distributed", "exit_process": "distributed", "init_distributed": "distributed",
     "shutdown_distributed": "distributed",
@@ -42,6 +42,7 @@ __all__ = [
     "TORCH_DTYPES",
     "TrainEngine",
     "atomic_directory",
+    "atomic_directories",
     "exit_process",
     "format_memory_report",
     "hf_base_model",

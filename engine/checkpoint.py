@@ -20,6 +20,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 import uuid
 from contextlib import contextmanager
 from typing import Any
@@ -27,11 +28,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import CheckpointError
 from .parallelize import VIEW_PREFIX
 
 META = "meta.json"
 ENGINE_META = "engine.json"
 TMP_MARK = ".tmp-"
+KILL_ENV = "ENGINE_KILL_AT"
+_passed: dict[str, int] = {}
+
+
+def kill_point(name: str) -> None:
+    """A moment where a kill must lose nothing (inside a checkpoint write, mid-prune, ...). With
+    `ENGINE_KILL_AT=<name>[:n]` in the environment the process SIGKILLs itself the n-th time (default
+    the first) it passes `name`: how the tests prove it with a real kill. Otherwise a no-op."""
+    want = os.environ.get(KILL_ENV)
+    if not want:
+        return
+    target, _, nth = want.partition(":")
+    if target == name:
+        _passed[name] = _passed.get(name, 0) + 1
+        if _passed[name] == int(nth or 1):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- directories
@@ -105,6 +123,28 @@ def atomic_directory(path: str):
 
 
 @contextmanager
+def atomic_directories(*paths: str):
+    """`atomic_directory` for outputs that belong together (a policy and its critic): yields one
+    temporary directory per path, all inside one `.tmp-` staging directory next to the first; on
+    normal exit each replaces its path in turn. The caller writes its completion mark (a stage's
+    summary.json) only after this returns, so a kill midway leaves a leftover and no mark."""
+    stage = new_tmp_path(paths[0])
+    tmps = [os.path.join(stage, str(i)) for i in range(len(paths))]
+    for tmp in tmps:
+        os.makedirs(tmp)
+    try:
+        yield tmps
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    for i, (tmp, path) in enumerate(zip(tmps, paths)):
+        if i:
+            kill_point("publish_together")
+        publish(tmp, path)
+    shutil.rmtree(stage, ignore_errors=True)
+
+
+@contextmanager
 def published(path: str, meta: dict, is_main: bool):
     """Collective: every rank writes its files into the yielded temporary directory (the same one
     on all ranks); then rank 0 writes meta.json (`meta`, the completion mark) and renames the
@@ -116,6 +156,7 @@ def published(path: str, meta: dict, is_main: bool):
     os.makedirs(tmp, exist_ok=True)
     yield tmp
     barrier()  # every rank's files are on disk
+    kill_point("checkpoint_write")
     if is_main:
         write_meta(tmp, meta)
         publish(tmp, path)
@@ -168,6 +209,7 @@ def prune_checkpoints(root: str, keep_last_n: int) -> list[str]:
         # NOTE: renamed first, so a kill mid-delete leaves a `.tmp-` leftover, never a listed half checkpoint
         gone = new_tmp_path(path)
         os.replace(path, gone)
+        kill_point("prune")
         shutil.rmtree(gone, ignore_errors=True)
     return doomed
 
@@ -278,5 +320,5 @@ def load_rank_state(directory: str, rank: int) -> dict[str, Any] | None:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{path} holds objects that are not tensors or plain values (written by an older "
+        raise CheckpointError(f"{path} holds objects that are not tensors or plain values (written by an older "
                          f"version of this program, or not by it): it cannot be resumed ({str(e).splitlines()[0]})") from None

@@ -29,6 +29,7 @@ from .checkpoint import (
     load_model_optimizer,
     load_rank_state,
     published,
+    rank_file,
     read_meta,
     rng_state,
     save_model_optimizer,
@@ -37,6 +38,7 @@ from .checkpoint import (
     write_meta,
 )
 from .config import EngineConfig, OptimConfig, validate_engine_config
+from .errors import CheckpointError
 from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
@@ -214,6 +216,7 @@ class TrainEngine(_ShardedModule):
         self._grad_bytes: int | None = None
         self._cuda_peak: int | None = None
         self.rank_extra: Any = None  # set by load_checkpoint
+        self.not_restored: list[str] = []  # set by load_checkpoint: what another world size / precision lost
 
     # ------------------------------------------------------------ one optimizer step
 
@@ -351,30 +354,39 @@ class TrainEngine(_ShardedModule):
         meta = read_meta(path, ENGINE_META)
         same_world = meta["world_size"] == self.info.world_size
         if (meta["stage"] == 1) != self._zero1 or (self._zero1 and not same_world):
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} (engine.stage={meta['stage']}, world size {meta['world_size']}) cannot be "
                 f"loaded with engine.stage={self.cfg.stage} at world size {self.info.world_size}: ZeRO-1 "
                 "optimizer shards are saved per rank; stages 0, 2, 3 reshard freely among themselves"
             )
+        which = self.info.rank if same_world else 0  # another world size: rank 0's shared parts, no per-rank RNG
+        state = load_rank_state(path, which)
+        if state is None:
+            raise CheckpointError(f"checkpoint {path} has no {os.path.basename(rank_file(path, which))} (a per-rank file "
+                             "is missing: an incomplete copy?): it cannot be resumed")
+        same_precision = meta.get("precision", self.cfg.precision) == self.cfg.precision
+        self.not_restored = [f"per-rank RNG states (saved by {meta['world_size']} ranks, now {self.info.world_size}: "
+                             "dropout and sampling draws differ from an uninterrupted run)"] * (not same_world)
+        self.not_restored += [f"the loss scale (engine.precision {meta['precision']} -> {self.cfg.precision}; the fp32 "
+                              "weights and optimizer state are restored)"] * (not same_precision)
+        if self.not_restored:
+            logger.warning("resuming %s: not restored: %s", path, "; ".join(self.not_restored))
         load_model_optimizer(path, self.model, self.optimizer, self._zero1)
-        state = load_rank_state(path, self.info.rank) if same_world else None
-        own = state is not None
-        if not own:
-            state = load_rank_state(path, 0)  # another world size: shared parts only, no per-rank RNG
         sched = dict(state["scheduler"])
         sched["lr_lambdas"] = [None] * len(sched["lr_lambdas"])  # keep this run's schedule config
         self.scheduler.load_state_dict(sched)
         for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
             group["lr"] = lr  # ZeroRedundancyOptimizer's outer groups are not in any state dict
-        self.scaler.load_state_dict(state["scaler"])
+        if same_precision:
+            self.scaler.load_state_dict(state["scaler"])
         self.global_step = state["global_step"]
         self.skipped_steps = state["skipped_steps"]
         self.empty_steps = state.get("empty_steps", 0)  # checkpoints before it was counted: 0
         if self._zero1:
             self.optimizer.optim.load_state_dict(state["zero1_optimizer"])
-        if own:
+        if same_world:
             set_rng_state(state["rng"])
-        self.rank_extra = state.get("rank_extra") if own else None
+        self.rank_extra = state.get("rank_extra") if same_world else None
         barrier()
 
     # ------------------------------------------------------------ generation mode

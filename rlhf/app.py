@@ -30,10 +30,12 @@ class TrainingError(RuntimeError):
 def user_errors():
     """Errors in the user's config or data end the run with one clear line and exit code 2,
     not a stack trace from deep inside a library."""
+    from engine.errors import CheckpointError
+
     try:
         yield
-    except (ConfigError, DataFormatError, FileNotFoundError, TrainingError) as e:
-        kind = "training" if isinstance(e, TrainingError) else "configuration/data"
+    except (ConfigError, DataFormatError, FileNotFoundError, TrainingError, CheckpointError) as e:
+        kind = {TrainingError: "training", CheckpointError: "checkpoint"}.get(type(e), "configuration/data")
         print(f"error ({kind}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 

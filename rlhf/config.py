@@ -143,7 +143,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
     log_every: int = 10  # steps between metrics.jsonl records
     eval_every: int = 0  # steps between evaluations (0 = only before and after training)
-    save_every: int = 0  # steps between sharded checkpoints (0 = none until the end)
+    save_every: int = 0  # steps between sharded checkpoints and at the end (0 = none at all)
     keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
     overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
@@ -194,7 +194,7 @@ class RewardConfig(StageConfig):
     output_dir: str = "outputs/reward"
     # max_steps=625: 2.5 passes over the 8,000 shipped pairs, which fits 5 minutes on 2 CPU cores
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        epochs=3, max_steps=625, lr=3e-4, warmup_steps=20, eval_every=125,
+        epochs=3, max_steps=625, lr=3e-4, warmup_steps=20, eval_every=125, save_every=125,
     ))  # optimizer, schedule, logging and checkpoints
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss
 
@@ -260,7 +260,7 @@ class PPOTrainConfig:
     max_steps: int = 0  # > 0: exactly this many PPO steps (generation + update)
     log_every: int = 1  # steps between metrics.jsonl records
     eval_every: int = 10  # steps between evaluations (0 = only before and after training)
-    save_every: int = 0  # steps between sharded checkpoints (0 = none until the end)
+    save_every: int = 10  # steps between sharded checkpoints and at the end (0 = none at all)
     keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
     overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from engine import FrozenEngine, TrainEngine, hf_base_model
-from engine.checkpoint import published, read_meta
+from engine.checkpoint import kill_point, published, read_meta
 from engine.distributed import all_reduce_sum
 from engine.ema import ParamEMA
 from rlhf import ppo_math
@@ -89,7 +89,16 @@ def mask_nonfinite(rollout: Rollout, scored: dict[str, torch.Tensor]) -> dict[st
     token) are dropped from the update: their response mask is zeroed and the values set to 0, so
     rewards, advantages and whitening stay finite for the other rows. In place; sets
     `rollout.nonfinite`; returns {quantity: rows} (this rank's) for the ones that had any."""
-    mask = rollout.response_mask.bool()
+    bad, counts = nonfinite_rows(scored, rollout.response_mask)
+    rollout.response_mask = rollout.response_mask.masked_fill(bad[:, None], 0)
+    rollout.nonfinite = bad
+    return counts
+
+
+def nonfinite_rows(scored: dict[str, torch.Tensor], response_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    """[B] bool: the rows with a non-finite score or response-token value, and {quantity: rows};
+    those values are set to 0 in `scored` (in place); one WARN line names the models."""
+    mask = response_mask.bool()
     bad = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     counts = {}
     for key in SCORED_BY:
@@ -102,12 +111,10 @@ def mask_nonfinite(rollout: Rollout, scored: dict[str, torch.Tensor]) -> dict[st
             counts[key] = int(rows.sum())
             bad |= rows
         scored[key] = torch.where(finite, t, torch.zeros_like(t))
-    rollout.response_mask = rollout.response_mask.masked_fill(bad[:, None], 0)
-    rollout.nonfinite = bad
     if counts:
-        logger.warning("%s: non-finite values, rows dropped from this step's update", ", ".join(
+        logger.warning("%s: non-finite values, those rows left out (of the update, or of the held-out figures)", ", ".join(
             f"{n} row(s) from {SCORED_BY[k]} ({k})" for k, n in counts.items()))
-    return counts
+    return bad, counts
 
 
 @dataclass
@@ -272,6 +279,7 @@ class Models:
         """Actor + critic (+ this rank's EMA shards) in one checkpoint, published atomically. Collective."""
         with published(path, {"step": extra_state["step"], "extra_state": extra_state}, self.info.is_main) as tmp:
             self.actor.write_state(os.path.join(tmp, "actor"), rank_extra=self.ema.state_dict() if self.ema else None)
+            kill_point("between_models")
             if self.critic is not None:
                 self.critic.write_state(os.path.join(tmp, "critic"))
 

@@ -53,7 +53,9 @@ def missing_path_error(path: str, key: str) -> ConfigError:
     """'no such file or directory', with the stage to run first when the key or path names one."""
     stage = _STAGE_OF_KEY.get(key) or next(
         (f"rlhf.{s}" for s in ("sft", "reward", "ppo") if path.lstrip("./").startswith(f"outputs/{s}")), None)
-    hint = f": run `python -m {stage}` first, or point {key} at a model" if stage else \
+    hint = f": run `python -m {stage}` first, or point {key} at a model" + (
+        " (model.fallback_to_config=true trains from random weights built from model.config)"
+        if key == "model.name_or_path" else "") if stage else \
         " (has the stage that writes it run? a stage's output_dir, a Hugging Face directory or a hub name is expected)"
     return ConfigError(f"{key}={path!r}: no such file or directory{hint}")
 

@@ -13,6 +13,7 @@ base model and merged. `trust_remote_code` is passed only when configured.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -349,6 +350,7 @@ def export_hf(
     extra_files: dict[str, str] | None = None,
     *,
     add_bos: bool = True,
+    atomic: bool = True,
 ) -> str:
     """Write a consolidated state dict as a Hugging Face directory, atomically; returns out_dir.
 
@@ -357,7 +359,8 @@ def export_hf(
     (`lora.merge_on_save`) or saved as a peft adapter naming its base by absolute path (a stage's
     merged adapter input, when there was one: see `_merge_adapter`). Weights are cast to
     `cfg.save_dtype`. The tokenizer is saved so that it encodes as training did (`export_tokenizer`;
-    `add_bos` = the run's `data.add_bos`).
+    `add_bos` = the run's `data.add_bos`). `atomic=False`: into `out_dir` as is (a temporary directory
+    of `engine.atomic_directories`, which publishes several exports together).
     """
     from engine import atomic_directory
 
@@ -391,7 +394,7 @@ def export_hf(
         skeleton.tie_weights()
     is_value_model = "ForSequenceClassification" in type(base_like).__name__
     tok = export_tokenizer(tokenizer, add_bos=add_bos, add_eos=is_value_model)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir) if atomic else contextlib.nullcontext(out_dir) as tmp:
         skeleton.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if peft_cfg and not cfg.lora.merge_on_save:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from engine import atomic_directories
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
 from rlhf import ppo_math
@@ -36,7 +37,7 @@ from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, toke
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import gold_eval, load_eval_prompts
 from rlhf.experience import (
-    Models, build_experience, generate, mask_nonfinite, model_cfg, ptx_batches, step_metrics, update,
+    Models, build_experience, generate, mask_nonfinite, model_cfg, nonfinite_rows, ptx_batches, step_metrics, update,
 )
 from rlhf.hub import check_local
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer
@@ -107,12 +108,16 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[st
             torch.manual_seed(cfg.seed + 1)
             g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     scored = models.score(g, cfg)
+    kept = (~nonfinite_rows(scored, g.response_mask)[0]).double()  # a NaN/inf row is left out (counted)
     # the same estimator as the reward penalty (ppo.kl_estimator), so the reported KL names one thing
     kl = ppo_math.masked_sum(ppo_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
                              g.response_mask.float(), dim=1)
-    sums = all_reduce_sum(torch.stack([kl.sum(), scored["score"].sum(), torch.tensor(float(len(mine)))]).double())
-    out["kl"] = (sums[0] / sums[2]).item()
-    out["reward"] = (sums[1] / sums[2]).item()
+    sums = all_reduce_sum(torch.stack([kl.double() @ kept, scored["score"].double() @ kept, kept.sum(),
+                                       (1 - kept).sum()]))
+    out["kl"] = (sums[0] / sums[2].clamp(min=1)).item()
+    out["reward"] = (sums[1] / sums[2].clamp(min=1)).item()
+    if sums[3] > 0:
+        out["nonfinite_rows"] = int(sums[3])
     return out
 
 
@@ -194,15 +199,15 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         with models.ema.swapped_in():
             ema_sd = models.actor.full_state_dict()
     out_dir, model_dir = cfg.output_dir, os.path.join(cfg.output_dir, MODEL_SUBDIR)
-    if info.is_main:
+    if info.is_main:  # model/, critic/, model_ema/ published together (then summary.json marks them complete)
         actor_cfg = model_cfg(cfg, cfg.actor.model, cfg.actor.lora)
-        export_hf(actor_sd, models.actor.inner, tok, model_dir, actor_cfg, add_bos=cfg.data.add_bos)
-        if critic_sd is not None:
-            export_hf(critic_sd, models.critic.inner, tok, os.path.join(out_dir, "critic"),
-                      model_cfg(cfg, cfg.critic.model, cfg.critic.lora), add_bos=cfg.data.add_bos)
-        if ema_sd is not None:
-            export_hf(ema_sd, models.actor.inner, tok, os.path.join(out_dir, "model_ema"), actor_cfg,
-                      add_bos=cfg.data.add_bos)
+        exports = [(sd, like, name, mcfg) for sd, like, name, mcfg in (
+            (actor_sd, models.actor.inner, MODEL_SUBDIR, actor_cfg),
+            (critic_sd, models.critic and models.critic.inner, "critic", model_cfg(cfg, cfg.critic.model, cfg.critic.lora)),
+            (ema_sd, models.actor.inner, "model_ema", actor_cfg)) if sd is not None]
+        with atomic_directories(*(os.path.join(out_dir, e[2]) for e in exports)) as tmps:
+            for tmp, (sd, like, _, mcfg) in zip(tmps, exports):
+                export_hf(sd, like, tok, tmp, mcfg, add_bos=cfg.data.add_bos, atomic=False)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
         "gold_score_before": before.get("gold_score"),

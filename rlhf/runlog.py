@@ -33,7 +33,7 @@ def _clean(v: Any) -> Any:
 
 class RunLog:
     def __init__(self, output_dir: str, cfg: LoggerConfig, *, is_main: bool, config_dict: dict | None = None,
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, final: bool = False):
         self.output_dir, self.is_main = output_dir, is_main
         self.path = os.path.join(output_dir, METRICS)
         self._wandb = None
@@ -43,15 +43,18 @@ class RunLog:
         if resume_step is None:
             open(self.path, "w").close()
         else:
-            self._truncate_after(resume_step)
+            self._truncate_after(resume_step, final)
         if cfg.backend == "wandb" and cfg.mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, mode=cfg.mode,
                                      dir=output_dir, config=config_dict, resume="allow")
 
-    def _truncate_after(self, step: int) -> None:
-        kept = [r for r in read_metrics(self.output_dir) if r.get("step", 0) <= step]
+    def _truncate_after(self, step: int, final: bool) -> None:
+        """Records after `step` dropped (and, `final`: a resume of the last step, which evaluates again,
+        its "after" evaluation too)."""
+        kept = [r for r in read_metrics(self.output_dir) if r.get("step", 0) < step
+                or (r.get("step", 0) == step and not (final and r.get("kind") == "eval"))]
         with open(self.path, "w") as f:
             for r in kept:
                 f.write(json.dumps(r) + "\n")

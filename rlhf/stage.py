@@ -59,15 +59,54 @@ def without_samples(ev: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in ev.items() if k != "samples"}
 
 
+def config_hash(cfg: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(as_yaml(cfg).encode()).hexdigest()[:16]
+
+
+def flat_config(cfg: Any) -> dict[str, Any]:
+    """The config as {dotted key: value} (what a checkpoint records, to name what a resume changed)."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = node
+
+    walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
+    return out
+
+
+# Keys a resume is expected to change (or that cannot matter to the state it resumes).
+RESUME_FREE = ("train.resume", "train.overwrite", "output_dir", "logger.", "train.log_every", "train.eval_every",
+               "train.save_every", "train.keep_last_n")
+
+
+def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What differs between the run a checkpoint recorded (`Run.record`) and this one, as
+    "key: old -> new" lines (world size first); keys in RESUME_FREE are not listed."""
+    lines = []
+    if saved.get("world_size") not in (None, now["world_size"]):
+        lines.append(f"world size: {saved['world_size']} -> {now['world_size']}")
+    old, new = saved.get("config", {}), now["config"]
+    for key in sorted(set(old) | set(new)):
+        if not key.startswith(RESUME_FREE) and old.get(key, "(absent)") != new.get(key, "(absent)"):
+            lines.append(f"{key}: {old.get(key, '(absent)')} -> {new.get(key, '(absent)')}")
+    return lines
+
+
 def agree(resume_path: str | None, cfg: Any) -> None:
     """Every rank must run the same config from the same checkpoint (a rank that saw another file
     system, or another command line, would train something else in lock-step): compared across
     ranks, a mismatch is an error on every rank naming what differs."""
-    import hashlib
-
     from engine.distributed import all_gather_object
 
-    mine = (resume_path, hashlib.sha256(as_yaml(cfg).encode()).hexdigest()[:16])
+    mine = (resume_path, config_hash(cfg))
     every = all_gather_object(mine)
     if any(e != every[0] for e in every):
         what = "checkpoint to resume from" if any(e[0] != every[0][0] for e in every) else "configuration"
@@ -118,12 +157,19 @@ class Run:
         self.state, self.total, self.evaluate, self.eval_line = state, total, evaluate, eval_line
         self.memory, self.state_fn = memory, state_fn or dict
         path = self.resume_path
+        self.record = {"world_size": self.info.world_size, "config_hash": config_hash(self.cfg),
+                       "config": flat_config(self.cfg)}
         if path:
             self.extra_state = state.load_checkpoint(path)
             self.start = int(self.extra_state["step"])
             logger.info("resumed from %s at step %d", path, self.start)
+            if changes := resume_changes(self.extra_state.get("run", {}), self.record):
+                logger.warning("resuming %s with another setup than the run that saved it (the data position is "
+                               "a step count: changed batch sizes re-cut the rows):\n  %s", path, "\n  ".join(changes))
+            if self.info.is_main and os.path.exists(os.path.join(self.out_dir, "summary.json")):
+                os.remove(os.path.join(self.out_dir, "summary.json"))  # unfinished again until this run ends
         self.log = RunLog(self.out_dir, self.cfg.logger, is_main=self.info.is_main,
-                          resume_step=self.start if path else None)
+                          resume_step=self.start if path else None, final=self.start == total)
         if self.info.is_main:
             save_config(self.out_dir, self.cfg)
         if path:
@@ -150,7 +196,7 @@ class Run:
                 self.bar.write(f"step {done}: {self.eval_line(self._evaluate(done))}")
             if t.save_every and (done % t.save_every == 0 or done == self.total):
                 self.state.save_checkpoint(os.path.join(checkpoint_root(self.out_dir), f"step_{done:07d}"),
-                                           {"step": done, "before": self.before, **self.state_fn()})
+                                           {"step": done, "before": self.before, "run": self.record, **self.state_fn()})
                 if self.info.is_main:
                     prune_checkpoints(checkpoint_root(self.out_dir), t.keep_last_n)
         self.bar.close()

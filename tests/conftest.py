@@ -32,8 +32,10 @@ def cli_env() -> dict[str, str]:
     return env
 
 
-def run_stage(module: str, *overrides: str, torchrun: int = 0, check: bool = True, timeout: int = 600):
-    """`python -m rlhf.<module> overrides...` (or under torchrun with N ranks); returns the process."""
+def run_stage(module: str, *overrides: str, torchrun: int = 0, check: bool = True, timeout: int = 600,
+              env: dict[str, str] | None = None):
+    """`python -m rlhf.<module> overrides...` (or under torchrun with N ranks; `env` added to the
+    environment); returns the process."""
     if torchrun:
         import socket
 
@@ -44,7 +46,8 @@ def run_stage(module: str, *overrides: str, torchrun: int = 0, check: bool = Tru
                "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", f"rlhf.{module}", *overrides]
     else:
         cmd = [sys.executable, "-m", f"rlhf.{module}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc
@@ -54,6 +57,32 @@ def metrics(out_dir, kind: str | None = None) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [r for r in rows if kind is None or r["kind"] == kind]
+
+
+def killed_at(module: str, out_dir, point: str, *overrides: str) -> subprocess.CompletedProcess:
+    """A stage run SIGKILLed by itself at `point` (engine.checkpoint.kill_point, "name[:n]"): it must
+    really have died there, leaving a `.tmp-` leftover and no summary.json."""
+    from engine.checkpoint import KILL_ENV
+
+    proc = run_stage(module, f"output_dir={out_dir}", *overrides, check=False, env={KILL_ENV: point})
+    assert proc.returncode == -9, f"not killed at {point} (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert leftovers(out_dir), f"killed at {point} but nothing was half-written"
+    assert not os.path.exists(os.path.join(out_dir, "summary.json"))
+    return proc
+
+
+def leftovers(out_dir) -> list[str]:
+    """`.tmp-` entries in a run's output_dir and its checkpoints/."""
+    found = []
+    for d in (out_dir, os.path.join(out_dir, "checkpoints")):
+        if os.path.isdir(d):
+            found += [os.path.join(d, n) for n in os.listdir(d) if ".tmp-" in n]
+    return found
+
+
+def comparable(rows: list[dict]) -> list[dict]:
+    """metrics.jsonl records without wall-clock fields (what two runs of the same seed must share)."""
+    return [{k: v for k, v in r.items() if not (k.endswith("_s") or "time" in k or k.startswith("mem"))} for r in rows]
 
 
 def summary(out_dir) -> dict:

@@ -180,7 +180,7 @@ def test_offline_hub_name_fails_fast_naming_the_key(stage, override, key, tmp_pa
     err = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert len(err) == 1 and err[0].startswith(f"error (configuration/data): {key}=")
     assert CLOSED_PORT in err[0] and "HF_HUB_OFFLINE=1" in err[0] and "local path" in err[0]
-    limit = max(OFFLINE_LIMIT_S, start_s[stage] + SLACK_S)
+    limit = max(OFFLINE_LIMIT_S, 1.5 * start_s[stage] + SLACK_S)  # 1.5x: a loaded machine starts unevenly
     print(f"{stage} {override}: exit 2 after {elapsed:.2f} s (a plain start: {start_s[stage]:.2f} s)")
     assert elapsed < limit, f"took {elapsed:.1f} s (a plain start: {start_s[stage]:.1f} s)"
 

@@ -4,7 +4,9 @@ torchrun is launched twice (plus two plain single-process runs beside them) for 
 tests/engine_scripts/runs.py loops over all configs and writes JSON + state dicts, the tests compare.
     phase 1: `dist` (2 ranks: stages 0-3, offload, accumulation, AC, LoRA, bf16; checkpoints at step 3)
              || `single` (1 process: the references, and a stage 0 checkpoint at step 3)
-    phase 2: `resume` (2 fresh ranks resume stage 3 and stage 1) || `resume_single` (stage 0)
+    phase 2: `resume` (2 fresh ranks resume stage 3 and stage 1) || `resume_single` (stage 0; and the
+             2-rank stage 0/2/3 checkpoints in one process, saved again at step 4)
+    phase 3: `resume_back` (2 ranks resume those: 2 -> 1 -> 2 ranks)
 """
 from __future__ import annotations
 
@@ -61,8 +63,9 @@ def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("engine_runs"))
     _wait_all({"dist": _launch("dist", out, 2), "single": _launch("single", out, 1)})
     _wait_all({"resume": _launch("resume", out, 2), "resume_single": _launch("resume_single", out, 1)})
+    _wait_all({"resume_back": _launch("resume_back", out, 2)})
     results = {}
-    for phase in ("dist", "single", "resume", "resume_single"):
+    for phase in ("dist", "single", "resume", "resume_single", "resume_back"):
         with open(os.path.join(out, f"{phase}.json")) as f:
             results.update(json.load(f))
     results["dir"] = out
@@ -133,6 +136,22 @@ def test_resume_is_bit_exact(runs, uninterrupted, resumed):
     for key in ("losses", "grad_norms", "lrs"):
         assert torch.equal(torch.tensor(a[key][k:], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)), key
     assert a["rand_after_ckpt"] == b["rand_after_ckpt"]  # per-rank RNG restored
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_resume_at_another_world_size_keeps_the_run(runs, stage):
+    """2 ranks -> 1 process -> 2 ranks: the same data order, weights and optimizer (losses as the
+    uninterrupted run's, to the 2-rank-vs-1 tolerance); what could not be restored is said."""
+    ref = runs["ref"]
+    first, mid, last = runs[f"s{stage}"], runs[f"w1_s{stage}"], runs[f"w2_s{stage}"]
+    assert len(mid["losses"]) == 3 and len(last["losses"]) == 2
+    assert _rel(first["losses"][:3] + mid["losses"][:1] + last["losses"], ref["losses"]) <= 1e-5
+    assert _rel(mid["losses"], ref["losses"][3:]) <= 1e-5
+    assert mid["lrs"] == ref["lrs"][3:] and last["lrs"] == ref["lrs"][4:]
+    assert mid["not_restored"] == ["per-rank RNG states (saved by 2 ranks, now 1: dropout and sampling draws "
+                                   "differ from an uninterrupted run)"]
+    assert last["not_restored"] and "saved by 1 ranks, now 2" in last["not_restored"][0]
+    assert runs["s3_resumed"]["not_restored"] == []  # the same world size restores everything
 
 
 @pytest.mark.parametrize("name,ref", [("s3", "ref"), ("s3_tied", "ref_tied")])

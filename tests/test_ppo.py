@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage, summary
+from conftest import ROOT, SMALL_MODEL, cli_env, comparable, killed_at, leftovers, metrics, run_stage, summary
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine.generation import SamplingParams, hf_generate, response_mask_from_eos
 from rlhf.experience import build_experience, empty_responses
@@ -127,6 +127,48 @@ def test_a_nonfinite_score_or_logprob_drops_its_row_counted_and_named(caplog):
     rec = step_metrics(rollout, exp, stats, stats, cfg, 0.1, (0.0, 1.0, 2.0, 3.0))
     assert rec["nonfinite_rows"] == 2 and math.isfinite(rec["reward"])
     assert rec["reward"] == pytest.approx(float(want["score"][[0, 3]].mean()))
+
+
+def test_a_step_whose_responses_are_all_empty_changes_nothing():
+    """Every response empty (EOS first): the update has a loss weight of 0, so neither optimizer steps
+    (parameters as before), both steps are counted as skipped, and the metrics stay finite."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.experience import Rollout, step_metrics, update
+    from rlhf.ppo import make_actor_loss, make_critic_loss
+
+    torch.manual_seed(0)
+    info = init_distributed()
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1))
+    opt = OptimConfig(lr=1e-2, scheduler="constant")
+    actor = TrainEngine(Policy(lm), EngineConfig(stage=0), opt, total_steps=4, info=info)
+    B, P, T = 4, 2, 3
+    seqs = torch.randint(1, V, (B, P + T))
+    attn = torch.ones(B, P + T, dtype=torch.long)
+    empty = torch.ones(B, dtype=torch.bool)
+    rollout = Rollout(sequences=seqs, attention_mask=attn, response_mask=torch.zeros(B, T, dtype=torch.long),
+                      responses=seqs[:, P:], prompt_len=P, group=torch.arange(B), empty=empty,
+                      truncated=torch.zeros(B, dtype=torch.bool))
+    scored = {"logp_old": torch.randn(B, T), "logp_ref": torch.randn(B, T), "values": torch.randn(B, T),
+              "score": torch.randn(B), "position_ids": position_ids_from_mask(attn)}
+    exp = build_experience(seqs, attn, rollout.response_mask, P, scored, kl_coef=0.1, kl_estimator="k1",
+                           clip_reward_value=5.0, gamma=1.0, lam=0.95)
+    before = {k: v.clone() for k, v in actor.unwrapped.state_dict().items()}
+    cfg = SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=B, mini_batch_size=2, micro_batch_size=2,
+                                                  temperature=1.0),
+                          ppo=SimpleNamespace(ppo_epochs=1, clip_reward_value=5.0, ptx_coef=0.0))
+    run = SimpleNamespace(check=lambda *outs: None)
+    models = SimpleNamespace(actor=actor, critic=None, ema=None, info=info)
+    a_stats, c_stats = update(models, exp, cfg, (make_actor_loss(0.2, 1.0, 0.0), make_critic_loss(0.2)), None, run)
+    assert len(a_stats) == 2 and all(s["skipped"] and s["empty"] for s in a_stats)
+    assert actor.empty_steps == 2 and actor.skipped_steps == 2
+    assert all(torch.equal(v, before[k]) for k, v in actor.unwrapped.state_dict().items())
+    rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, 0.1, (0.0, 1.0, 2.0, 3.0))
+    assert rec["empty_responses"] == B and rec["skipped_updates"] == 2
+    assert rec["reward"] == 0.0 and rec["response_len"] == 0.0 and math.isfinite(rec["kl"])
 
 
 def test_empty_responses_are_found():
@@ -269,22 +311,30 @@ def test_ppo_with_the_injected_generation_path(stages, ppo_run, tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4] and all(r["response_len"] > 0 for r in train)
 
 
-def test_ppo_resume_is_exact(stages, ppo_run, tmp_path):
+@pytest.mark.parametrize("point,complete", [
+    ("between_models:2", ["step_0000002"]),  # SIGKILL after the actor's part of step 4's checkpoint, before the critic's
+    ("publish_together:1", ["step_0000002", "step_0000004"]),  # after model/ was published, before critic/, model_ema/
+])
+def test_killed_ppo_run_resumes_exactly(stages, ppo_run, tmp_path, point, complete):
+    from engine import list_checkpoints
+
     out_a, _ = ppo_run
-    out_r = tmp_path / "r"
-    shutil.copytree(out_a, out_r)
-    shutil.rmtree(out_r / "checkpoints" / "step_0000004")
-    for name in ("model", "critic", "model_ema"):
-        shutil.rmtree(out_r / name)
-    ppo(stages, out_r, "ppo.ema_decay=0.9", "ppo.ptx_coef=0.5", "train.resume=true")
+    out = tmp_path / "k"
+    args = [f"actor.model={stages / 'sft'}", f"critic.model={stages / 'reward'}", *PPO_ARGS,
+            "ppo.ema_decay=0.9", "ppo.ptx_coef=0.5"]
+    killed_at("ppo", out, point, *args)
+    assert [os.path.basename(c) for c in list_checkpoints(out / "checkpoints")] == complete
+    run_stage("ppo", f"output_dir={out}", *args, "train.resume=true")
+    assert not leftovers(out)
     keys = ("reward", "kl", "actor_loss", "critic_loss", "entropy", "response_len", "ptx_loss")
     want = [[r[k] for k in keys] for r in metrics(out_a, "train")]
-    got = [[r[k] for k in keys] for r in metrics(out_r, "train")]
+    got = [[r[k] for k in keys] for r in metrics(out, "train")]
     assert got == want
+    assert comparable(metrics(out, "eval")) == comparable(metrics(out_a, "eval"))
     from safetensors.torch import load_file
 
     for name in ("model", "model_ema", "critic"):
-        a, b = load_file(out_a / name / "model.safetensors"), load_file(out_r / name / "model.safetensors")
+        a, b = load_file(out_a / name / "model.safetensors"), load_file(out / name / "model.safetensors")
         assert all(torch.equal(a[k], b[k]) for k in a), name
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import ROOT, SMALL_MODEL, metrics, run_stage, summary
+from conftest import ROOT, SMALL_MODEL, comparable, killed_at, leftovers, metrics, run_stage, summary
 from rlhf.reward_math import auc, last_token_index, pair_accuracy, pairwise_loss, sequence_scores
 
 # ----------------------------------------------------------------------------- scoring positions
@@ -135,6 +135,17 @@ def test_default_run_writes_its_outputs_and_summary(default_run):
     train = metrics(default_run, "train")
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in train)
+
+
+def test_killed_inside_a_checkpoint_write_resumes_exactly(default_run, tmp_path):
+    """SIGKILL inside the step-20 checkpoint write; train.resume=true goes on from step 10's and ends
+    as the uninterrupted run (checkpointing does not change the run: default_run saves only at the end)."""
+    out = tmp_path / "k"
+    killed_at("reward", out, "checkpoint_write:2", *BASE, "train.save_every=10")
+    run_stage("reward", f"output_dir={out}", *BASE, "train.save_every=10", "train.resume=true")
+    assert not leftovers(out)
+    assert comparable(metrics(out)) == comparable(metrics(default_run))
+    assert summary(out)["eval_accuracy"] == summary(default_run)["eval_accuracy"]
 
 
 def _eval_batches(tok):

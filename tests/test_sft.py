@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import SMALL_MODEL, metrics, run_stage, summary
+from conftest import SMALL_MODEL, comparable, killed_at, leftovers, metrics, run_stage, summary
 
 STEPS = 12
 BASE = [*SMALL_MODEL, f"train.max_steps={STEPS}", "train.log_every=1", "train.save_every=6", "train.eval_every=6",
@@ -91,20 +91,57 @@ def test_same_seed_same_run(run_a, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_continues_exactly(run_a, tmp_path):
-    # A run "killed" after its step-6 checkpoint: everything later is removed, then resumed.
+@pytest.mark.parametrize("point,extra,complete", [
+    ("checkpoint_write:2", [], ["step_0000006"]),  # SIGKILL inside the step-12 checkpoint write
+    ("prune:1", ["train.keep_last_n=1"], ["step_0000012"]),  # SIGKILL while deleting step 6 (after step 12's save)
+])
+def test_killed_run_resumes_exactly(run_a, tmp_path, point, extra, complete):
+    from engine import list_checkpoints
+
     out_a, _ = run_a
-    out_r = tmp_path / "r"
-    shutil.copytree(out_a, out_r)
-    shutil.rmtree(out_r / "checkpoints" / "step_0000012")
-    shutil.rmtree(out_r / "model")
-    os.remove(out_r / "summary.json")
-    run_stage("sft", f"output_dir={out_r}", *BASE, "train.resume=true")
+    out = tmp_path / "k"
+    killed_at("sft", out, point, *BASE, *extra)
+    assert [os.path.basename(c) for c in list_checkpoints(out / "checkpoints")] == complete
+    run_stage("sft", f"output_dir={out}", *BASE, *extra, "train.resume=true")
+    assert not leftovers(out)  # the killed write's (or prune's) leftover is cleaned on the next start
     want = [(r["step"], r["loss"], r["lr"]) for r in metrics(out_a, "train")]
-    got = [(r["step"], r["loss"], r["lr"]) for r in metrics(out_r, "train")]
-    assert got == want  # steps 1-6 kept from before the kill, 7-12 recomputed bit for bit
-    a, r = load_safetensors(out_a / "model"), load_safetensors(out_r / "model")
+    got = [(r["step"], r["loss"], r["lr"]) for r in metrics(out, "train")]
+    assert got == want  # steps kept from before the kill, the rest recomputed bit for bit
+    assert comparable(metrics(out, "eval")) == comparable(metrics(out_a, "eval"))
+    a, r = load_safetensors(out_a / "model"), load_safetensors(out / "model")
     assert all(torch.equal(a[k], r[k]) for k in a)
+    assert summary(out)["gold_score_after"] == summary(out_a)["gold_score_after"]
+
+
+def test_checkpoints_record_the_run_and_a_changed_resume_says_what_changed(run_a, tmp_path):
+    import json
+
+    out_a, _ = run_a
+    with open(out_a / "checkpoints" / "step_0000006" / "meta.json") as f:
+        meta = json.load(f)["extra_state"]["run"]
+    assert meta["world_size"] == 1 and len(meta["config_hash"]) == 16
+    assert meta["config"]["train.global_batch_size"] == 32 and meta["config"]["engine.precision"] == "auto"
+    with open(out_a / "checkpoints" / "step_0000006" / "engine.json") as f:
+        assert json.load(f) == {"step": 6, "world_size": 1, "stage": 0, "precision": "fp32"}  # as resolved
+    out = tmp_path / "r"
+    shutil.copytree(out_a, out)
+    for gone in ("checkpoints/step_0000012", "model", "summary.json"):
+        shutil.rmtree(out / gone) if (out / gone).is_dir() else os.remove(out / gone)
+    proc = run_stage("sft", f"output_dir={out}", *BASE, "train.resume=true", "train.lr=2e-2", "train.max_steps=7")
+    log = proc.stdout + proc.stderr
+    assert "with another setup than the run that saved it" in log
+    assert "train.lr: 0.01 -> 0.02" in log and "train.max_steps: 12 -> 7" in log
+    assert "train.resume:" not in log  # what a resume changes by design is not listed
+
+
+def test_a_checkpoint_missing_a_rank_file_is_refused(run_a, tmp_path):
+    out_a, _ = run_a
+    out = tmp_path / "r"
+    shutil.copytree(out_a / "checkpoints", out / "checkpoints")
+    os.remove(out / "checkpoints" / "step_0000012" / "rank0.pt")
+    proc = run_stage("sft", f"output_dir={out}", *BASE, "train.resume=true", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "error (checkpoint): checkpoint" in proc.stderr and "has no rank0.pt" in proc.stderr
 
 
 def test_lora_trains_only_adapters_merged_or_not(run_a, tmp_path):

@@ -4,6 +4,8 @@
     python runs.py single <out>                        1-process references on the global batch
     torchrun --nproc_per_node 2 runs.py resume <out>   fresh processes resume the 2-rank checkpoints
     python runs.py resume_single <out>                 fresh process resumes the 1-process checkpoint
+                                                       (and the 2-rank ones: another world size)
+    torchrun --nproc_per_node 2 runs.py resume_back <out>  2 ranks resume those 1-process checkpoints
 
 Global batch: GLOBAL rows per optimizer step, step s reads rows [GLOBAL*s, GLOBAL*(s+1)); each rank
 takes a contiguous GLOBAL/world slice, split into `accum` micro-batches.
@@ -42,7 +44,8 @@ def gather(obj):
     return out
 
 
-def run(name, out_dir, *, stage, steps, accum=1, lora=False, tied=False, resume_from=None, ckpt=False, save_state=False, **engine_kw):
+def run(name, out_dir, *, stage, steps, accum=1, lora=False, tied=False, resume_from=None, ckpt=False, save_state=False,
+        ckpt_at=CKPT_AT, **engine_kw):
     info = init_distributed()
     model = tiny_llama(lora=lora, tied=tied)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -52,12 +55,13 @@ def run(name, out_dir, *, stage, steps, accum=1, lora=False, tied=False, resume_
     if resume_from:
         start = engine.load_checkpoint(os.path.join(out_dir, resume_from))["data_pos"]
         res["rand_after_ckpt"] = gather(torch.rand(2).tolist())
+        res["not_restored"] = engine.not_restored
     for step in range(start, steps):
         out = engine.train_step(micro_batches(step, info.rank, info.world_size, accum), loss_fn)
         for key, v in (("losses", "loss"), ("grad_norms", "grad_norm"), ("lrs", "lr"), ("accuracy", "accuracy"), ("weights", "weight")):
             res[key].append(out[v])
-        if ckpt and step + 1 == CKPT_AT:
-            engine.save_checkpoint(os.path.join(out_dir, f"ckpt_{name}", f"step_{CKPT_AT}"), {"data_pos": CKPT_AT})
+        if ckpt and step + 1 == ckpt_at:
+            engine.save_checkpoint(os.path.join(out_dir, f"ckpt_{name}", f"step_{ckpt_at}"), {"data_pos": ckpt_at})
             res["rand_after_ckpt"] = gather(torch.rand(2).tolist())
     res["memory"] = gather(engine.memory_report())
     if save_state or lora:
@@ -118,10 +122,10 @@ def check_frozen(stage: int, offload: bool) -> float:
 def phase_dist(out_dir: str) -> dict:
     results = {}
     for name, kw in {
-        "s0": dict(stage=0, steps=5),
+        "s0": dict(stage=0, steps=TOTAL_STEPS, ckpt=True),
         "s0_accum2": dict(stage=0, steps=5, accum=2),
         "s1": dict(stage=1, steps=TOTAL_STEPS, ckpt=True),
-        "s2": dict(stage=2, steps=5),
+        "s2": dict(stage=2, steps=TOTAL_STEPS, ckpt=True),
         "s3": dict(stage=3, steps=TOTAL_STEPS, ckpt=True, save_state=True),
         "s3_accum2": dict(stage=3, steps=5, accum=2),
         "s3_offload": dict(stage=3, steps=5, offload=True),
@@ -161,10 +165,21 @@ def phase_resume(out_dir: str) -> dict:
 
 
 def phase_resume_single(out_dir: str) -> dict:
-    return {"ref_resumed": run("ref_resumed", out_dir, stage=0, steps=TOTAL_STEPS, resume_from=f"ckpt_ref/step_{CKPT_AT}")[0]}
+    out = {"ref_resumed": run("ref_resumed", out_dir, stage=0, steps=TOTAL_STEPS, resume_from=f"ckpt_ref/step_{CKPT_AT}")[0]}
+    for s in (0, 2, 3):  # another world size: the 2-rank checkpoints in one process, saving again at step 4
+        out[f"w1_s{s}"] = run(f"w1_s{s}", out_dir, stage=s, steps=TOTAL_STEPS, resume_from=f"ckpt_s{s}/step_{CKPT_AT}",
+                              ckpt=True, ckpt_at=CKPT_AT + 1)[0]
+    return out
 
 
-PHASES = {"dist": phase_dist, "single": phase_single, "resume": phase_resume, "resume_single": phase_resume_single}
+def phase_resume_back(out_dir: str) -> dict:
+    """2 ranks again, from the 1-process checkpoints of `phase_resume_single` (2 -> 1 -> 2 ranks)."""
+    return {f"w2_s{s}": run(f"w2_s{s}", out_dir, stage=s, steps=TOTAL_STEPS, resume_from=f"ckpt_w1_s{s}/step_{CKPT_AT + 1}")[0]
+            for s in (0, 2, 3)}
+
+
+PHASES = {"dist": phase_dist, "single": phase_single, "resume": phase_resume, "resume_single": phase_resume_single,
+          "resume_back": phase_resume_back}
 
 if __name__ == "__main__":
     phase, out_dir = sys.argv[1], sys.argv[2]
