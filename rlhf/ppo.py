@@ -1,8 +1,10 @@
-"""Stage 3: PPO with four models: actor (trained), critic (trained), reference and reward (frozen).
+"""Stage 3: PPO with four models: actor (trained), critic (trained), reference and reward (frozen);
+or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
 
     python -m rlhf.ppo                                        # from outputs/sft + outputs/reward, CPU
     python -m rlhf.ppo actor.model=/runs/sft critic.model=/runs/rm ppo.kl_coef=0.05
     torchrun --nproc_per_node 2 -m rlhf.ppo engine=zero3 rollout.micro_batch_size=16
+    python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp (conf/algorithm/)
 
 One PPO step (DeepSpeed-Chat's defaults; rlhf/ppo_math.py holds the math):
   1. generation mode: the actor's parameters are gathered once and `rollout.prompts_per_step`
@@ -14,6 +16,11 @@ One PPO step (DeepSpeed-Chat's defaults; rlhf/ppo_math.py holds the math):
   4. GAE advantages (gamma, lam), returns = advantages + values, optional whitening (over all ranks);
   5. `ppo.ppo_epochs` passes over shuffled mini-batches: one actor step (clipped surrogate, + ptx)
      and one critic step (clipped value loss) per mini-batch; optional EMA of the actor.
+The algorithm is the registered advantage estimator (ppo.advantage_estimator; `algorithm=` sets it
+with its other keys): critic-free ones skip the critic in 2., 4. and 5.; each prompt is sampled
+rollout.n_samples_per_prompt times on one rank (its group); the KL can be a loss term
+(ppo.kl_loss_coef) instead of the reward penalty; ppo.loss_agg, ppo.cliprange_low/high and
+ppo.dynamic_sampling (drop groups of equal scores) shape the actor update.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
 critic/, model_ema/ (with ppo.ema_decay), summary.json.
@@ -243,6 +250,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),
         "kl_coef_final": kl_ctl.value,
+        "advantage_estimator": p.advantage_estimator,
+        "samples_per_step": rollout_rows(r),
         "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},

@@ -16,6 +16,12 @@ The step, with the DeepSpeed-Chat defaults:
     actor     = masked_mean(max(-A * r, -A * clip(r, 1 ± 0.2))), r = exp(logp - logp_old)
     critic    = 0.5 * masked_mean(max((v - R)^2, (v_old + clip(v - v_old, ±0.2) - R)^2))
     kl_coef   fixed, or adaptive (Ziegler et al. 2019)
+
+Critic-free estimators (registered: grpo, rloo, reinforce_pp), per prompt group of a row:
+    grpo      A_i = (s_i - mean_g) / (std_g + eps)       (norm_by_std=False: s_i - mean_g, Dr. GRPO)
+    rloo      A_i = s_i - mean of the others in g
+    reinforce_pp  A = whiten over the batch (all ranks) of the discounted returns of the rewards
+with the KL as a loss term (`kl_loss_tokens`, k3) and the loss aggregated by `aggregate_loss`.
 """
 from __future__ import annotations
 
