@@ -109,6 +109,9 @@ def format_memory_report(report: dict) -> str:
         f"  predicted for this layout {_fmt(report['layout_bytes'])} | ZeRO paper (Adam, mixed precision, "
         f"trainable only) {report['zero_formula']} = {_fmt(report['zero_formula_bytes'])}",
     ]
+    if "models" in report:  # a run of several models (e.g. PPO's): what each holds on this rank
+        lines.append(f"  {len(report['models'])} models on this rank: " + " | ".join(
+            f"{name} {_fmt(n)}" for name, n in report["models"].items()))
     if "cuda_max_allocated_bytes" in report:
         lines.append(f"  CUDA max allocated after the first step: {_fmt(report['cuda_max_allocated_bytes'])}")
     return "\n".join(lines)

@@ -232,10 +232,20 @@ class PPOAlgoConfig:
     kl_target: float = 6.0  # adaptive_kl: the KL aimed at
     kl_horizon: float = 10000.0  # adaptive_kl: how slowly kl_coef adapts (rollout rows)
     clip_reward_value: float = 5.0  # reward model scores clipped to +-this
-    advantage_estimator: str = "gae"  # a name registered in rlhf/ppo_math.py (gae needs the critic)
+    # A name registered in rlhf/ppo_math.py: gae (PPO, needs the critic), grpo, rloo, reinforce_pp
+    advantage_estimator: str = "gae"
+    norm_by_std: bool = True  # grpo: divide by the group's std; false = Dr. GRPO (score - group mean)
     gamma: float = 1.0  # GAE discount
     lam: float = 0.95  # GAE lambda
     cliprange: float = 0.2  # policy ratio clipped to [1 - cliprange, 1 + cliprange]
+    # Asymmetric clipping (DAPO's clip-higher): [1 - cliprange_low, 1 + cliprange_high]; null = cliprange
+    cliprange_low: float | None = None  # lower side of the ratio clip; null = cliprange
+    cliprange_high: float | None = None  # upper side of the ratio clip; null = cliprange
+    # token_mean (PPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum (Dr. GRPO: / max_new_tokens)
+    loss_agg: str = "token_mean"
+    kl_loss_coef: float = 0.0  # > 0: + kl_loss_coef x KL(actor || reference) in the actor loss (GRPO)
+    kl_loss_estimator: str = "k3"  # the KL loss's estimator: k1 | k2 | k3
+    dynamic_sampling: bool = False  # drop prompt groups whose scores are all equal (DAPO), counted
     cliprange_value: float = 0.2  # value updates clipped to +-this around the old values
     ppo_epochs: int = 1  # passes over each step's rollouts
     whiten_advantages: bool = False  # normalise advantages to mean 0, std 1 (over all ranks)
@@ -245,7 +255,10 @@ class PPOAlgoConfig:
 
 @dataclass(kw_only=True)
 class RolloutConfig:
-    prompts_per_step: int = 64  # generation batch (global)
+    prompts_per_step: int = 64  # prompts per step (global); each is answered n_samples_per_prompt times
+    # Responses sampled per prompt (a prompt group: grpo/rloo baselines); rows per step =
+    # prompts_per_step x n_samples_per_prompt, and the batch sizes below count rows
+    n_samples_per_prompt: int = 1
     mini_batch_size: int = 32  # rows per optimizer step (global)
     micro_batch_size: int = 32  # rows per forward on one rank
     max_new_tokens: int = 16  # response tokens sampled per prompt
@@ -517,9 +530,14 @@ def validate_reward(cfg: RewardConfig, info) -> int:
     return validate_train(cfg.train, info.world_size)
 
 
+def rollout_rows(r: RolloutConfig) -> int:
+    """Rows (sampled responses) per RL step, over every rank."""
+    return r.prompts_per_step * r.n_samples_per_prompt
+
+
 def validate_ppo(cfg: PPOConfig, info) -> None:
     """Everything a PPO run needs, checked before any model loads."""
-    from rlhf.ppo_math import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+    from rlhf.ppo_math import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 
     _need(bool(cfg.output_dir), "output_dir must be set")
     _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
@@ -539,9 +557,23 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
         _need(p.kl_target > 0 and p.kl_horizon > 0, "ppo.kl_target and ppo.kl_horizon must be > 0 with ppo.adaptive_kl")
     _need(p.advantage_estimator in ADVANTAGE_ESTIMATORS, f"ppo.advantage_estimator must be one of "
           f"{tuple(ADVANTAGE_ESTIMATORS)} (registered in rlhf/ppo_math.py), got {p.advantage_estimator!r}")
+    est = ADVANTAGE_ESTIMATORS[p.advantage_estimator]
+    if not est.token_rewards:
+        _need(p.kl_coef == 0 and not p.adaptive_kl,
+              f"ppo.advantage_estimator={p.advantage_estimator} reads only each response's score, so a KL "
+              f"penalty in the reward (ppo.kl_coef={p.kl_coef}, ppo.adaptive_kl={p.adaptive_kl}) would be "
+              "ignored: set ppo.kl_coef=0 and put the KL in the loss with ppo.kl_loss_coef (algorithm="
+              f"{p.advantage_estimator} does both)")
+    _need(p.kl_loss_coef >= 0, f"ppo.kl_loss_coef must be >= 0 (0 = no KL loss), got {p.kl_loss_coef}")
+    _need(p.kl_loss_estimator in KL_ESTIMATORS,
+          f"ppo.kl_loss_estimator must be one of {KL_ESTIMATORS}, got {p.kl_loss_estimator!r}")
+    _need(p.loss_agg in LOSS_AGGREGATIONS, f"ppo.loss_agg must be one of {LOSS_AGGREGATIONS}, got {p.loss_agg!r}")
     _need(p.clip_reward_value > 0, f"ppo.clip_reward_value must be > 0, got {p.clip_reward_value}")
     _need(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, f"ppo.gamma and ppo.lam must be in [0, 1], got {p.gamma}, {p.lam}")
     _need(p.cliprange > 0 and p.cliprange_value > 0, "ppo.cliprange and ppo.cliprange_value must be > 0")
+    for key in ("cliprange_low", "cliprange_high"):
+        v = getattr(p, key)
+        _need(v is None or v > 0, f"ppo.{key} must be > 0 (null = ppo.cliprange), got {v}")
     _need(p.ppo_epochs >= 1, f"ppo.ppo_epochs must be >= 1, got {p.ppo_epochs}")
     _need(p.ptx_coef >= 0, f"ppo.ptx_coef must be >= 0, got {p.ptx_coef}")
     _need(0 <= p.ema_decay < 1, f"ppo.ema_decay must be in [0, 1) (0 = off), got {p.ema_decay}")
@@ -549,14 +581,24 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
     _need(r.top_k >= 0 and 0 < r.top_p <= 1, "rollout.top_k must be >= 0 and rollout.top_p in (0, 1]")
     w = info.world_size
-    for key in ("prompts_per_step", "mini_batch_size", "micro_batch_size"):
+    for key in ("prompts_per_step", "n_samples_per_prompt", "mini_batch_size", "micro_batch_size"):
         _need(getattr(r, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(r, key)}")
+    if p.dynamic_sampling:
+        _need(r.n_samples_per_prompt >= 2, "ppo.dynamic_sampling drops prompt groups whose scores are all equal: "
+              f"it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
+    # Batch sizes: prompts_per_step counts prompts; every other size counts rows (sampled responses).
+    # Each rank answers whole prompts (all n samples of a prompt on one rank), so a group never spans ranks.
+    _need(r.prompts_per_step % w == 0, f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
+          f"the world size ({w}): each rank samples every response of its own prompts")
     _need(r.mini_batch_size % (r.micro_batch_size * w) == 0,
           f"rollout.mini_batch_size ({r.mini_batch_size}) must be a multiple of rollout.micro_batch_size "
           f"({r.micro_batch_size}) x world size ({w})")
-    _need(r.prompts_per_step % r.mini_batch_size == 0,
-          f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of rollout.mini_batch_size "
-          f"({r.mini_batch_size})")
+    rows = rollout_rows(r)
+    what = (f"rollout.prompts_per_step ({r.prompts_per_step})" if r.n_samples_per_prompt == 1 else
+            f"the rows per step, rollout.prompts_per_step x rollout.n_samples_per_prompt "
+            f"({r.prompts_per_step} x {r.n_samples_per_prompt} = {rows}),")
+    _need(rows % r.mini_batch_size == 0,
+          f"{what} must be a multiple of rollout.mini_batch_size ({r.mini_batch_size}, rows)")
     t = cfg.train
     _need(t.epochs >= 1 or t.max_steps > 0, f"train.epochs must be >= 1 (or set train.max_steps), got {t.epochs}")
     for key in ("max_steps", "eval_every", "save_every", "keep_last_n"):

@@ -31,7 +31,7 @@ from engine.checkpoint import kill_point, published, read_meta
 from engine.distributed import all_reduce_sum
 from engine.ema import ParamEMA
 from rlhf import ppo_math
-from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, optim_config
+from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, optim_config, rollout_rows
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
 from rlhf.models import (
@@ -53,10 +53,11 @@ class Rollout:
     response_mask: torch.Tensor  # [B, T] real response tokens; empty responses masked out entirely
     responses: torch.Tensor      # [B, T]
     prompt_len: int
-    group: torch.Tensor          # [B] the dataset row of each prompt
+    group: torch.Tensor          # [B] the dataset row of each prompt: the n samples of one prompt share it
     empty: torch.Tensor          # [B] bool: nothing said before the EOS (dropped from the update)
     truncated: torch.Tensor      # [B] bool: hit max_new_tokens without an EOS
     nonfinite: torch.Tensor | None = None  # [B] bool: a model scored it NaN/inf (dropped; mask_nonfinite)
+    dropped: torch.Tensor | None = None  # [B] bool: its group's scores were all equal (drop_uniform_groups)
 
 
 def empty_responses(responses: torch.Tensor, response_mask: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -157,17 +158,21 @@ def build_experience(
     estimator: str = "gae",
     group: torch.Tensor | None = None,
     whiten: bool = False,
+    norm_by_std: bool = True,
 ) -> Experience:
     """Rewards (KL penalty per token + clipped score on the last), then advantages and returns by
-    the registered `estimator` (optionally whitened over every rank's response tokens)."""
+    the registered `estimator` (optionally whitened over every rank's response tokens). The
+    estimator's declared options (ppo_math.register_advantage) get `norm_by_std` and a sum over ranks."""
     mask = response_mask.float()
     rewards, kl = ppo_math.compute_rewards(scored["logp_old"], scored["logp_ref"], scored["score"], mask,
                                            kl_coef, clip_reward_value, kl_estimator)
     group = torch.arange(mask.shape[0], device=mask.device) if group is None else group
     values = scored.get("values")
-    advantages, returns = ppo_math.advantage_estimator(estimator).fn(
+    est = ppo_math.advantage_estimator(estimator)
+    options = {"norm_by_std": norm_by_std, "all_reduce_sum": all_reduce_sum}
+    advantages, returns = est.fn(
         ppo_math.AdvantageInputs(rewards=rewards, score=scored["score"], values=values, mask=mask, group=group),
-        gamma=gamma, lam=lam)
+        gamma=gamma, lam=lam, **{k: options[k] for k in est.options})
     if whiten:
         world_whiten_(advantages, mask)
     return Experience(
@@ -179,14 +184,19 @@ def build_experience(
 
 def world_whiten_(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Advantages to mean 0, std 1 over the response tokens of every rank (in place)."""
-    m = mask.bool()
-    a = torch.where(m, advantages, torch.zeros_like(advantages)).double()
-    stats = all_reduce_sum(torch.stack([a.sum(), (a * a).sum(), m.sum().double()]))
-    n = stats[2].clamp(min=2)
-    mean = stats[0] / n
-    var = (stats[1] / n - mean * mean) * n / (n - 1)
-    advantages.copy_(torch.where(m, ((a - mean) * torch.rsqrt(var + eps)).float(), torch.zeros_like(advantages)))
-    return advantages
+    return advantages.copy_(ppo_math.whiten_across(advantages, mask, all_reduce_sum, eps))
+
+
+def drop_uniform_groups(rollout: Rollout, score: torch.Tensor) -> int:
+    """Dynamic sampling (DAPO), without the re-sampling: the rows of every prompt group whose valid
+    rows' scores are all equal leave the update (their response mask is zeroed; an outcome
+    estimator would give them advantage 0, so they carry no signal and only dilute the loss). Groups
+    are whole on each rank. In place; sets `rollout.dropped` [B]; returns this rank's dropped groups."""
+    valid = rollout.response_mask.bool().any(1)
+    uniform = ppo_math.uniform_groups(score, rollout.group, valid) & valid
+    rollout.response_mask = rollout.response_mask.masked_fill(uniform[:, None], 0)
+    rollout.dropped = uniform
+    return int(torch.unique(rollout.group[uniform]).numel())
 
 
 # ----------------------------------------------------------------------------- the engines and the update
@@ -232,12 +242,15 @@ class Models:
         ecfg = engine_config(cfg.engine, info)
         ref_path = cfg.reference.model or cfg.actor.model
         rm_path = cfg.reward_model.model or cfg.critic.model
-        if cfg.model.tokenizer is None:  # each model brings its own: they must all be the actor's
-            for key, path in (("reference", ref_path), ("critic", cfg.critic.model), ("reward_model", rm_path)):
-                if path != cfg.actor.model and (why := tokenizer_mismatch(tok, load_tokenizer(model_cfg(cfg, path), key))):
-                    raise ConfigError(f"{key}.model={path!r} was saved with another tokenizer than actor.model "
-                                      f"({why}): the four PPO models must share one (set model.tokenizer to force one)")
         needs_critic = ppo_math.advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
+        if cfg.model.tokenizer is None:  # each model brings its own: they must all be the actor's
+            loaded = (("reference", ref_path), ("critic", cfg.critic.model if needs_critic else None),
+                      ("reward_model", None if reward_source else rm_path))
+            for key, path in loaded:
+                if path and path != cfg.actor.model and (
+                        why := tokenizer_mismatch(tok, load_tokenizer(model_cfg(cfg, path), key))):
+                    raise ConfigError(f"{key}.model={path!r} was saved with another tokenizer than actor.model "
+                                      f"({why}): the PPO models must share one (set model.tokenizer to force one)")
         fused = cfg.engine.kernels
         actor = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok,
                                                       seed=cfg.seed, key="actor")), fused=fused)
@@ -265,6 +278,19 @@ class Models:
         for e in (self.actor, self.critic, self.reference, self.reward):
             if e is not None:
                 e.eval()  # dropout is off anyway; eval() keeps HF modules from training-only branches
+
+    def engines(self) -> dict[str, Any]:
+        """The engines this run built, by role: a critic-free run has no critic, and a run whose reward
+        source is not the reward model has no reward model."""
+        return {k: e for k, e in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
+                                  ("reward_model", self.reward)) if e is not None}
+
+    def memory_report(self) -> dict:
+        """The actor's memory report (engine.memory), plus `models`: the bytes of parameters, gradients
+        and optimizer state this rank holds per model, for every model this run holds."""
+        report = self.actor.memory_report()
+        report["models"] = {k: e.memory_report()["model_state_bytes"] for k, e in self.engines().items()}
+        return report
 
     def score(self, rollout, cfg: PPOConfig) -> dict[str, torch.Tensor]:
         """The "score" step: old and reference log-probs, critic values, and the reward source's scores."""
@@ -299,11 +325,12 @@ def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_b
     """The "update" step: `ppo.ppo_epochs` passes over shuffled mini-batches of this rank's rows, one
     actor (and critic) optimizer step per mini-batch; `ptx_batches()` gives each micro-batch's SFT rows."""
     r, p, info = cfg.rollout, cfg.ppo, models.info
-    per_rank, mini_rows = r.prompts_per_step // info.world_size, r.mini_batch_size // info.world_size
+    rows = rollout_rows(r)  # prompts_per_step x n_samples_per_prompt; the batch sizes count rows
+    per_rank, mini_rows = rows // info.world_size, r.mini_batch_size // info.world_size
     a_stats, c_stats = [], []
     for _ in range(p.ppo_epochs):
         perm = torch.randperm(per_rank).tolist()
-        for k in range(r.prompts_per_step // r.mini_batch_size):
+        for k in range(rows // r.mini_batch_size):
             rows_k = perm[k * mini_rows : (k + 1) * mini_rows]
             micro = [exp.rows(rows_k[i : i + r.micro_batch_size]) for i in range(0, mini_rows, r.micro_batch_size)]
             if ptx_batches is not None:
@@ -327,22 +354,24 @@ def ptx_batches(feats: list, order: StepOrder, first: int, info, pad_id: int) ->
 
 
 def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list, cfg: PPOConfig, kl_coef: float,
-                times: tuple[float, ...]) -> dict[str, Any]:
-    """One step's metrics over every rank's rows (a collective)."""
+                times: tuple[float, ...], dropped_groups: int = 0) -> dict[str, Any]:
+    """One step's metrics over every rank's rows (a collective). reward: over the scored rows (not
+    empty, finite); kl and response_len: over the rows in the update (those less the dropped groups')."""
     p = cfg.ppo
     nonfinite = rollout.nonfinite if rollout.nonfinite is not None else torch.zeros_like(rollout.empty)
+    dropped = rollout.dropped if rollout.dropped is not None else torch.zeros_like(rollout.empty)
     kept = (~rollout.empty & ~nonfinite).float()
     sums = all_reduce_sum(torch.stack([
         (exp.score * kept).sum(), (exp.score.clamp(-p.clip_reward_value, p.clip_reward_value) * kept).sum(),
         ppo_math.masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),
         rollout.empty.sum(), rollout.truncated.sum(), torch.tensor(float(rollout.attention_mask.sum())),
-        nonfinite.sum(),
+        nonfinite.sum(), dropped.sum(), torch.tensor(float(dropped_groups)),
     ]).double().cpu()).tolist()
-    n_kept = max(sums[4], 1.0)
+    n_kept, n_update = max(sums[4], 1.0), max(sums[4] - sums[9], 1.0)
     t0, t1, t2, t3 = times
     rec = {
-        "reward": sums[0] / n_kept, "reward_clipped": sums[1] / n_kept, "kl": sums[2] / n_kept,
-        "kl_coef": kl_coef, "response_len": sums[3] / n_kept, "empty_responses": int(sums[5]),
+        "reward": sums[0] / n_kept, "reward_clipped": sums[1] / n_kept, "kl": sums[2] / n_update,
+        "kl_coef": kl_coef, "response_len": sums[3] / n_update, "empty_responses": int(sums[5]),
         "truncated_responses": int(sums[6]), "nonfinite_rows": int(sums[8]),
         "actor_loss": _mean(a_stats, "loss"), "critic_loss": _mean(c_stats, "loss"),
         "entropy": _mean(a_stats, "entropy"), "clipfrac": _mean(a_stats, "clipfrac"),
@@ -355,6 +384,10 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
     }
     if p.ptx_coef:
         rec["ptx_loss"] = _mean(a_stats, "ptx_loss")
+    if p.kl_loss_coef:
+        rec["kl_loss"] = _mean(a_stats, "kl_loss")
+    if p.dynamic_sampling:
+        rec["dropped_groups"], rec["dropped_rows"] = int(sums[10]), int(sums[9])
     return rec
 
 

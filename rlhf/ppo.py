@@ -1,8 +1,10 @@
-"""Stage 3: PPO with four models: actor (trained), critic (trained), reference and reward (frozen).
+"""Stage 3: PPO with four models: actor (trained), critic (trained), reference and reward (frozen);
+or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
 
     python -m rlhf.ppo                                        # from outputs/sft + outputs/reward, CPU
     python -m rlhf.ppo actor.model=/runs/sft critic.model=/runs/rm ppo.kl_coef=0.05
     torchrun --nproc_per_node 2 -m rlhf.ppo engine=zero3 rollout.micro_batch_size=16
+    python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp (conf/algorithm/)
 
 One PPO step (DeepSpeed-Chat's defaults; rlhf/ppo_math.py holds the math):
   1. generation mode: the actor's parameters are gathered once and `rollout.prompts_per_step`
@@ -14,6 +16,11 @@ One PPO step (DeepSpeed-Chat's defaults; rlhf/ppo_math.py holds the math):
   4. GAE advantages (gamma, lam), returns = advantages + values, optional whitening (over all ranks);
   5. `ppo.ppo_epochs` passes over shuffled mini-batches: one actor step (clipped surrogate, + ptx)
      and one critic step (clipped value loss) per mini-batch; optional EMA of the actor.
+The algorithm is the registered advantage estimator (ppo.advantage_estimator; `algorithm=` sets it
+with its other keys): critic-free ones skip the critic in 2., 4. and 5.; each prompt is sampled
+rollout.n_samples_per_prompt times on one rank (its group); the KL can be a loss term
+(ppo.kl_loss_coef) instead of the reward penalty; ppo.loss_agg, ppo.cliprange_low/high and
+ppo.dynamic_sampling (drop groups of equal scores) shape the actor update.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
 critic/, model_ema/ (with ppo.ema_decay), summary.json.
@@ -32,12 +39,13 @@ from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
 from rlhf import ppo_math
 from rlhf.app import ConfigError, stage_main
-from rlhf.config import PPOConfig, validate_ppo
+from rlhf.config import PPOConfig, rollout_rows, validate_ppo
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import gold_eval, load_eval_prompts
 from rlhf.experience import (
-    Models, build_experience, generate, mask_nonfinite, model_cfg, nonfinite_rows, ptx_batches, step_metrics, update,
+    Models, build_experience, drop_uniform_groups, generate, mask_nonfinite, model_cfg, nonfinite_rows, ptx_batches,
+    step_metrics, update,
 )
 from rlhf.hub import check_local
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer
@@ -52,13 +60,27 @@ logger = logging.getLogger("rlhf.ppo")
 # ----------------------------------------------------------------------------- losses
 
 
-def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float):
+def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cliprange_low: float | None = None,
+                    cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
+                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3"):
+    """The actor's loss: the clipped surrogate (ratio clipped to [1 - low, 1 + high]; low/high
+    default to cliprange), aggregated by `loss_agg` (ppo_math.aggregate_loss: sum over its weight
+    units, so micro-batches and ranks combine into the whole mini-batch's aggregate), + kl_loss_coef
+    x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like the rest)."""
+    low = cliprange if cliprange_low is None else cliprange_low
+
     def actor_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Clipped surrogate summed over response tokens (+ ptx_coef x SFT loss, weighted alike)."""
         logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
         mask = mb["response_mask"]
-        loss, stats = ppo_math.policy_loss(logp, mb["logp_old"], mb["advantages"], mask, cliprange)
-        n = mask.sum()
+        loss, stats = ppo_math.policy_loss(logp, mb["logp_old"], mb["advantages"], mask, low,
+                                           cliprange_high=cliprange_high, loss_agg=loss_agg, horizon=horizon)
+        n = ppo_math.loss_weight(mask, loss_agg)  # tokens (token_mean) or rows
+        if kl_loss_coef:
+            kl_sum, kl_n = ppo_math.aggregate_loss(ppo_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
+                                                   mask, loss_agg, horizon)
+            kl = kl_sum / kl_n.clamp(min=1)
+            loss = loss + kl_loss_coef * kl
+            stats["kl_loss"] = kl.detach()
         total = loss * n
         stats["entropy"] = ppo_math.masked_mean(entropy, mask)
         if ptx_coef:
@@ -82,6 +104,14 @@ def make_critic_loss(cliprange_value: float):
 
 
 # ----------------------------------------------------------------------------- pieces
+
+
+def actor_loss(cfg: PPOConfig):
+    """The actor loss of `cfg`'s algorithm (make_actor_loss with the ppo.* keys)."""
+    p, r = cfg.ppo, cfg.rollout
+    return make_actor_loss(p.cliprange, r.temperature, p.ptx_coef, cliprange_low=p.cliprange_low,
+                           cliprange_high=p.cliprange_high, loss_agg=p.loss_agg, horizon=r.max_new_tokens,
+                           kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator)
 
 
 def sampling(cfg: PPOConfig) -> SamplingParams:
@@ -130,8 +160,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if cfg.model.name_or_path is not None:
         raise ConfigError("model.name_or_path is not used by PPO: set actor.model and critic.model "
                           "(reference.model / reward_model.model default to them)")
+    est = ppo_math.advantage_estimator(p.advantage_estimator)
+    # the critic's path is read only for a critic, or as the reward model's default source
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
-        check_local(path, key)  # names the stage to run first
+        if key == "actor.model" or est.needs_critic or cfg.reward_model.model is None:
+            check_local(path, key)  # names the stage to run first
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
@@ -141,7 +174,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     eval_prompts = load_eval_prompts(d, tok)
     order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
     total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
-    minis = r.prompts_per_step // r.mini_batch_size
+    minis = rollout_rows(r) // r.mini_batch_size  # the batch sizes count rows: prompts x n_samples_per_prompt
     n_updates = total * p.ppo_epochs * minis
     ptx_feats, ptx_order = None, None
     if p.ptx_coef > 0:
@@ -150,42 +183,46 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         ptx_feats, _ = tokenize_sft(parse_sft(load_rows(cfg.ptx_path), tok), tok, d.max_len, d.max_prompt_len,
                                     d.overlong, d.add_bos)
         ptx_order = StepOrder(len(ptx_feats), r.micro_batch_size * info.world_size, cfg.seed + 1, key="ptx_path")
-    logger.info("PPO: %d prompts (%s), %d eval prompts; %d steps of %d prompts, %d actor/critic updates",
-                len(feats), stats, len(eval_prompts), total, r.prompts_per_step, n_updates)
+    logger.info("%s: %d prompts (%s), %d eval prompts; %d steps of %d prompts x %d samples, %d actor%s updates",
+                p.advantage_estimator, len(feats), stats, len(eval_prompts), total, r.prompts_per_step,
+                r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
 
     # ---- models
     models = Models(cfg, tok, info, n_updates)
     kl_ctl = ppo_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
-    run.begin(models, total, lambda: evaluate(models, eval_prompts, tok, cfg), _eval_line, memory=models.actor,
+    run.begin(models, total, lambda: evaluate(models, eval_prompts, tok, cfg), _eval_line, memory=models,
               state_fn=lambda: {"kl_ctl": kl_ctl.state_dict()})
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
-    losses = make_actor_loss(p.cliprange, r.temperature, p.ptx_coef), make_critic_loss(p.cliprange_value)
+    losses = actor_loss(cfg), make_critic_loss(p.cliprange_value)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     micro_per_step = p.ppo_epochs * minis * (r.mini_batch_size // info.world_size // r.micro_batch_size)
     times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
     for step in run.steps():
         t0 = time.time()
-        idx = order.rank_rows(step, info.rank, info.world_size, 1)[0]
+        # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
+        idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
         rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad), torch.tensor(idx),
                            sampling(cfg), eos, pad)
         t1 = time.time()
         scored = models.score(rollout, cfg)
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
+        dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
                                scored, kl_coef=kl_ctl.value, kl_estimator=p.kl_estimator,
                                clip_reward_value=p.clip_reward_value, gamma=p.gamma, lam=p.lam,
-                               estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages)
+                               estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages,
+                               norm_by_std=p.norm_by_std)
         t2 = time.time()
         ptx = None if ptx_feats is None else ptx_batches(ptx_feats, ptx_order, step * micro_per_step, info, pad)
         a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
         t3 = time.time()
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3))
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped)
         for key in times:
             times[key].append(rec[key])
-        kl_ctl.update(rec["kl"], r.prompts_per_step)
+        kl_ctl.update(rec["kl"], rollout_rows(r))
         if run.logs(step):
             run.log_train(step, rec, dict(reward=f"{rec['reward']:.3f}", kl=f"{rec['kl']:.3f}",
                                           len=f"{rec['response_len']:.1f}"))
@@ -218,6 +255,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),
         "kl_coef_final": kl_ctl.value,
+        "advantage_estimator": p.advantage_estimator,
+        "samples_per_step": rollout_rows(r),
         "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},

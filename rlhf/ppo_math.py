@@ -16,6 +16,12 @@ The step, with the DeepSpeed-Chat defaults:
     actor     = masked_mean(max(-A * r, -A * clip(r, 1 ± 0.2))), r = exp(logp - logp_old)
     critic    = 0.5 * masked_mean(max((v - R)^2, (v_old + clip(v - v_old, ±0.2) - R)^2))
     kl_coef   fixed, or adaptive (Ziegler et al. 2019)
+
+Critic-free estimators (registered: grpo, rloo, reinforce_pp), per prompt group of a row:
+    grpo      A_i = (s_i - mean_g) / (std_g + eps)       (norm_by_std=False: s_i - mean_g, Dr. GRPO)
+    rloo      A_i = s_i - mean of the others in g
+    reinforce_pp  A = whiten over the batch (all ranks) of the discounted returns of the rewards
+with the KL as a loss term (`kl_loss_tokens`, k3) and the loss aggregated by `aggregate_loss`.
 """
 from __future__ import annotations
 
@@ -124,6 +130,21 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1
     return torch.expm1(-log_ratio) + log_ratio
 
 
+def kl_loss_tokens(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
+                   estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(policy || reference) as a loss term (GRPO puts it in the loss, not the reward).
+
+    logp: [B, T] current log-probs (with grad); logp_ref: [B, T] (detached here); mask: [B, T].
+    k3 (default) is non-negative and its gradient pulls the policy toward the reference. Returns
+    [B, T] float32, exactly 0 (and with a zero gradient) outside the mask, whatever the padding holds.
+    """
+    _check_shapes(logp=logp, logp_ref=logp_ref, mask=mask)
+    ref = _f32(logp_ref).detach()
+    # NOTE: the padding's log-probs are replaced by the reference's *before* the estimate, so an
+    # overflowing exp there cannot backpropagate 0 * inf = NaN.
+    return kl_estimate(torch.where(mask.bool(), _f32(logp), ref), ref, estimator)
+
+
 def compute_rewards(logp_old: torch.Tensor, logp_ref: torch.Tensor, score: torch.Tensor,
                     mask: torch.Tensor, kl_coef: float, clip_reward_value: float,
                     kl_estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,17 +211,205 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     return advantages, returns
 
 
+# ----------------------------------------------------------------------------- critic-free estimators
+#
+# Outcome estimators (GRPO, RLOO) see one score per response and the prompt group of each row; a
+# row's advantage is the same on every one of its response tokens. A group's statistics are taken
+# over its rows that said something (mask not all 0): an empty or dropped row neither gets an
+# advantage nor moves its group's baseline. Groups are whatever equal `group` ids say, within the
+# tensors given: the RL stage keeps every group's rows on one rank (rlhf/experience.py), so no
+# gather is needed.
+
+def _group_stats(score: torch.Tensor, group: torch.Tensor, valid: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: (n, sum, sum of squares) of the valid scores in the row's group, float64, [B] each."""
+    _, inv = torch.unique(group, return_inverse=True)                         # [B] -> 0..G-1
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    s = torch.where(valid, score.double(), torch.zeros((), dtype=torch.float64, device=score.device))
+    zeros = torch.zeros(G, dtype=torch.float64, device=score.device)
+    n = zeros.index_add(0, inv, valid.double())
+    total = zeros.index_add(0, inv, s)
+    squares = zeros.index_add(0, inv, s * s)
+    return n[inv], total[inv], squares[inv]
+
+
+def _outcome_inputs(score: torch.Tensor, group: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_2d("mask", mask)
+    B = mask.shape[0]
+    if tuple(score.shape) != (B,) or tuple(group.shape) != (B,):
+        raise ValueError(f"score and group must be [B] = [{B}], got {list(score.shape)} and {list(group.shape)}")
+    m = mask.bool()
+    return m, m.any(1)                                                         # [B, T], valid rows [B]
+
+
+def _per_token(adv: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """[B] (float64) -> [B, T] float32 on the masked tokens, 0 elsewhere."""
+    return torch.where(m, adv.float()[:, None], torch.zeros((), dtype=torch.float32, device=m.device))
+
+
+@torch.no_grad()
+def grpo_advantages(score: torch.Tensor, group: torch.Tensor, mask: torch.Tensor, *, norm_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's group-normalised outcome advantage (Shao et al. 2024), on every response token.
+
+    score: [B] one score per response; group: [B] int64, rows answering one prompt share an id;
+    mask: [B, T]. Over the valid rows (mask not empty) of each group:
+        A_i = (score_i - mean) / (std + eps)      (std unbiased: Bessel's n - 1)
+        A_i = score_i - mean                      (norm_by_std=False: Dr. GRPO, Liu et al. 2025)
+    A group of one valid row has advantage 0 (no baseline); so has a group of equal scores.
+    Returns [B, T] float32, A_i on row i's masked tokens, 0 elsewhere; no grad.
+    """
+    m, valid = _outcome_inputs(score, group, mask)
+    n, total, squares = _group_stats(score, group, valid)
+    mean = total / n.clamp(min=1)
+    adv = score.double() - mean
+    if norm_by_std:
+        var = ((squares - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)  # unbiased
+        adv = adv / (var.sqrt() + eps)
+    adv = torch.where(valid & (n > 1), adv, torch.zeros_like(adv))
+    return _per_token(adv, m)
+
+
+@torch.no_grad()
+def rloo_advantages(score: torch.Tensor, group: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): each response's baseline is the mean score
+    of the other valid responses to its prompt.
+
+    score: [B]; group: [B] int64; mask: [B, T].
+        A_i = score_i - (sum_group - score_i) / (n_group - 1)   (= n/(n-1) * (score_i - mean))
+    A group of one valid row has advantage 0. Returns [B, T] float32 (0 outside the mask); no grad.
+    """
+    m, valid = _outcome_inputs(score, group, mask)
+    n, total, _ = _group_stats(score, group, valid)
+    s = score.double()
+    adv = s - (total - s) / (n - 1).clamp(min=1)
+    adv = torch.where(valid & (n > 1), adv, torch.zeros_like(adv))
+    return _per_token(adv, m)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum_{k >= t} gamma^(k - t) r_k over each row's response tokens.
+
+    rewards, mask: [B, T]; rewards outside the mask count as 0. Returns [B, T] float32, 0 outside
+    the mask.
+    """
+    _check_2d("mask", mask)
+    _check_shapes(rewards=rewards, mask=mask)
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=m.device)
+    r = torch.where(m, _f32(rewards), zero)
+    out = torch.zeros_like(r)
+    running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+    return torch.where(m, out, zero)
+
+
+def whiten_across(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """`masked_whiten` over the masked entries of every rank: mean 0, (unbiased) std 1.
+
+    x, mask: [B, T] (this rank's); `all_reduce_sum(t)` returns t summed over the ranks (None: one
+    process). Returns float32, 0 outside the mask; equal to masked_whiten on the concatenated rows.
+    """
+    _check_shapes(x=x, mask=mask)
+    m = mask.bool()
+    a = torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
+    stats = torch.stack([a.sum(), (a * a).sum(), m.sum().double()])
+    if all_reduce_sum is not None:
+        stats = all_reduce_sum(stats)
+    n = stats[2].clamp(min=2)
+    mean = stats[0] / n
+    var = ((stats[1] / n - mean * mean) * n / (n - 1)).clamp(min=0)
+    return torch.where(m, ((a - mean) * torch.rsqrt(var + eps)).float(), torch.zeros((), device=x.device))
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, *,
+                            all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): discounted returns of the token-level rewards, whitened over the batch.
+
+    rewards: [B, T] per-token rewards (`compute_rewards`: -kl_coef * KL on every token, + the
+    clipped score on the last); mask: [B, T]. `all_reduce_sum`: see `whiten_across` (the whitening
+    is over every rank's response tokens).
+        A = whiten(G),  G_t = sum_{k >= t} gamma^(k - t) r_k
+    Returns [B, T] float32 (0 outside the mask); no grad.
+    """
+    return whiten_across(discounted_returns(rewards, mask, gamma), mask, all_reduce_sum)
+
+
+# ----------------------------------------------------------------------------- group filtering
+
+def uniform_groups(score: torch.Tensor, group: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows whose group's valid rows all have the same score (DAPO's dynamic sampling
+    drops them: an outcome estimator gives them advantage 0, so they only dilute the loss).
+
+    score, group, valid: [B] (valid: the rows that take part). A group with no valid row, or one,
+    counts as uniform. Exact equality: with a verifiable (0/1) reward, all right or all wrong.
+    """
+    n, _, _ = _group_stats(score, group, valid)
+    _, inv = torch.unique(group, return_inverse=True)
+    G = int(inv.max()) + 1 if inv.numel() else 0
+    big = torch.tensor(float("inf"), dtype=torch.float64, device=score.device)
+    s = score.double()
+    lo = torch.full((G,), float("inf"), dtype=torch.float64, device=score.device).scatter_reduce(
+        0, inv, torch.where(valid, s, big), "amin")
+    hi = torch.full((G,), -float("inf"), dtype=torch.float64, device=score.device).scatter_reduce(
+        0, inv, torch.where(valid, s, -big), "amax")
+    return (n <= 1) | (lo[inv] == hi[inv])
+
+
 # ----------------------------------------------------------------------------- losses
 
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def aggregate_loss(x: torch.Tensor, mask: torch.Tensor, loss_agg: str = "token_mean",
+                   horizon: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-token loss reduced to (sum, weight), so that sum / weight is the loss and the engine's
+    global mean over micro-batches and ranks (rows split anyhow) is the same mean of the whole batch.
+
+    x, mask: [B, T]. Empty rows (mask all 0) count in no weight.
+        token_mean          sum over every masked token / number of tokens (PPO, DAPO)
+        seq_mean_token_mean mean over rows of each row's token mean (GRPO's original)
+        seq_mean_token_sum  mean over rows of each row's token sum / `horizon` (Dr. GRPO: a constant,
+                            the generation budget, so a long response weighs no less per token)
+    Returns (sum 0-d, weight 0-d); both keep x's graph (weight is a count, no grad).
+    """
+    _check_shapes(x=x, mask=mask)
+    if loss_agg == "token_mean":
+        return masked_sum(x, mask), loss_weight(mask, loss_agg)
+    if loss_agg == "seq_mean_token_mean":
+        per_row = masked_mean(x, mask, dim=1)
+    elif loss_agg == "seq_mean_token_sum":
+        if not horizon or horizon <= 0:
+            raise ValueError(f"seq_mean_token_sum needs a horizon > 0 (the generation budget), got {horizon!r}")
+        per_row = masked_sum(x, mask, dim=1) / horizon
+    else:
+        raise ValueError(f"unknown loss aggregation {loss_agg!r}; valid: {', '.join(LOSS_AGGREGATIONS)}")
+    return per_row.sum(), loss_weight(mask, loss_agg)
+
+
+def loss_weight(mask: torch.Tensor, loss_agg: str = "token_mean") -> torch.Tensor:
+    """The weight units of `aggregate_loss`: masked tokens (token_mean; `mask.sum()` as given, so
+    PPO's token mean is what it always was) or rows with at least one masked token (seq_mean_*)."""
+    return mask.sum() if loss_agg == "token_mean" else mask.bool().any(1).sum().to(torch.float32)
+
+
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cliprange: float = 0.2
+                mask: torch.Tensor, cliprange: float = 0.2, *, cliprange_high: float | None = None,
+                loss_agg: str = "token_mean", horizon: float | None = None,
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss for the actor.
 
     logp: [B, T] current log-probs (with grad); logp_old, advantages: [B, T] (detached here);
     mask: [B, T].
         ratio = exp(logp - logp_old)
-        loss  = masked_mean(max(-A * ratio, -A * clamp(ratio, 1 - c, 1 + c)))   (0-d)
+        loss  = agg(max(-A * ratio, -A * clamp(ratio, 1 - c, 1 + c_high)))   (0-d)
+    `cliprange_high` (None = cliprange): DAPO's clip-higher, an asymmetric range that lets unlikely
+    tokens with a positive advantage grow further. `agg` is `aggregate_loss(loss_agg, horizon)`'s
+    sum / weight; token_mean is the masked mean (PPO's).
     Stats (detached 0-d tensors, so callers can all-reduce them):
         clipfrac   fraction of masked tokens where the clipped branch is strictly larger
         approx_kl  masked mean of 0.5 * (logp - logp_old)^2
@@ -215,8 +424,14 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     log_ratio = torch.where(m, _f32(logp) - _f32(logp_old).detach(), zero)                  # [B, T]
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(pg_unclipped, pg_clipped), mask)
+    high = cliprange if cliprange_high is None else cliprange_high
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    if loss_agg == "token_mean":
+        loss = masked_mean(pg, mask)
+    else:
+        total, weight = aggregate_loss(pg, mask, loss_agg, horizon)
+        loss = total / weight.clamp(min=1)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask),
@@ -378,17 +593,23 @@ class AdvantageInputs:
 class AdvantageEstimator:
     fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     needs_critic: bool
+    token_rewards: bool  # reads x.rewards (so the KL penalty in the reward, ppo.kl_coef, reaches it)
+    options: tuple[str, ...]  # extra keyword arguments it takes (see `build_experience`)
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage(name: str, *, needs_critic: bool):
-    """Register `fn(x: AdvantageInputs, *, gamma, lam) -> (advantages, returns | None)` as `name`."""
+def register_advantage(name: str, *, needs_critic: bool, token_rewards: bool = True, options: tuple[str, ...] = ()):
+    """Register `fn(x: AdvantageInputs, *, gamma, lam, **options) -> (advantages, returns | None)` as
+    `name`. `token_rewards=False`: it reads only x.score (an outcome estimator), so a KL penalty in
+    the reward would be ignored (the config then refuses ppo.kl_coef > 0). `options` names the
+    keyword arguments besides gamma and lam it takes: `norm_by_std` (ppo.norm_by_std),
+    `all_reduce_sum` (a sum over every rank's tensors, identity in one process)."""
     def deco(fn):
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_critic)
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_critic, token_rewards, tuple(options))
         return fn
     return deco
 
@@ -405,3 +626,22 @@ def gae(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[torch.Tensor, 
     if x.values is None:
         raise ValueError("gae needs critic values")
     return gae_advantages(x.rewards, x.values, x.mask, gamma, lam)
+
+
+@register_advantage("grpo", needs_critic=False, token_rewards=False, options=("norm_by_std",))
+def grpo(x: AdvantageInputs, *, gamma: float, lam: float, norm_by_std: bool = True) -> tuple[torch.Tensor, None]:
+    """GRPO (`grpo_advantages`); ppo.norm_by_std=false is Dr. GRPO."""
+    return grpo_advantages(x.score, x.group, x.mask, norm_by_std=norm_by_std), None
+
+
+@register_advantage("rloo", needs_critic=False, token_rewards=False)
+def rloo(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[torch.Tensor, None]:
+    """RLOO (`rloo_advantages`)."""
+    return rloo_advantages(x.score, x.group, x.mask), None
+
+
+@register_advantage("reinforce_pp", needs_critic=False, options=("all_reduce_sum",))
+def reinforce_pp(x: AdvantageInputs, *, gamma: float, lam: float,
+                 all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, None]:
+    """REINFORCE++ (`reinforce_pp_advantages`), whitened over every rank's response tokens."""
+    return reinforce_pp_advantages(x.rewards, x.mask, gamma, all_reduce_sum=all_reduce_sum), None

@@ -118,7 +118,8 @@ def main() -> None:
         f"AUC of scores for correct vs incorrect responses {fmt(r.get('gold_auc'))}."
         + (" Per task: " + ", ".join(per_task) + "." if per_task else ""),
         "", "## PPO", "",
-        f"{s['ppo']['steps']} steps; reward (held-out, sampled) {fmt(s['ppo'].get('reward_before'))} -> "
+        f"{s['ppo']['steps']} steps (advantage estimator {s['ppo'].get('advantage_estimator', 'gae')}); "
+        f"reward (held-out, sampled) {fmt(s['ppo'].get('reward_before'))} -> "
         f"{fmt(s['ppo'].get('reward_after'))}; final KL coefficient {fmt(s['ppo'].get('kl_coef_final'))}; "
         f"empty responses dropped: {s['ppo'].get('empty_responses', 0)}.",
         "",

@@ -7,6 +7,8 @@
 #   bash scripts/run_all.sh sft:train.epochs=2 reward:train.lr=5e-4 ppo:ppo.kl_coef=0.05 all:engine=zero3
 #   LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:rollout.micro_batch_size=16
 #   PRESET=smoke bash scripts/run_all.sh                      # a few steps per stage (tests, CI)
+#   ALGO=grpo bash scripts/run_all.sh                         # the RL stage's algorithm: ppo (default),
+#                                                             # grpo, rloo or reinforce_pp (conf/algorithm/)
 #
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
 #
@@ -33,15 +35,23 @@ SFT=() RM=() PPO=()
 # The embedded default's one deviation from the stage defaults: a stronger KL penalty than
 # DeepSpeed-Chat's ppo.kl_coef=0.1, because a ~1M-parameter reward model is easy to over-optimise
 # (measured on 2 CPU cores, shipped data: kl_coef 0.3 -> +31 gold points at KL 0.56 nats/response,
-# 0.1 -> +29 at KL 0.60). Any ppo:ppo.kl_coef=... argument overrides it.
-PPO+=(ppo.kl_coef=0.3)
+# 0.1 -> +29 at KL 0.60). Any ppo:ppo.kl_coef=... argument overrides it. ALGO picks the RL stage's
+# algorithm (python -m rlhf.ppo algorithm=$ALGO); the critic-free ones keep their own KL settings.
+ALGO="${ALGO:-ppo}"
+case "$ALGO" in
+  ppo) PPO+=(ppo.kl_coef=0.3) ;;
+  grpo|rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
+  *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
+esac
 
 case "${PRESET:-}" in
   "") ;;
   smoke)
     SFT+=(train.max_steps=30 train.eval_every=0 data.num_eval_prompts=40 train.lr=3e-3)
     RM+=(train.max_steps=20 train.eval_every=0)
-    PPO+=(train.max_steps=2 train.eval_every=0 data.num_eval_prompts=40 rollout.prompts_per_step=32)
+    PPO+=(train.max_steps=2 train.eval_every=0 data.num_eval_prompts=40)
+    # 32 sampled responses per step, whatever the algorithm's samples per prompt
+    if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=4); else PPO+=(rollout.prompts_per_step=32); fi
     ;;
   *) echo "run_all.sh: unknown PRESET=$PRESET (known: smoke)" >&2; exit 2 ;;
 esac

@@ -123,7 +123,8 @@ def test_a_nonfinite_score_or_logprob_drops_its_row_counted_and_named(caplog):
     stats = [{"loss": 0.0, "grad_norm": 0.0, "lr": 1e-5, "skipped": False}]
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(ppo=SimpleNamespace(clip_reward_value=5.0, ptx_coef=0.0))
+    cfg = SimpleNamespace(ppo=SimpleNamespace(clip_reward_value=5.0, ptx_coef=0.0, kl_loss_coef=0.0,
+                                              dynamic_sampling=False))
     rec = step_metrics(rollout, exp, stats, stats, cfg, 0.1, (0.0, 1.0, 2.0, 3.0))
     assert rec["nonfinite_rows"] == 2 and math.isfinite(rec["reward"])
     assert rec["reward"] == pytest.approx(float(want["score"][[0, 3]].mean()))
@@ -283,6 +284,7 @@ def test_ppo_run_outputs(ppo_run):
     first = metrics(out, "eval")[0]
     assert first["step"] == 0 and abs(first["kl"]) < 1e-6, first
     assert "sample:" in proc.stdout and "gold_score_after" in proc.stdout
+    assert "4 models on this rank: actor" in (out / "ppo.log").read_text()  # the memory plan: with a critic
     for name in ("ppo.png", "model/config.json", "critic/config.json", "model_ema/config.json", "metrics.jsonl"):
         assert os.path.isfile(out / name), name
     train = metrics(out, "train")

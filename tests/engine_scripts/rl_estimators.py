@@ -1,0 +1,102 @@
+"""Each critic-free estimator's advantages and one actor update on 2 ranks vs 1 process, for
+tests/test_rl_algorithms.py.
+
+    torchrun --nproc_per_node 2 rl_estimators.py <out>   2 ranks (gloo), each takes half of the rows
+    python rl_estimators.py <out>                        1 process, every row
+
+GLOBAL rows = PROMPTS prompts x N samples, in prompt order, so each rank holds whole prompt groups
+(as rlhf/ppo.py lays them out). Per estimator (grpo, rloo, reinforce_pp): `build_experience` on this
+rank's rows (REINFORCE++ whitens over every rank), then one ZeRO-3 `TrainEngine.train_step` with
+rlhf/ppo.py's actor loss (KL loss term on, a different loss aggregation per estimator, asymmetric
+clip). Rank 0 saves every row's advantages and the full gradients to <out>/rl_w<world>.pt.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
+from rlhf.experience import build_experience  # noqa: E402
+from rlhf.ppo import make_actor_loss  # noqa: E402
+from rlhf.roles import Policy  # noqa: E402
+from rlhf.rollout import position_ids_from_mask, token_logprobs  # noqa: E402
+
+VOCAB, P, T, PROMPTS, N, MICRO, TEMPERATURE = 64, 4, 6, 4, 3, 2, 0.7
+GLOBAL = PROMPTS * N
+RUNS = {  # estimator: (kl_coef in the reward, loss aggregation)
+    "grpo": (0.0, "seq_mean_token_mean"), "rloo": (0.0, "seq_mean_token_sum"), "reinforce_pp": (0.1, "token_mean"),
+}
+
+
+def actor():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return Policy(LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)))
+
+
+def rollout() -> dict:
+    """GLOBAL rows (left-padded prompts, ragged responses, one empty), their old/reference log-probs
+    near the actor's own, 0/1 scores (one all-equal group) and the prompt group of each row."""
+    g = torch.Generator().manual_seed(99)
+    prompt_len = torch.randint(2, P + 1, (GLOBAL,), generator=g)
+    response_len = torch.randint(1, T + 1, (GLOBAL,), generator=g)
+    response_len[4] = 0
+    cols = torch.arange(P + T)
+    attention_mask = ((cols >= P - prompt_len[:, None]) & (cols < P + response_len[:, None])).long()
+    sequences = torch.randint(1, VOCAB, (GLOBAL, P + T), generator=g) * attention_mask
+    batch = {"sequences": sequences, "attention_mask": attention_mask, "prompt_len": P,
+             "position_ids": position_ids_from_mask(attention_mask)}
+    with torch.no_grad():
+        logp = token_logprobs(actor(), batch, TEMPERATURE)
+    score = torch.randint(0, 2, (GLOBAL,), generator=g).float()
+    score[:N] = 1.0  # the first prompt's group: all right
+    return {**batch, "response_mask": attention_mask[:, P:], "logp_old": logp + 0.1 * torch.randn(GLOBAL, T, generator=g),
+            "logp_ref": logp + 0.3 * torch.randn(GLOBAL, T, generator=g), "score": score,
+            "group": torch.arange(PROMPTS).repeat_interleave(N) + 10}
+
+
+def main(out_dir: str) -> None:
+    torch.use_deterministic_algorithms(True)
+    info = init_distributed()
+    full = rollout()
+    per_rank = GLOBAL // info.world_size
+    sl = slice(info.rank * per_rank, (info.rank + 1) * per_rank)
+    mine = {k: v[sl] if torch.is_tensor(v) else v for k, v in full.items()}
+    result = {}
+    for name, (kl_coef, loss_agg) in RUNS.items():
+        scored = {k: mine[k] for k in ("logp_old", "logp_ref", "score", "position_ids")}
+        exp = build_experience(mine["sequences"], mine["attention_mask"], mine["response_mask"], P, scored,
+                               kl_coef=kl_coef, kl_estimator="k1", clip_reward_value=5.0, gamma=0.9, lam=0.95,
+                               estimator=name, group=mine["group"])
+        engine = TrainEngine(actor(), EngineConfig(stage=3), OptimConfig(grad_clip=0.0), total_steps=1, info=info)
+        grads = {}
+
+        def capture(optimizer, args, kwargs, engine=engine, grads=grads):
+            for pname, p in engine.unwrapped.named_parameters():
+                g = p.grad
+                grads[pname] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+
+        engine.optimizer.register_step_pre_hook(capture)
+        loss = make_actor_loss(0.2, TEMPERATURE, 0.0, cliprange_low=0.1, cliprange_high=0.3, loss_agg=loss_agg,
+                               horizon=T, kl_loss_coef=0.5)
+        out = engine.train_step([exp.rows(list(range(i, i + MICRO))) for i in range(0, per_rank, MICRO)], loss)
+        every = [None] * info.world_size
+        dist.all_gather_object(every, exp.advantages)
+        result[name] = {"advantages": torch.cat(every), "grads": grads, "loss": out["loss"], "kl_loss": out["kl_loss"]}
+    if info.is_main:
+        torch.save(result, os.path.join(out_dir, f"rl_w{info.world_size}.pt"))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+    from engine import exit_process
+
+    exit_process(0)  # not a plain exit: see engine.distributed.exit_process
