@@ -17,6 +17,7 @@ a key that may hold a hub name, checked up front when the hub is unreachable (rl
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclasses_replace
@@ -131,7 +132,7 @@ class LoggerConfig:
 class TrainConfig:
     epochs: int = 1  # passes over the training rows
     max_steps: int = 0  # > 0 caps the optimizer steps (also with several epochs)
-    micro_batch_size: int = 32  # rows per forward on one rank
+    micro_batch_size: int = 32  # rows per forward on one rank (at most global_batch_size / world size)
     global_batch_size: int = 32  # rows per optimizer step = micro x accumulation x world size
     lr: float = 1e-3  # peak learning rate (AdamW)
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -260,7 +261,7 @@ class RolloutConfig:
     # prompts_per_step x n_samples_per_prompt, and the batch sizes below count rows
     n_samples_per_prompt: int = 1
     mini_batch_size: int = 32  # rows per optimizer step (global)
-    micro_batch_size: int = 32  # rows per forward on one rank
+    micro_batch_size: int = 32  # rows per forward on one rank (at most mini_batch_size / world size)
     max_new_tokens: int = 16  # response tokens sampled per prompt
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)
@@ -451,11 +452,24 @@ def validate_generation(g: GenerationConfig, prefix: str) -> None:
     _need(g.batch_size >= 1, f"{prefix}.batch_size must be >= 1, got {g.batch_size}")
 
 
+def fit_micro(micro: int, batch: int, world: int, key: str, batch_key: str) -> int:
+    """A micro-batch is at most what one rank holds of the batch it splits: more ranks than the
+    defaults were written for (32 rows on 1 rank) lower it to `batch / world` (logged), so the
+    defaults run as they are under torchrun; a micro-batch that fits is kept as given."""
+    if micro >= 1 and micro * world > batch and batch % world == 0 and batch >= world:
+        logging.getLogger("rlhf").info("%s: %d -> %d (%s=%d over %d ranks)", key, micro, batch // world, batch_key,
+                                       batch, world)
+        return batch // world
+    return micro
+
+
 def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> int:
     """Check ranges and global = micro x accumulation x world; returns the accumulation steps."""
     _need(t.epochs >= 1 or t.max_steps > 0, f"{prefix}.epochs must be >= 1 (or set {prefix}.max_steps), got {t.epochs}")
     _need(t.max_steps >= 0, f"{prefix}.max_steps must be >= 0 (0 = run all epochs), got {t.max_steps}")
     _need(t.micro_batch_size >= 1, f"{prefix}.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    t.micro_batch_size = fit_micro(t.micro_batch_size, t.global_batch_size, world_size, f"{prefix}.micro_batch_size",
+                                   f"{prefix}.global_batch_size")
     per_step = t.micro_batch_size * world_size
     _need(
         t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
@@ -590,6 +604,8 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     # Each rank answers whole prompts (all n samples of a prompt on one rank), so a group never spans ranks.
     _need(r.prompts_per_step % w == 0, f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
           f"the world size ({w}): each rank samples every response of its own prompts")
+    r.micro_batch_size = fit_micro(r.micro_batch_size, r.mini_batch_size, w, "rollout.micro_batch_size",
+                                   "rollout.mini_batch_size")
     _need(r.mini_batch_size % (r.micro_batch_size * w) == 0,
           f"rollout.mini_batch_size ({r.mini_batch_size}) must be a multiple of rollout.micro_batch_size "
           f"({r.micro_batch_size}) x world size ({w})")

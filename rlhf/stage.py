@@ -26,6 +26,7 @@ every stage gets the same way:
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -136,6 +137,7 @@ class Run:
         """The process group, logging, `validate(cfg, info)` (its result is returned), the checkpoint
         to resume from (or the previous run's outputs refused / removed: see the module doc), the seed."""
         run = cls(name, title, cfg, train)
+        run.as_given = copy.deepcopy(cfg)  # config.yaml: before validation fits micro-batches to the world size
         checked = validate(cfg, run.info)
         if run.info.is_main:  # what a killed checkpoint write, export or prune left behind
             for path in remove_leftovers(checkpoint_root(run.out_dir)) + remove_leftovers(run.out_dir):
@@ -171,7 +173,7 @@ class Run:
         self.log = RunLog(self.out_dir, self.cfg.logger, is_main=self.info.is_main,
                           resume_step=self.start if path else None, final=self.start == total)
         if self.info.is_main:
-            save_config(self.out_dir, self.cfg)
+            save_config(self.out_dir, self.as_given)
         if path:
             self.before = self.extra_state["before"]
         else:

@@ -5,7 +5,8 @@
 #   bash scripts/run_all.sh                                   # embedded default, CPU (~10 min on 2 cores)
 #   OUTPUT_DIR=runs/exp1 bash scripts/run_all.sh              # choose the root (default: outputs)
 #   bash scripts/run_all.sh sft:train.epochs=2 reward:train.lr=5e-4 ppo:ppo.kl_coef=0.05 all:engine=zero3
-#   LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:rollout.micro_batch_size=16
+#   LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:engine=zero3   # 2 ranks (micro-batches
+#                                                             # fit themselves: 32 rows -> 16 per rank)
 #   PRESET=smoke bash scripts/run_all.sh                      # a few steps per stage (tests, CI)
 #   ALGO=grpo bash scripts/run_all.sh                         # the RL stage's algorithm: ppo (default),
 #                                                             # grpo, rloo or reinforce_pp (conf/algorithm/)

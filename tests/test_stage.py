@@ -5,8 +5,10 @@ import dataclasses
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from engine.checkpoint import META, write_meta
 from rlhf.app import TrainingError
@@ -60,7 +62,9 @@ def test_cadence_of_logs_evaluations_and_checkpoints(tmp_path):
     assert [(r["step"], r["score"]) for r in read_metrics(str(tmp_path), "eval")] == [(0, 1.0), (3, 2.0), (5, 3.0)]
     assert all("samples" not in r for r in read_metrics(str(tmp_path)))
     assert [name for name, _ in state.saved] == ["step_0000002", "step_0000004", "step_0000005"]
-    assert state.saved[0][1] == {"step": 2, "before": {"score": 1.0}, "extra": 1}
+    saved = state.saved[0][1]
+    assert {k: v for k, v in saved.items() if k != "run"} == {"step": 2, "before": {"score": 1.0}, "extra": 1}
+    assert saved["run"]["world_size"] == 1 and saved["run"]["config"]["train.save_every"] == 2  # what a resume compares
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_0000004", "step_0000005"]  # keep_last_n=2
     out = run.finish({"figure": 1.5}, "model/", [("loss", [("train", "train", "loss")])])
     assert list(out) == ["stage", "time_s", "steps", "figure", "model_dir"] and out["steps"] == 5
@@ -132,3 +136,22 @@ def test_ranks_that_disagree_on_the_checkpoint_or_config_stop(monkeypatch):
     views["other"] = ("/ckpt/step_4", "0123456789abcdef")
     with pytest.raises(ConfigError, match="disagree on the configuration"):
         agree("/ckpt/step_4", cfg)
+
+
+def test_default_micro_batches_fit_two_ranks_and_explicit_ones_are_kept():
+    """The defaults (32 rows per forward, 32 per step) run as they are on 2 ranks: the micro-batch is
+    lowered to what one rank holds; one that fits is kept, one that cannot divide is still an error."""
+    from rlhf.config import ConfigError, PPOConfig, SFTConfig, TrainConfig, validate_train
+    from rlhf.config import validate_ppo as check_ppo
+
+    t = SFTConfig().train
+    assert validate_train(t, 2) == 1 and t.micro_batch_size == 16
+    t = TrainConfig(micro_batch_size=8, global_batch_size=32)
+    assert validate_train(t, 2) == 2 and t.micro_batch_size == 8
+    with pytest.raises(ConfigError, match="multiple of train.micro_batch_size"):
+        validate_train(TrainConfig(micro_batch_size=12, global_batch_size=32), 2)
+    cfg = PPOConfig(data=dataclasses.replace(PPOConfig().data, path="prompts.jsonl"))
+    for key in ("actor", "critic"):  # ${model.lora} is resolved by to_config; built in Python, set it
+        setattr(cfg, key, dataclasses.replace(getattr(cfg, key), lora=cfg.model.lora))
+    check_ppo(cfg, SimpleNamespace(world_size=2, device=torch.device("cpu")))
+    assert cfg.rollout.micro_batch_size == 16 and cfg.rollout.mini_batch_size == 32
