@@ -11,8 +11,8 @@ directly. Data: every pair shape and the over-long rule of the reward stage (rlh
 The loss is `rlhf.dpo_math.dpo_loss` (`dpo.*`), averaged over pairs.
 The reference is the starting model, scored without dropout (disabled in the policy):
   dpo.reference=precompute: one pass of the untrained policy (with LoRA: adapters disabled) over the
-      train and held-out pairs before the first step; the [N, 2] tables are kept in every checkpoint,
-      so no second model is ever loaded;
+      train pairs the run will read and the held-out pairs, before the first step; the [N, 2] tables
+      are kept in every checkpoint, so no second model is ever loaded;
   dpo.reference=online: each batch is scored by the reference as it is used: with LoRA the policy's
       base with its adapters disabled (peft `disable_adapter`), else a second, frozen copy of the model.
   dpo.loss_type=simpo needs no reference at all.
@@ -75,18 +75,20 @@ def adapters_off(engine: TrainEngine | FrozenEngine, off: bool):
 
 @torch.no_grad()
 def table_of(engine: TrainEngine | FrozenEngine, feats: list[dict], pad_id: int, batch_size: int,
-             base: bool = False) -> torch.Tensor:
-    """[N, 2] summed response log-probs (chosen, rejected) of every pair under `engine`'s model (`base`:
-    its adapters disabled), on the gathered model with the pairs split over the ranks, all-gathered."""
+             base: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+    """[N, 2] summed response log-probs (chosen, rejected) of the pairs `rows` (None: all; the others
+    are NaN) under `engine`'s model (`base`: its adapters disabled), on the gathered model with the
+    pairs split over the ranks, all-gathered."""
     info, out = engine.info, []
-    mine = list(range(info.rank, len(feats), info.world_size))
+    rows = list(range(len(feats))) if rows is None else rows
+    mine = rows[info.rank :: info.world_size]
     with engine.gathered_parameters(), adapters_off(engine, base):
         for s in range(0, len(mine), batch_size):
             idx = mine[s : s + batch_size]
             b = {k: v.to(info.device) for k, v in pair_batch(feats, idx, pad_id).items()}
             c, r = response_logps(engine.unwrapped, b)[0].cpu().chunk(2)
             out += zip(idx, c.tolist(), r.tolist())
-    table = torch.empty(len(feats), 2)
+    table = torch.full((len(feats), 2), float("nan"))
     for part in all_gather(out):
         for i, c, r in part:
             table[i] = torch.tensor([c, r])
@@ -177,10 +179,11 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         ref_engine = engine if lora else FrozenEngine(
             Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed, key="model", lora=False)),
                    fused=cfg.engine.kernels), engine_config(cfg.engine, info, frozen=True), info)
-    elif needs_ref and run.resume_path is None:  # the untrained policy is the reference
-        state.tables = {name: table_of(engine, feats, pad, mb, base=lora)
-                        for name, feats in (("train", train_feats), ("eval", eval_feats))}
-        logger.info("reference log-probs precomputed for %d + %d pairs", len(train_feats), len(eval_feats))
+    elif needs_ref and run.resume_path is None:  # the untrained policy is the reference, on the pairs the run reads
+        used = sorted({i for s in range(total) for i in order.global_rows(s)})
+        state.tables = {"train": table_of(engine, train_feats, pad, mb, base=lora, rows=used),
+                        "eval": table_of(engine, eval_feats, pad, mb, base=lora)}
+        logger.info("reference log-probs precomputed for %d train + %d held-out pairs", len(used), len(eval_feats))
 
     def ref_of(feats: list[dict]) -> torch.Tensor | None:
         if ref_engine is not None:
