@@ -212,10 +212,10 @@ def test_lora_reference_is_the_base_model_and_the_table_matches_transformers(tmp
 
 STEPS = 6
 SMALL = [*SMALL_MODEL, "model.name_or_path=null", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=0",
-         "train.micro_batch_size=16", "train.global_batch_size=16", "data.num_eval_prompts=16", "dpo.beta=0.5"]
+         "train.micro_batch_size=8", "train.global_batch_size=8", "data.num_eval_prompts=8", "dpo.beta=0.5"]
 
 
-def _pairs(tmp_path, n: int = 96) -> str:
+def _pairs(tmp_path, n: int = 48) -> str:
     rows = [json.loads(line) for line in open(ROOT / "data/default/pairs_train.jsonl")][:n]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -239,7 +239,7 @@ def test_default_outputs_and_summary(run_a):
         assert (out / name).is_file(), name
     s = summary(out)
     assert s["stage"] == "dpo" and s["steps"] == STEPS and s["reference"] == "precompute"
-    assert s["train_pairs"] == s["eval_pairs"] == 96 and s["peak_rss_mb"] > 0
+    assert s["train_pairs"] == s["eval_pairs"] == 48 and s["peak_rss_mb"] > 0
     # before training the policy is its reference: every implicit reward is 0, the loss log 2
     assert s["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-6) and s["eval_margin_before"] == 0
     assert s["eval_margin_after"] > 0 and s["eval_accuracy_after"] > 0.5
@@ -249,7 +249,7 @@ def test_default_outputs_and_summary(run_a):
     assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the first step starts at the reference
     assert [r["step"] for r in metrics(out, "eval")] == [0, 3, 6]
     tables = torch.load(out / "checkpoints/step_0000006/reference_logps.pt")
-    assert tables["train"].shape == (96, 2) and torch.equal(tables["train"], tables["eval"])  # same file twice
+    assert tables["train"].shape == (48, 2) and torch.equal(tables["train"], tables["eval"])  # same file twice
 
 
 def test_online_reference_gives_the_precomputed_values(run_a, tmp_path):
@@ -293,12 +293,12 @@ def test_a_missing_sft_output_names_the_stage_to_run(tmp_path):
 def test_every_pair_shape_trains(shape, tmp_path):
     from test_reward import _shapes  # the reward stage's pair shapes: the same files, the same reader
 
-    path = _shapes(tmp_path, n=64)[shape]
+    path = _shapes(tmp_path, n=32)[shape]
     out = tmp_path / "out"
     run_stage("dpo", f"output_dir={out}", *SMALL, f"data.path={path}", f"data.eval_path={path}", "train.max_steps=8",
               "data.num_eval_prompts=0")
     s = summary(out)
-    assert s["train_pairs"] == 64 and s["eval_pairs"] == 64
+    assert s["train_pairs"] == 32 and s["eval_pairs"] == 32
     assert s["eval_accuracy_after"] >= 0.9, s  # correct answer over a refusal: far above chance
     assert s["eval_loss_after"] < s["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-6)
 
@@ -307,7 +307,7 @@ def test_every_pair_shape_trains(shape, tmp_path):
 def test_torchrun_zero3_matches_one_process(run_a, tmp_path):
     out_a, base = run_a
     out = tmp_path / "z3"
-    run_stage("dpo", f"output_dir={out}", *base, "engine=zero3", "train.micro_batch_size=8", "train.save_every=0",
+    run_stage("dpo", f"output_dir={out}", *base, "engine=zero3", "train.micro_batch_size=4", "train.save_every=0",
               torchrun=2)
     one, two = metrics(out_a, "train"), metrics(out, "train")
     assert len(two) == STEPS
