@@ -312,7 +312,8 @@ def test_torchrun_zero3_matches_one_process(run_a, tmp_path):
     one, two = metrics(out_a, "train"), metrics(out, "train")
     assert len(two) == STEPS
     for a, b in zip(one, two):
-        for k in ("loss", "margin", "accuracy"):
+        # (not accuracy: at step 1 the policy is its reference, and every reward is 0 up to rounding)
+        for k in ("loss", "margin", "reward_chosen", "reward_rejected"):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
     ea, eb = metrics(out_a, "eval")[-1], metrics(out, "eval")[-1]
     assert eb["loss"] == pytest.approx(ea["loss"], rel=1e-4) and eb["gold_score"] == ea["gold_score"]
