@@ -165,7 +165,7 @@ class GenerationConfig:
 
 @dataclass(kw_only=True)
 class StageConfig:
-    """What the SFT and reward stages share: one model trained on one dataset."""
+    """What the SFT, reward and DPO stages share: one model trained on one dataset."""
     output_dir: str  # the run's directory: config.yaml, metrics.jsonl, checkpoints/, model/, ...
     seed: int = 1234  # random init, dropout and data order
     model: ModelConfig = field(default_factory=ModelConfig)  # the model trained (and its tokenizer)
@@ -198,6 +198,31 @@ class RewardConfig(StageConfig):
         epochs=3, max_steps=625, lr=3e-4, warmup_steps=20, eval_every=125, save_every=125,
     ))  # optimizer, schedule, logging and checkpoints
     reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss
+
+
+@dataclass(kw_only=True)
+class DPOAlgoConfig:
+    """The preference loss (rlhf/dpo_math.py) and where the reference log-probs come from."""
+
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | robust | simpo (reference-free)
+    beta: float = 0.1  # inverse temperature of the implicit reward beta * (logp - logp_ref)
+    label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: the assumed label flip rate; in [0, 0.5)
+    gamma: float = 0.0  # simpo: the target reward margin
+    sft_coef: float = 0.0  # > 0: + sft_coef x the chosen response's NLL per token (RPO)
+    # precompute: one pass over the train + held-out pairs before training, then no reference model
+    # while training; online: the reference scores each batch (a second frozen model, or with LoRA
+    # the policy with its adapters disabled). simpo uses no reference either way.
+    reference: str = "precompute"
+
+
+@dataclass(kw_only=True)
+class DPOConfig(StageConfig):
+    output_dir: str = "outputs/dpo"
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        max_steps=250, lr=1e-4, warmup_steps=10, eval_every=50, log_every=5,
+    ))  # optimizer, schedule, logging and checkpoints
+    dpo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)  # the loss and the reference
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
 
 
 @dataclass(kw_only=True)
@@ -329,7 +354,7 @@ class EvaluateConfig:
 
 # ----------------------------------------------------------------------------- Hydra
 
-SCHEMAS = {"sft": SFTConfig, "reward": RewardConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}
+SCHEMAS = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}
 
 
 def register_schemas() -> None:
@@ -547,6 +572,30 @@ def validate_reward(cfg: RewardConfig, info) -> int:
 def rollout_rows(r: RolloutConfig) -> int:
     """Rows (sampled responses) per RL step, over every rank."""
     return r.prompts_per_step * r.n_samples_per_prompt
+
+
+def validate_dpo(cfg: DPOConfig, info) -> int:
+    """Everything a DPO run needs, checked before any model loads; returns accumulation steps."""
+    from rlhf.dpo_math import LOSS_TYPES
+
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_logger(cfg.logger)
+    validate_generation(cfg.eval, "eval")
+    p = cfg.dpo
+    _need(p.loss_type in LOSS_TYPES, f"dpo.loss_type must be one of {LOSS_TYPES}, got {p.loss_type!r}")
+    _need(p.beta > 0, f"dpo.beta must be > 0, got {p.beta}")
+    _need(0 <= p.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
+    _need(p.label_smoothing == 0 or p.loss_type in ("sigmoid", "robust"),
+          f"dpo.label_smoothing applies to dpo.loss_type=sigmoid or robust, not {p.loss_type!r}")
+    _need(p.gamma == 0 or p.loss_type == "simpo", f"dpo.gamma applies to dpo.loss_type=simpo, not {p.loss_type!r}")
+    _need(p.sft_coef >= 0, f"dpo.sft_coef must be >= 0, got {p.sft_coef}")
+    _need(p.reference in ("precompute", "online"), f"dpo.reference must be 'precompute' or 'online', got {p.reference!r}")
+    check_optim(cfg.train)
+    engine_config(cfg.engine, info)
+    return validate_train(cfg.train, info.world_size)
 
 
 def validate_ppo(cfg: PPOConfig, info) -> None:

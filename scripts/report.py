@@ -1,6 +1,7 @@
-"""Write <root>/report.md and <root>/pipeline.png from a run_all.sh run (the three stages' outputs).
+"""Write <root>/report.md and <root>/pipeline.png from a run_all.sh run (the stages' outputs).
 
-    python scripts/report.py outputs [--total-s 812]
+    python scripts/report.py outputs [--total-s 812]                 # SFT -> reward -> PPO
+    python scripts/report.py outputs --pipeline dpo                  # SFT -> DPO (PIPELINE=dpo)
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rlhf.runlog import plot_series, read_metrics, series  # noqa: E402
 
 STAGES = ("sft", "reward", "ppo")
+PIPELINES = {"ppo": STAGES, "dpo": ("sft", "dpo")}
 GOLD = "gold score (% exact)"
 # What each estimator of KL(policy || reference) is, for the report (rlhf/ppo_math.kl_estimate).
 KL_ESTIMATORS = {
@@ -68,6 +70,32 @@ def pipeline_panels(root: str) -> list:
     ]
 
 
+def dpo_panels(root: str) -> list:
+    """SFT -> DPO side by side: SFT's loss, DPO's preference accuracy, and the gold score through DPO."""
+    sft_t, sft_e = read_metrics(os.path.join(root, "sft"), "train"), read_metrics(os.path.join(root, "sft"), "eval")
+    dpo_t, dpo_e = read_metrics(os.path.join(root, "dpo"), "train"), read_metrics(os.path.join(root, "dpo"), "eval")
+    return [
+        ("SFT loss", [("train", *series(sft_t, "loss")), ("held-out", *series(sft_e, "loss"))], "SFT step"),
+        ("DPO preference accuracy", [("train", *series(dpo_t, "accuracy")), ("held-out", *series(dpo_e, "accuracy"))],
+         "DPO step"),
+        (f"DPO {GOLD}", [("held-out (greedy)", *series(dpo_e, "gold_score"))], "DPO step"),
+    ]
+
+
+def dpo_lines(d: dict) -> list[str]:
+    """report.md's DPO section from dpo/summary.json."""
+    return [
+        "", "## DPO", "",
+        f"{d['steps']} steps, dpo.loss_type={d.get('loss_type')}, reference {d.get('reference')}; held-out pairs: "
+        f"loss {fmt(d.get('eval_loss_before'))} -> {fmt(d.get('eval_loss_after'))}, preference accuracy "
+        f"{fmt(d.get('eval_accuracy_before'))} -> {fmt(d.get('eval_accuracy_after'))}, implicit reward margin "
+        f"{fmt(d.get('eval_margin_before'))} -> {fmt(d.get('eval_margin_after'))} (chosen "
+        f"{fmt(d.get('eval_reward_chosen_after'))}, rejected {fmt(d.get('eval_reward_rejected_after'))}); "
+        f"peak RSS {fmt(d.get('peak_rss_mb'))} MB.",
+        "", "## Plots", "", "![SFT](sft/sft.png)", "", "![DPO](dpo/dpo.png)", "", "![Pipeline](pipeline.png)", "",
+    ]
+
+
 def fmt(v) -> str:
     if v is None:
         return "–"
@@ -78,37 +106,58 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("root")
     ap.add_argument("--total-s", type=float, default=None, help="wall time of the whole pipeline")
+    ap.add_argument("--pipeline", choices=sorted(PIPELINES), default=None,
+                    help="ppo (SFT -> reward -> PPO) or dpo (SFT -> DPO); default: dpo when only dpo/ finished")
     args = ap.parse_args()
     root = args.root
-    s = {stage: load_summary(root, stage) for stage in STAGES}
+    pipeline = args.pipeline or ("dpo" if os.path.exists(os.path.join(root, "dpo", "summary.json"))
+                                 and not os.path.exists(os.path.join(root, "ppo", "summary.json")) else "ppo")
+    stages = PIPELINES[pipeline]
+    last = stages[-1]  # the stage whose model is the pipeline's result
+    name = last.upper()
+    s = {stage: load_summary(root, stage) for stage in stages}
 
-    # gold score across the pipeline: untrained -> SFT -> PPO (held-out prompts, greedy)
+    # gold score across the pipeline: untrained -> SFT -> PPO or DPO (held-out prompts, greedy)
     gold = [("untrained", s["sft"].get("gold_score_before")), ("after SFT", s["sft"].get("gold_score_after")),
-            ("after PPO", s["ppo"].get("gold_score_after"))]
-    plot_series(os.path.join(root, "pipeline.png"), "Pipeline: SFT -> reward model -> PPO", pipeline_panels(root),
-                ncols=3, sharex=False)
+            (f"after {name}", s[last].get("gold_score_after"))]
+    if pipeline == "dpo":
+        plot_series(os.path.join(root, "pipeline.png"), "Pipeline: SFT -> DPO", dpo_panels(root), ncols=3, sharex=False)
+    else:
+        plot_series(os.path.join(root, "pipeline.png"), "Pipeline: SFT -> reward model -> PPO", pipeline_panels(root),
+                    ncols=3, sharex=False)
 
-    total = args.total_s if args.total_s is not None else sum(s[k]["time_s"] for k in STAGES)
+    total = args.total_s if args.total_s is not None else sum(s[k]["time_s"] for k in stages)
+    titles = {"sft": "SFT", "reward": "reward", "ppo": "PPO", "dpo": "DPO"}
+    times = ", ".join(f"{titles[k]} {s[k]['time_s']:.0f} s" for k in stages)
     lines = [
         "# RLHF pipeline report",
         "",
         f"Output root: `{os.path.abspath(root)}`. Total time: {total:.0f} s "
-        f"(SFT {s['sft']['time_s']:.0f} s, reward {s['reward']['time_s']:.0f} s, PPO {s['ppo']['time_s']:.0f} s).",
+        f"({times}).",
         "",
         "## Held-out gold score (greedy, % exact)",
         "",
         "| model | gold score (%) |",
         "|---|---|",
-        *[f"| {name} | {fmt(v)} |" for name, v in gold],
+        *[f"| {label} | {fmt(v)} |" for label, v in gold],
     ]
     if gold[1][1] is not None and gold[2][1] is not None:
-        lines += ["", f"PPO changed the gold score by **{gold[2][1] - gold[1][1]:+.1f} points** (percentage points) "
-                      f"with {kl_sentence(s['ppo'].get('kl'), kl_estimator(root))}."]
-    tasks = sorted({k.split("/")[1].rsplit("_", 1)[0] for k in s["ppo"] if k.startswith("gold_score/")})
+        how = (f"with {kl_sentence(s['ppo'].get('kl'), kl_estimator(root))}" if pipeline == "ppo" else
+               "learning from the preference pairs directly (no reward model, no generation while training)")
+        lines += ["", f"{name} changed the gold score by **{gold[2][1] - gold[1][1]:+.1f} points** (percentage points) "
+                      f"{how}."]
+    tasks = sorted({k.split("/")[1].rsplit("_", 1)[0] for k in s[last] if k.startswith("gold_score/")})
     if tasks:
-        lines += ["", "| task | after SFT (%) | after PPO (%) |", "|---|---|---|"]
-        lines += [f"| {t} | {fmt(s['ppo'].get(f'gold_score/{t}_before'))} | {fmt(s['ppo'].get(f'gold_score/{t}_after'))} |"
+        lines += ["", f"| task | after SFT (%) | after {name} (%) |", "|---|---|---|"]
+        lines += [f"| {t} | {fmt(s[last].get(f'gold_score/{t}_before'))} | {fmt(s[last].get(f'gold_score/{t}_after'))} |"
                   for t in tasks]
+    if pipeline == "dpo":
+        lines += dpo_lines(s["dpo"]) + ["## Summaries", "", "```json", json.dumps(s, indent=1), "```", ""]
+        with open(os.path.join(root, "report.md"), "w") as f:
+            f.write("\n".join(lines))
+        print("\n".join(lines[:20]))
+        print(f"report: {os.path.join(root, 'report.md')}")
+        return
     r = s["reward"]
     per_task = [f"{k.split('/')[1]} {fmt(v)}" for k, v in r.items() if k.startswith("eval_accuracy/")]
     lines += [

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The whole pipeline in one command: SFT -> reward model -> PPO, each stage reading the previous
-# stage's output, all under one root, then report.md + plots there.
+# The whole pipeline in one command: SFT -> reward model -> PPO (or, with PIPELINE=dpo, SFT -> DPO),
+# each stage reading the previous stage's output, all under one root, then report.md + plots there.
 #
 #   bash scripts/run_all.sh                                   # embedded default, CPU (~10 min on 2 cores)
+#   PIPELINE=dpo bash scripts/run_all.sh dpo:dpo.beta=0.2     # SFT -> DPO on the pairs, no reward model / PPO
 #   OUTPUT_DIR=runs/exp1 bash scripts/run_all.sh              # choose the root (default: outputs)
 #   bash scripts/run_all.sh sft:train.epochs=2 reward:train.lr=5e-4 ppo:ppo.kl_coef=0.05 all:engine=zero3
 #   LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:engine=zero3   # 2 ranks (micro-batches
@@ -13,7 +14,8 @@
 #
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
 #
-# Arguments are Hydra overrides prefixed with the stage they go to (sft:, reward:, ppo:) or all:.
+# Arguments are Hydra overrides prefixed with the stage they go to (sft:, reward:, ppo:, dpo:) or all:
+# (all: goes to the stages of the chosen PIPELINE: ppo = sft, reward, ppo; dpo = sft, dpo).
 #
 # Re-running into the same OUTPUT_DIR does only the work that is missing. Per stage, in order
 # (scripts/stage_plan.py decides and prints one line saying which and why):
@@ -32,7 +34,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${OUTPUT_DIR:-outputs}"
 LAUNCH="${LAUNCH:-python}"
-SFT=() RM=() PPO=()
+PIPELINE="${PIPELINE:-ppo}"
+case "$PIPELINE" in
+  ppo|dpo) ;;
+  *) echo "run_all.sh: unknown PIPELINE=$PIPELINE (known: ppo = SFT -> reward -> PPO, dpo = SFT -> DPO)" >&2; exit 2 ;;
+esac
+SFT=() RM=() PPO=() DPO=()
 # The embedded default's one deviation from the stage defaults: a stronger KL penalty than
 # DeepSpeed-Chat's ppo.kl_coef=0.1, because a ~1M-parameter reward model is easy to over-optimise
 # (measured on 2 CPU cores, shipped data: kl_coef 0.3 -> +31 gold points at KL 0.56 nats/response,
@@ -53,6 +60,7 @@ case "${PRESET:-}" in
     PPO+=(train.max_steps=2 train.eval_every=0 data.num_eval_prompts=40)
     # 32 sampled responses per step, whatever the algorithm's samples per prompt
     if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=4); else PPO+=(rollout.prompts_per_step=32); fi
+    DPO+=(train.max_steps=10 train.eval_every=0 data.num_eval_prompts=40)
     ;;
   *) echo "run_all.sh: unknown PRESET=$PRESET (known: smoke)" >&2; exit 2 ;;
 esac
@@ -62,8 +70,9 @@ for arg in "$@"; do
     sft:*) SFT+=("${arg#sft:}") ;;
     reward:*) RM+=("${arg#reward:}") ;;
     ppo:*) PPO+=("${arg#ppo:}") ;;
-    all:*) SFT+=("${arg#all:}"); RM+=("${arg#all:}"); PPO+=("${arg#all:}") ;;
-    *) echo "run_all.sh: prefix each override with its stage (sft:, reward:, ppo: or all:), got '$arg'" >&2; exit 2 ;;
+    dpo:*) DPO+=("${arg#dpo:}") ;;
+    all:*) SFT+=("${arg#all:}"); RM+=("${arg#all:}"); PPO+=("${arg#all:}"); DPO+=("${arg#all:}") ;;
+    *) echo "run_all.sh: prefix each override with its stage (sft:, reward:, ppo:, dpo: or all:), got '$arg'" >&2; exit 2 ;;
   esac
 done
 
@@ -96,10 +105,14 @@ stage() {  # stage <module> <title> <overrides...>: skip, resume or run it, and 
 
 start=$(date +%s)
 stage sft SFT "${SFT[@]}"
-stage reward "reward model" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
-stage ppo PPO "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
-if [ -n "$SKIPPED" ]; then
-  python scripts/report.py "$ROOT"  # total time = the stages' own times, from their summaries
+if [ "$PIPELINE" = dpo ]; then
+  stage dpo DPO "model.name_or_path=$ROOT/sft" "${DPO[@]}"
 else
-  python scripts/report.py "$ROOT" --total-s "$(( $(date +%s) - start ))"
+  stage reward "reward model" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
+  stage ppo PPO "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
+fi
+if [ -n "$SKIPPED" ]; then
+  python scripts/report.py "$ROOT" --pipeline "$PIPELINE"  # total time = the stages' own times, from their summaries
+else
+  python scripts/report.py "$ROOT" --pipeline "$PIPELINE" --total-s "$(( $(date +%s) - start ))"
 fi

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-STAGES = {"sft": "SFTConfig", "reward": "RewardConfig", "ppo": "PPOConfig"}
+STAGES = {"sft": "SFTConfig", "reward": "RewardConfig", "dpo": "DPOConfig", "ppo": "PPOConfig"}
 IGNORED = ("train.resume", "train.overwrite")  # how a run starts, not what it computes
 
 

@@ -38,6 +38,14 @@ CONFIG_CASES = [
     ("reward", ["train.micro_batch_size=-1"], "train.micro_batch_size"),
     ("reward", ["reward.score_reg=-1"], "reward.score_reg"),
     ("reward", ["seed=-3"], "seed must be >= 0"),
+    ("dpo", ["dpo.loss_type=kto"], "dpo.loss_type"),
+    ("dpo", ["dpo.beta=0"], "dpo.beta"),
+    ("dpo", ["dpo.label_smoothing=0.5"], "dpo.label_smoothing"),
+    ("dpo", ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing applies to"),
+    ("dpo", ["dpo.gamma=0.5"], "dpo.gamma applies to"),
+    ("dpo", ["dpo.sft_coef=-1"], "dpo.sft_coef"),
+    ("dpo", ["dpo.reference=lazy"], "dpo.reference"),
+    ("dpo", ["train.global_batch_size=48"], "train.global_batch_size"),
     ("ppo", ["rollout.prompts_per_step=48"], "rollout.prompts_per_step"),
     ("ppo", ["rollout.prompts_per_step=0"], "rollout.prompts_per_step"),
     ("ppo", ["rollout.mini_batch_size=0"], "rollout.mini_batch_size"),
@@ -59,8 +67,8 @@ CONFIG_CASES = [
 
 @pytest.mark.parametrize("stage,overrides,named", CONFIG_CASES, ids=[" ".join(c[1][-1:]) + f" ({c[0]})" for c in CONFIG_CASES])
 def test_bad_config_value_exits_2_naming_the_key(stage, overrides, named, tmp_path):
-    # PPO's model paths must exist before its values are checked (a typo'd path is its own error)
-    models = [f"actor.model={tmp_path}", f"critic.model={tmp_path}"] if stage == "ppo" else []
+    # PPO's and DPO's model paths must exist before its values are checked (a typo'd path is its own error)
+    models = {"ppo": [f"actor.model={tmp_path}", f"critic.model={tmp_path}"], "dpo": ["model.name_or_path=null"]}.get(stage, [])
     proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", *models, *overrides, check=False, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -98,13 +106,14 @@ DATA_CASES = [
      "must share the prompt", 1),
     ("reward", "nonutf8.jsonl", PAIR_ROW.encode() + b'{"prompt": "\xc3\x28", "chosen": "a", "rejected": "b"}\n',
      "not UTF-8", 2),
+    ("dpo", "emptyrejected.jsonl", PAIR_ROW + '{"prompt": "a", "chosen": " b", "rejected": ""}\n', "field 'rejected' is empty", 2),
 ]
 
 
 @pytest.mark.parametrize("stage,name,contents,says,line", DATA_CASES, ids=[c[1] + f" ({c[0]})" for c in DATA_CASES])
 def test_bad_data_file_exits_2_naming_file_and_line(stage, name, contents, says, line, tmp_path):
     path = _write(tmp_path / "data" / name, contents)
-    extra = ["model.fallback_to_config=true"] if stage == "reward" else []
+    extra = {"reward": ["model.fallback_to_config=true"], "dpo": ["model.name_or_path=null"]}.get(stage, [])
     proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", f"data.path={path}", *extra, check=False, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

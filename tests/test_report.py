@@ -86,3 +86,30 @@ def test_report_names_the_kl_estimator_and_explains_a_negative_kl(tmp_path, kl, 
     assert ("negative only through sampling noise" in text) == (kl < 0)
     assert "gold score (%)" in text and "+2.5 points" in text
     assert (tmp_path / "pipeline.png").is_file()
+
+
+def test_dpo_pipeline_report(tmp_path):
+    """PIPELINE=dpo: sft/ and dpo/ only; the gold score SFT -> DPO, the DPO section and its panels."""
+    sft = {"stage": "sft", "time_s": 10.0, "gold_score_before": 0.0, "gold_score_after": 40.0}
+    dpo = {"stage": "dpo", "time_s": 20.0, "steps": 4, "loss_type": "sigmoid", "reference": "precompute",
+           "gold_score_before": 40.0, "gold_score_after": 57.5, "gold_score/sort_before": 30.0,
+           "gold_score/sort_after": 60.0, "eval_loss_before": 0.693, "eval_loss_after": 0.41,
+           "eval_accuracy_before": 0.0, "eval_accuracy_after": 0.9, "eval_margin_before": 0.0, "eval_margin_after": 1.5,
+           "peak_rss_mb": 612.0}
+    rows = {"sft": [{"step": s, "kind": "train", "loss": 3.0 - s / 10} for s in (5, 10)],
+            "dpo": [{"step": s, "kind": "train", "accuracy": 0.5 + s / 10} for s in (1, 2, 3, 4)]
+            + [{"step": s, "kind": "eval", "accuracy": s / 4, "gold_score": 40.0 + s} for s in (0, 4)]}
+    for stage, summ in (("sft", sft), ("dpo", dpo)):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "summary.json").write_text(json.dumps(summ))
+        (tmp_path / stage / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[stage]))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path)],  # pipeline detected
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "report.md").read_text()
+    assert "| after DPO | 57.5 |" in text and "DPO changed the gold score by **+17.5 points**" in text
+    assert "| sort | 30 | 60 |" in text and "(SFT 10 s, DPO 20 s)" in text
+    assert "preference accuracy 0 -> 0.9" in text and "reference precompute" in text and "612" in text
+    axes = make_figure("p", load_report().dpo_panels(str(tmp_path)), ncols=3, sharex=False).axes
+    assert [ax.get_xlabel() for ax in axes] == ["SFT step", "DPO step", "DPO step"]
+    assert "gold" in axes[2].get_ylabel()

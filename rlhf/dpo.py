@@ -1,0 +1,267 @@
+"""Offline preference optimisation on pairs: DPO, IPO, hinge (SLiC), robust DPO, SimPO (+ RPO's NLL).
+
+    python -m rlhf.dpo                                       # from outputs/sft, shipped pairs, CPU
+    python -m rlhf.dpo dpo.loss_type=ipo dpo.beta=0.5 model.lora.r=8 dpo.reference=online
+    torchrun --nproc_per_node 2 -m rlhf.dpo engine=zero3 train.micro_batch_size=16
+
+The alternative to reward model + PPO: the policy (from the SFT output) learns from the pairs
+directly. Data: every pair shape and the over-long rule of the reward stage (rlhf/data), its
+`data_split` share. A pair's log-prob is the sum over its response tokens (eos included) under a
+`Policy` role, so engine.kernels=true applies; chosen and rejected go through one [2B, L] forward.
+The loss is `rlhf.dpo_math.dpo_loss` (`dpo.*`), averaged over pairs.
+The reference is the starting model, scored without dropout (disabled in the policy):
+  dpo.reference=precompute: one pass of the untrained policy (with LoRA: adapters disabled) over the
+      train pairs the run will read and the held-out pairs, before the first step; the [N, 2] tables
+      are kept in every checkpoint, so no second model is ever loaded;
+  dpo.reference=online: each batch is scored by the reference as it is used: with LoRA the policy's
+      base with its adapters disabled (peft `disable_adapter`), else a second, frozen copy of the model.
+  dpo.loss_type=simpo needs no reference at all.
+Evaluation (before, every `train.eval_every`, after): the loss, implicit rewards, margin and
+preference accuracy on the held-out pairs; the gold score of greedy generations on
+`data.eval_prompts_path`. Writes to `output_dir`: config.yaml, metrics.jsonl, dpo.png, checkpoints/,
+model/ (HF), summary.json (with the process's peak RSS, to compare the reference modes).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+from typing import Any
+
+import torch
+
+from engine import FrozenEngine, TrainEngine
+from engine.checkpoint import published, read_meta
+from rlhf.app import Throughput, stage_main
+from rlhf.config import ConfigError, DPOAlgoConfig, DPOConfig, engine_config, optim_config, validate_dpo
+from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
+from rlhf.data.stage import StepOrder, stage_rows
+from rlhf.data.tokenize import IGNORE_INDEX
+from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
+from rlhf.evaluate import all_gather, gold_eval, load_eval_prompts
+from rlhf.models import MODEL_SUBDIR, check_context, disable_dropout, export_hf, load_causal_lm, load_tokenizer
+from rlhf.roles import Policy
+from rlhf.stage import Run
+
+logger = logging.getLogger("rlhf.dpo")
+TABLES = "reference_logps.pt"  # in each checkpoint: {"train": [N, 2], "eval": [M, 2]} (chosen, rejected)
+
+
+def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None) -> dict:
+    """Pairs `feats[idx]` as collate_pairs' [2B, L] batch (chosen rows first) + labels [2B, L]
+    (IGNORE_INDEX on bos, prompt and padding) + with a reference table [N, 2] "ref" [2B]."""
+    rows = [feats[i] for i in idx]
+    b = collate_pairs(rows, pad_id)
+    b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, IGNORE_INDEX)
+    for i, f in enumerate(rows + rows):
+        b["labels"][i, : f["prompt_len"]] = IGNORE_INDEX
+    if table is not None:
+        b["ref"] = torch.cat([table[idx, 0], table[idx, 1]])
+    return b
+
+
+def response_logps(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of the response tokens of each row [2B] and their counts [2B]."""
+    labels = batch["labels"][:, 1:]  # token t+1 is predicted at position t
+    logp, _ = policy(batch["input_ids"], batch["attention_mask"], targets=labels)
+    return sequence_logps(logp, labels != IGNORE_INDEX)
+
+
+def adapters_off(engine: TrainEngine | FrozenEngine, off: bool):
+    """The base model of a peft policy (its LoRA adapters disabled) for the duration, when `off`."""
+    return engine.inner.disable_adapter() if off else contextlib.nullcontext()
+
+
+@torch.no_grad()
+def table_of(engine: TrainEngine | FrozenEngine, feats: list[dict], pad_id: int, batch_size: int,
+             base: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+    """[N, 2] summed response log-probs (chosen, rejected) of the pairs `rows` (None: all; the others
+    are NaN) under `engine`'s model (`base`: its adapters disabled), on the gathered model with the
+    pairs split over the ranks, all-gathered."""
+    info, out = engine.info, []
+    rows = list(range(len(feats))) if rows is None else rows
+    mine = rows[info.rank :: info.world_size]
+    with engine.gathered_parameters(), adapters_off(engine, base):
+        for s in range(0, len(mine), batch_size):
+            idx = mine[s : s + batch_size]
+            b = {k: v.to(info.device) for k, v in pair_batch(feats, idx, pad_id).items()}
+            c, r = response_logps(engine.unwrapped, b)[0].cpu().chunk(2)
+            out += zip(idx, c.tolist(), r.tolist())
+    table = torch.full((len(feats), 2), float("nan"))
+    for part in all_gather(out):
+        for i, c, r in part:
+            table[i] = torch.tensor([c, r])
+    return table
+
+
+def make_loss(p: DPOAlgoConfig, reference):
+    """The engine's loss: summed `dpo_loss` over the B pairs of a batch. The reference log-probs are
+    the batch's "ref" (precomputed), else `reference(batch)` [2B] (online), else none (simpo)."""
+    def dpo_step_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
+        ref = batch.get("ref")
+        if ref is None and reference is not None:
+            with torch.no_grad():
+                ref = reference(batch)
+        logps, lens = response_logps(model, batch)
+        (pc, pr), (nc, nr) = logps.chunk(2), lens.chunk(2)
+        rc, rr = ref.chunk(2) if ref is not None else (None, None)
+        losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, nc, nr, loss_type=p.loss_type, beta=p.beta,
+                                            label_smoothing=p.label_smoothing, gamma=p.gamma, sft_coef=p.sft_coef)
+        return losses.sum(), pc.shape[0], pair_stats(chosen, rejected)
+
+    return dpo_step_loss
+
+
+class PolicyState:
+    """The policy engine + the precomputed reference tables, checkpointed and resumed together."""
+
+    def __init__(self, engine: TrainEngine):
+        self.engine, self.tables = engine, {}
+
+    def save_checkpoint(self, path: str, extra_state: dict) -> None:
+        with published(path, {"step": extra_state["step"], "extra_state": extra_state}, self.engine.info.is_main) as tmp:
+            self.engine.write_state(tmp)
+            if self.engine.info.is_main and self.tables:
+                torch.save(self.tables, os.path.join(tmp, TABLES))
+
+    def load_checkpoint(self, path: str) -> dict:
+        self.engine.read_state(path)
+        if os.path.exists(os.path.join(path, TABLES)):
+            self.tables = torch.load(os.path.join(path, TABLES))
+        return read_meta(path)["extra_state"]
+
+
+def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DPOConfig) -> dict[str, Any]:
+    """Held-out loss, implicit rewards, margin and accuracy (`ref_of(feats)`: their reference table or
+    None); the gold score of greedy generations."""
+    info, p, out = engine.info, cfg.dpo, {}
+    if feats:
+        pol, ref = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size), ref_of(feats)
+        lens = torch.tensor([[len(f["chosen_ids"]) - f["prompt_len"], len(f["rejected_ids"]) - f["prompt_len"]]
+                             for f in feats], dtype=torch.float32)
+        losses, c, r = dpo_loss(pol[:, 0], pol[:, 1], None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
+                                lens[:, 0], lens[:, 1], loss_type=p.loss_type, beta=p.beta,
+                                label_smoothing=p.label_smoothing, gamma=p.gamma, sft_coef=p.sft_coef)
+        out.update({"loss": losses.mean().item(), **{k: v.item() for k, v in pair_stats(c, r).items()}})
+    if prompts:
+        with engine.generation() as generator:
+            out.update(gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
+                                 device=info.device))
+    return out
+
+
+def run(cfg: DPOConfig) -> dict[str, Any]:
+    run, accum = Run.open("dpo", "DPO", cfg, cfg.train, validate_dpo)
+    info, p = run.info, cfg.dpo
+
+    # ---- data (the reward stage's pairs and its data_split share)
+    tok = load_tokenizer(cfg.model)
+    d, pad, mb = cfg.data, tok.pad_token_id, cfg.train.micro_batch_size
+    train_rows, eval_rows = stage_rows(d, stage=1)
+    train_feats, stats = tokenize_pairs(parse_pairs(train_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    eval_feats, _ = tokenize_pairs(parse_pairs(eval_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    prompts = load_eval_prompts(d, tok)
+    order = StepOrder(len(train_feats), cfg.train.global_batch_size, cfg.seed)
+    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
+    logger.info("DPO data: %d train pairs (%s), %d held-out pairs, %d eval prompts; %d steps of %d pairs (%d per epoch)",
+                len(train_feats), stats, len(eval_feats), len(prompts), total, cfg.train.global_batch_size,
+                order.steps_per_epoch)
+
+    # ---- policy (+ reference) and engines
+    model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels)
+    check_context(model, d.max_len, "data.max_len")
+    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
+    state, lora = PolicyState(engine), cfg.model.lora.r > 0
+    needs_ref, online = NEEDS_REFERENCE[p.loss_type], p.reference == "online"
+    ref_engine = None
+    if needs_ref and online:  # with LoRA the policy's own base; else a frozen copy of the starting model
+        ref_engine = engine if lora else FrozenEngine(
+            Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed, key="model", lora=False)),
+                   fused=cfg.engine.kernels), engine_config(cfg.engine, info, frozen=True), info)
+    elif needs_ref and run.resume_path is None:  # the untrained policy is the reference, on the pairs the run reads
+        used = sorted({i for s in range(total) for i in order.global_rows(s)})
+        state.tables = {"train": table_of(engine, train_feats, pad, mb, base=lora, rows=used),
+                        "eval": table_of(engine, eval_feats, pad, mb, base=lora)}
+        logger.info("reference log-probs precomputed for %d train + %d held-out pairs", len(used), len(eval_feats))
+
+    def ref_of(feats: list[dict]) -> torch.Tensor | None:
+        if ref_engine is not None:
+            return table_of(ref_engine, feats, pad, mb, base=lora)
+        return state.tables["eval"] if needs_ref else None
+
+    run.begin(state, total, lambda: evaluate(engine, ref_of, eval_feats, prompts, tok, cfg), _eval_line, memory=engine)
+    if needs_ref and not online and "train" not in state.tables:
+        raise ConfigError(f"{run.resume_path} holds no precomputed reference log-probs (written with "
+                          "dpo.reference=online or dpo.loss_type=simpo?): resume with the same dpo.* settings")
+
+    # ---- train
+    def reference(batch: dict) -> torch.Tensor:  # online: [2B] (precomputed: the batch's "ref")
+        with adapters_off(ref_engine, lora):
+            return response_logps(ref_engine.unwrapped, batch)[0]
+
+    loss_fn, table = make_loss(p, reference if ref_engine is not None else None), state.tables.get("train")
+    meter, last = Throughput(), {}
+    for step in run.steps():
+        idx = order.rank_rows(step, info.rank, info.world_size, accum)
+        batches = [pair_batch(train_feats, rows, pad, table) for rows in idx]
+        meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
+        out = engine.train_step(batches, loss_fn)
+        run.check(out)
+        if run.logs(step):
+            last = {k: out[k] for k in ("loss", "reward_chosen", "reward_rejected", "margin", "accuracy", "lr", "grad_norm")}
+            run.log_train(step, {**last, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps},
+                          dict(loss=f"{out['loss']:.3f}", acc=f"{out['accuracy']:.2f}", margin=f"{out['margin']:.2f}"))
+
+    # ---- final evaluation, export, summary
+    after = run.evaluate_after()
+    full = engine.full_state_dict()
+    model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
+    if info.is_main:
+        export_hf(full, engine.inner, tok, model_dir, cfg.model, add_bos=d.add_bos)
+    before = run.before
+    return run.finish({
+        "loss_type": p.loss_type,
+        "reference": "none" if not needs_ref else p.reference,
+        "train_pairs": len(train_feats),
+        "eval_pairs": len(eval_feats),
+        "final_train_loss": last.get("loss"),
+        "final_train_accuracy": last.get("accuracy"),
+        **{f"eval_{k}_{when}": ev.get(k) for k in ("loss", "accuracy", "margin") for when, ev in
+           (("before", before), ("after", after))},
+        "eval_reward_chosen_after": after.get("reward_chosen"),
+        "eval_reward_rejected_after": after.get("reward_rejected"),
+        "gold_score_before": before.get("gold_score"),
+        "gold_score_after": after.get("gold_score"),
+        **{f"{k}_before": v for k, v in before.items() if k.startswith("gold_score/")},
+        **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # rank 0, Linux KiB
+        "skipped_steps": engine.skipped_steps,
+    }, model_dir, PLOT, after.get("samples", []))
+
+
+PLOT = [
+    ("loss", [("train", "train", "loss"), ("held-out", "eval", "loss")]),
+    ("implicit reward", [("chosen (train)", "train", "reward_chosen"), ("rejected (train)", "train", "reward_rejected"),
+                         ("margin (held-out)", "eval", "margin")]),
+    ("preference accuracy", [("train", "train", "accuracy"), ("held-out", "eval", "accuracy")]),
+    ("gold score (% exact)", [("held-out (greedy)", "eval", "gold_score")]),
+]
+
+
+def _eval_line(ev: dict) -> str:
+    parts = []
+    if ev.get("loss") is not None:
+        parts.append(f"held-out loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.3f}")
+    if ev.get("gold_score") is not None:
+        tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
+        parts.append(f"gold score {ev['gold_score']:.1f} ({tasks})")
+    return ", ".join(parts) or "no held-out pairs or prompts"
+
+
+def main() -> None:
+    stage_main("dpo", DPOConfig, run)
+
+
+if __name__ == "__main__":
+    main()
