@@ -23,13 +23,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import fields
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
-from rlhf import ppo_math
+from rlhf import alarms, ppo_math, rewards
 from rlhf.app import ConfigError, stage_main
 from rlhf.config import PPOConfig, validate_ppo
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
@@ -92,8 +94,9 @@ def sampling(cfg: PPOConfig) -> SamplingParams:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[str, Any]:
-    """Greedy gold score, and the sampled policy's KL to the reference and reward score, on held-out prompts."""
+def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offset: int = 0) -> dict[str, Any]:
+    """Greedy gold score, and the sampled policy's KL to the reference and reward score, on held-out prompts
+    (prompt i is row `group_offset + i` of the reward source's table; a row it fails on is left out)."""
     info = models.actor.info
     if not prompts:
         return {}
@@ -106,13 +109,18 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[st
         with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
             torch.manual_seed(cfg.seed + 1)
             g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    scored = models.score(g, cfg)
+    group = group_offset + info.rank * n + torch.arange(n, device=info.device)
+    scored = models.score(SimpleNamespace(**{f.name: getattr(g, f.name) for f in fields(g)}, responses=g.responses,
+                                          group=group), cfg)
+    score = scored["score"]
     # the same estimator as the reward penalty (ppo.kl_estimator), so the reported KL names one thing
     kl = ppo_math.masked_sum(ppo_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
                              g.response_mask.float(), dim=1)
-    sums = all_reduce_sum(torch.stack([kl.sum(), scored["score"].sum(), torch.tensor(float(len(mine)))]).double())
+    ok = torch.isfinite(score)
+    sums = all_reduce_sum(torch.stack([kl.sum(), score[ok].sum(), torch.tensor(float(len(mine)), device=kl.device),
+                                       ok.sum()]).double())
     out["kl"] = (sums[0] / sums[2]).item()
-    out["reward"] = (sums[1] / sums[2]).item()
+    out["reward"] = (sums[1] / sums[3].clamp(min=1)).item()
     return out
 
 
@@ -148,13 +156,33 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     logger.info("PPO: %d prompts (%s), %d eval prompts; %d steps of %d prompts, %d actor/critic updates",
                 len(feats), stats, len(eval_prompts), total, r.prompts_per_step, n_updates)
 
+    # ---- reward source (rlhf/rewards.py): prompt rows of training, then of evaluation (group offset)
+    table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
+    eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
+    rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
+    rewards.check_rows(cfg.reward.sources, eval_table, f"data.eval_prompts_path={d.eval_prompts_path!r}")
+    needs_rm = "model" in cfg.reward.sources
+    source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
+    logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
+
     # ---- models
-    models = Models(cfg, tok, info, n_updates)
+    models = Models(cfg, tok, info, n_updates, reward_source=source)
+    if needs_rm:  # the reward model's source, alone or inside a weighted sum
+        models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
     kl_ctl = ppo_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
-    run.begin(models, total, lambda: evaluate(models, eval_prompts, tok, cfg), _eval_line, memory=models.actor,
-              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict()})
+    monitor = alarms.Monitor(cfg.alarms)
+
+    def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
+        ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table)))
+        stop_on_alarm(run, monitor, cfg)
+        return ev
+
+    run.begin(models, total, evaluate_and_watch, _eval_line, memory=models.actor,
+              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict()})
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
+    if "alarms" in run.extra_state:
+        monitor.load_state_dict(run.extra_state["alarms"])
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     losses = make_actor_loss(p.cliprange, r.temperature, p.ptx_coef), make_critic_loss(p.cliprange_value)
@@ -168,6 +196,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                            sampling(cfg), eos, pad)
         t1 = time.time()
         scored = models.score(rollout, cfg)
+        reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
                                scored, kl_coef=kl_ctl.value, kl_estimator=p.kl_estimator,
@@ -181,7 +210,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         for key in times:
             times[key].append(rec[key])
         kl_ctl.update(rec["kl"], r.prompts_per_step)
-        if run.logs(step):
+        rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
+        rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/alarms.py)
+        stop_on_alarm(run, monitor, cfg)
+        if run.logs(step) or monitor.fired:
             run.log_train(step, rec, dict(reward=f"{rec['reward']:.3f}", kl=f"{rec['kl']:.3f}",
                                           len=f"{rec['response_len']:.1f}"))
 
@@ -214,9 +246,19 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "reward_after": after.get("reward"),
         "kl_coef_final": kl_ctl.value,
         "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
+        "reward_sources": list(cfg.reward.sources),
+        "reward_errors": sum(x.get("reward_errors", 0) for x in read_metrics(out_dir, "train")),
+        "alarms_fired": monitor.first_fired,  # name -> the first step it fired
+        "stopped_early": run.stop_reason,
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
     }, model_dir, plot(p.kl_estimator), after.get("samples", []))
+
+
+def stop_on_alarm(run: Run, monitor: alarms.Monitor, cfg: PPOConfig) -> None:
+    """train.stop_on_alarm: end the run after this step when an alarm fired (the same figures on every rank)."""
+    if cfg.train.stop_on_alarm and monitor.fired:
+        run.stop(f"train.stop_on_alarm: alarm {', '.join(monitor.fired)} fired")
 
 
 def _eval_line(ev: dict) -> str:
