@@ -164,10 +164,10 @@ class TextReward:
     def _call(self, prompt: str, response: str, row: dict) -> float:
         try:
             value = self.fn(prompt, response, dict(row))  # a copy: the function may not change the table
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                value = float(value)  # numpy / torch scalars; anything else raises here
-            if not math.isfinite(value):
-                raise ValueError(f"returned {value}")
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):  # numbers, bools, 0-d tensors
+                raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
+            if not math.isfinite(float(value)):
+                raise ValueError(f"returned {float(value)}")
             return float(value)
         except Exception as e:
             self.errors += 1
