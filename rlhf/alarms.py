@@ -59,12 +59,14 @@ def _mean(xs: Sequence[float]) -> float | None:
 
 
 def slope(ys: Sequence[float]) -> float:
-    """Least-squares slope of ys against 0, 1, 2, ... (per step); 0 for fewer than two points."""
-    n = len(ys)
+    """Least-squares slope of ys against 0, 1, 2, ... (per step); a NaN is left out (its step kept);
+    0 for fewer than two finite points."""
+    pts = [(i, float(y)) for i, y in enumerate(ys) if y is not None and math.isfinite(y)]
+    n = len(pts)
     if n < 2:
         return 0.0
-    mx, my = (n - 1) / 2, sum(ys) / n
-    return sum((i - mx) * (y - my) for i, y in enumerate(ys)) / sum((i - mx) ** 2 for i in range(n))
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
 # ----------------------------------------------------------------------------- the alarms (pure)
@@ -75,7 +77,7 @@ def kl_growth(kl: Sequence[float], window: int, threshold: float) -> Alarm | Non
     w = _finite(kl[-window:])
     if len(kl) < window or len(w) < 2:
         return None
-    s = slope(w)
+    s = slope(kl[-window:])
     return Alarm("kl", s >= threshold, {"slope": s, "now": w[-1]},
                  f"KL to the reference grows {s:.4f} nats/step over the last {window} steps (now {w[-1]:.3f}; "
                  f"alarms.kl_slope={threshold})")
@@ -198,7 +200,8 @@ class Monitor:
         return record(alarms)
 
     def state_dict(self) -> dict:
-        return {"history": self.history, "gold": self.gold, "quiet": self.quiet, "first_fired": self.first_fired}
+        return {"history": [dict(h) for h in self.history], "gold": list(self.gold), "quiet": dict(self.quiet),
+                "first_fired": dict(self.first_fired)}
 
     def load_state_dict(self, state: dict) -> None:
         self.history, self.gold = list(state["history"]), [tuple(g) for g in state["gold"]]

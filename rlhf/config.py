@@ -284,11 +284,11 @@ class AlarmsConfig:
 
     enabled: bool = True  # compute the alarms (false: none is computed, logged or acted on)
     window: int = 10  # steps in each trend; the baseline is the first `window` steps of the run
-    kl_slope: float = 0.05  # kl: least-squares growth of the rollouts' KL, nats per step, over the window
+    kl_slope: float = 0.1  # kl: least-squares growth of the rollouts' KL, nats per step, over the window
     entropy_ratio: float = 0.5  # entropy: window's mean entropy at most this x the baseline's
     length_drift: float = 0.5  # length: window's mean response length off the baseline's by this fraction
     clipfrac: float = 0.2  # clipfrac: window's mean policy clip fraction at least this
-    gold_drop: float = 5.0  # gold: held-out gold score this many points below its best while the reward rose
+    gold_drop: float = 8.0  # gold: held-out gold score this many points below its best while the reward rose
 
 
 @dataclass(kw_only=True)
