@@ -22,6 +22,8 @@ every stage gets the same way:
     and what the stage adds (`state()`, e.g. PPO's adaptive KL controller);
   - the evaluation cadence: before (step 0), every `train.eval_every` steps, after (the last step);
   - `train.max_consecutive_skips` non-finite steps in a row end the run with a TrainingError;
+  - `run.stop(reason)` (e.g. PPO's train.stop_on_alarm) ends the loop after the current step: a
+    checkpoint, then the final evaluation, export and summary as after the last step;
   - a tqdm bar with the stage's key figures, the memory plan after the first step.
 """
 from __future__ import annotations
