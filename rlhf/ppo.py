@@ -14,6 +14,10 @@ One PPO step (DeepSpeed-Chat's defaults; rlhf/ppo_math.py holds the math):
   4. GAE advantages (gamma, lam), returns = advantages + values, optional whitening (over all ranks);
   5. `ppo.ppo_epochs` passes over shuffled mini-batches: one actor step (clipped surrogate, + ptx)
      and one critic step (clipped value loss) per mini-batch; optional EMA of the actor.
+The score comes from `reward.sources` (rlhf/rewards.py): the reward model (default), the gold judge,
+exact match with an `answer` field, a user function, or a weighted sum; without the `model` source the
+reward model is not loaded. Every step the reward-hacking alarms (rlhf/alarms.py) read the metrics;
+`train.stop_on_alarm=true` ends the run cleanly at the first.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
 critic/, model_ema/ (with ppo.ema_decay), summary.json.
