@@ -124,7 +124,7 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
     sums = all_reduce_sum(torch.stack([kl.sum(), score[ok].sum(), torch.tensor(float(len(mine)), device=kl.device),
                                        ok.sum()]).double())
     out["kl"] = (sums[0] / sums[2]).item()
-    out["reward"] = (sums[1] / sums[3].clamp(min=1)).item()
+    out["reward"] = (sums[1] / sums[3]).item() if sums[3] > 0 else float("nan")
     return out
 
 

@@ -150,13 +150,15 @@ def test_report_lists_fired_alarms():
 
 def test_stop_on_alarm_saves_a_checkpoint_then_ends_cleanly(tiny_stages, tmp_path):
     """alarms.clipfrac=0 fires as soon as a window exists (a clip fraction is >= 0): the run stops
-    after step 2 of 6 with a checkpoint, the final evaluation, the export and the summary."""
+    after step 2 of 6 with a checkpoint, the final evaluation, the export and the summary. (The reward:
+    the gold judge alone, so no reward model is loaded.)"""
     out = tmp_path / "o"
-    run_stage("ppo", f"output_dir={out}", f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}",
+    proc = run_stage("ppo", f"output_dir={out}", f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}",
               "train.max_steps=6", "train.eval_every=0", "train.save_every=0", "rollout.prompts_per_step=8",
               "rollout.mini_batch_size=8", "rollout.micro_batch_size=8", "rollout.max_new_tokens=6",
               "eval.max_new_tokens=6", "data.num_eval_prompts=4", "alarms.window=2", "alarms.clipfrac=0",
-              "train.stop_on_alarm=true", timeout=300)
+              "train.stop_on_alarm=true", "reward.sources=[judge]", timeout=300)
+    assert "reward: 1 x judge (no reward model loaded)" in proc.stdout + proc.stderr
     s = summary(out)
     assert s["steps"] == 2 and "clipfrac" in s["stopped_early"] and s["alarms_fired"]["clipfrac"] == 2
     train = metrics(out, "train")

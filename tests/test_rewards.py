@@ -149,7 +149,8 @@ USER_MODULE = '''
 import math
 
 def score(prompt, response, row):
-    assert row["prompt"] == prompt and isinstance(response, str)
+    # the prompt row's fields arrive: its answer and its other fields (task)
+    assert row["prompt"] == prompt and row["answer"] and row["task"] in prompt.lower() and isinstance(response, str)
     if "Sort" in prompt:
         raise RuntimeError("cannot score sorting")
     if "Reverse" in prompt:
@@ -163,41 +164,37 @@ def ppo(stages, out, *extra, check=True):
                      *PPO, *extra, check=check, timeout=300)
 
 
-def test_judge_and_a_failing_user_function_summed_through_the_cli(tiny_stages, tmp_path, monkeypatch):
-    """reward = 1 x judge + 0.5 x score(): no reward model is loaded; the rows where the function
-    raises (Sort) or returns NaN (Reverse) are dropped and counted; the run completes."""
+def test_every_source_summed_with_a_failing_user_function_through_the_cli(tiny_stages, tmp_path, monkeypatch):
+    """A prompt file with `answer` and `task` fields; reward = 0 x reward model + 1 x judge + 1 x answer
+    + 0.5 x score(), where score() raises on Sort prompts and returns NaN on Reverse ones: those rows
+    are dropped and counted, the others score 2 x match + 0.5, and the run completes. (The judge alone,
+    without a reward model loaded: tests/test_alarms.py's stop_on_alarm run.)"""
     (tmp_path / "user_rewards.py").write_text(USER_MODULE)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
-    out = tmp_path / "o"
-    proc = ppo(tiny_stages, out, "reward.sources=[judge,function]", "reward.weights=[1,0.5]",
-               "reward.function=user_rewards:score")
-    assert "reward: 1 x judge + 0.5 x user_rewards:score (no reward model loaded)" in (proc.stdout + proc.stderr)
-    assert "reward function failed on" in (proc.stdout + proc.stderr)  # one WARN line per step, naming the function
-    assert ("user_rewards:score: RuntimeError: cannot score sorting" in (proc.stdout + proc.stderr)
-            or "user_rewards:score: ValueError: returned nan" in (proc.stdout + proc.stderr))
-    train = metrics(out, "train")
-    for r in train:
-        assert r["reward_errors"] == r["nonfinite_rows"] > 0  # every failed row dropped, none else
-        kept = 8 - r["reward_errors"]
-        # over the kept rows: judge (0 or 1 each) + 0.5, so (reward - 0.5) x kept is a whole number
-        assert abs((r["reward"] - 0.5) * kept - round((r["reward"] - 0.5) * kept)) < 1e-5, r
-    s = summary(out)
-    assert s["reward_errors"] == sum(r["reward_errors"] for r in train)
-    assert s["reward_sources"] == ["judge", "function"] and math.isfinite(s["reward_after"])
-
-
-def test_model_and_answer_sources_through_the_cli(tiny_stages, tmp_path):
-    """A prompt file with `answer` fields; reward = 0 x reward model + 1 x exact match: the reward
-    model is loaded and summed, and the reward is a mean of 0/1 matches."""
     rows = [json.loads(line) for line in open(ROOT / "data/default/eval_prompts.jsonl")][:32]
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "o"
-    proc = ppo(tiny_stages, out, f"data.path={data}", "reward.sources=[model,answer]", "reward.weights=[0,1]")
-    assert "reward: 0 x model + 1 x answer\n" in (proc.stdout + proc.stderr).replace("\r", "")
-    for r in metrics(out, "train"):
-        assert r["reward_errors"] == 0 and abs(r["reward"] * 8 - round(r["reward"] * 8)) < 1e-5, r
-    # the default data has no answers: the answer source is refused before any model loads
-    proc = ppo(tiny_stages, tmp_path / "o2", "reward.sources=[answer]", check=False)
-    assert proc.returncode == 2 and "Traceback" not in (proc.stdout + proc.stderr)
-    assert "reward.sources has 'answer' but" in (proc.stdout + proc.stderr) and "no `answer` field" in (proc.stdout + proc.stderr)
+    proc = ppo(tiny_stages, out, f"data.path={data}", "reward.sources=[model,judge,answer,function]",
+               "reward.weights=[0,1,1,0.5]", "reward.function=user_rewards:score")
+    log = (proc.stdout + proc.stderr).replace("\r", "")
+    assert "reward: 0 x model + 1 x judge + 1 x answer + 0.5 x user_rewards:score\n" in log  # the model is loaded
+    assert "reward function failed on" in log  # one WARN line per step, naming the function and the exception
+    assert ("user_rewards:score: RuntimeError: cannot score sorting" in log
+            or "user_rewards:score: ValueError: returned nan" in log)
+    train = metrics(out, "train")
+    for r in train:
+        assert r["reward_errors"] == r["nonfinite_rows"] > 0, r  # every failed row dropped, and no other
+        kept = 8 - r["reward_errors"]
+        matches = (r["reward"] - 0.5) / 2 * kept  # judge and answer agree on these rows: a whole number
+        assert abs(matches - round(matches)) < 1e-4 and 0 <= round(matches) <= kept, r
+    s = summary(out)
+    assert s["reward_errors"] == sum(r["reward_errors"] for r in train)
+    assert s["reward_sources"] == ["model", "judge", "answer", "function"] and math.isfinite(s["reward_after"])
+
+
+def test_answer_source_on_prompts_without_answers_is_refused_before_models_load(tiny_stages, tmp_path):
+    proc = ppo(tiny_stages, tmp_path / "o", "reward.sources=[answer]", check=False)  # the default data: no answers
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "reward.sources has 'answer' but" in proc.stderr and "no `answer` field" in proc.stderr
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
