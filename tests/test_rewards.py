@@ -193,8 +193,16 @@ def test_every_source_summed_with_a_failing_user_function_through_the_cli(tiny_s
     assert s["reward_sources"] == ["model", "judge", "answer", "function"] and math.isfinite(s["reward_after"])
 
 
-def test_answer_source_on_prompts_without_answers_is_refused_before_models_load(tiny_stages, tmp_path):
-    proc = ppo(tiny_stages, tmp_path / "o", "reward.sources=[answer]", check=False)  # the default data: no answers
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "reward.sources has 'answer' but" in proc.stderr and "no `answer` field" in proc.stderr
+@pytest.mark.parametrize("source,poems", [("answer", False), ("judge", True)])
+def test_a_source_the_prompts_cannot_feed_is_refused_before_models_load(tiny_stages, tmp_path, source, poems):
+    """answer on the default prompts (no `answer` field); judge on prompts no judge knows."""
+    data = []
+    if poems:
+        (tmp_path / "poems.jsonl").write_text('{"prompt": "Write a poem."}\n' * 16)
+        data = [f"data.path={tmp_path / 'poems.jsonl'}"]
+    proc = ppo(tiny_stages, tmp_path / "o", f"reward.sources=[{source}]", *data, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"reward.sources has {source!r} but 16 of 16 prompt rows" in proc.stderr if poems else \
+        "reward.sources has 'answer' but" in proc.stderr
+    assert ("no judge can score it" if poems else "no `answer` field") in proc.stderr
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
