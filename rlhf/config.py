@@ -304,6 +304,30 @@ class PPOTrainConfig:
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
     overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
     max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
+    stop_on_alarm: bool = False  # a reward-hacking alarm (alarms.*) saves a checkpoint and ends the run cleanly
+
+
+@dataclass(kw_only=True)
+class RewardSourcesConfig:
+    """Where the RL reward comes from (rlhf/rewards.py): one source, or a weighted sum of several."""
+
+    sources: list[str] = field(default_factory=lambda: ["model"])  # model | judge | answer | function (several: summed)
+    weights: list[float] = field(default_factory=list)  # one weight per source ([] = all 1.0)
+    function: str | None = None  # the function source: module:function, called as fn(prompt, response, row) -> float
+
+
+@dataclass(kw_only=True)
+class AlarmsConfig:
+    """Reward-hacking alarms (rlhf/alarms.py): every step, over the last `window` steps' metrics; each
+    fires at or beyond its threshold (one WARN line, `alarm_<name>` in metrics.jsonl)."""
+
+    enabled: bool = True  # compute the alarms (false: none is computed, logged or acted on)
+    window: int = 10  # steps in each trend; the baseline is the first `window` steps of the run
+    kl_slope: float = 0.1  # kl: least-squares growth of the rollouts' KL, nats per step, over the window
+    entropy_ratio: float = 0.5  # entropy: window's mean entropy at most this x the baseline's
+    length_drift: float = 0.5  # length: window's mean response length off the baseline's by this fraction
+    clipfrac: float = 0.2  # clipfrac: window's mean policy clip fraction at least this
+    gold_drop: float = 8.0  # gold: held-out gold score this many points below its best while the reward rose
 
 
 @dataclass(kw_only=True)
@@ -334,6 +358,8 @@ class PPOConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation and batch sizes of each step
     train: PPOTrainConfig = field(default_factory=PPOTrainConfig)  # step counts, logging and checkpoints
     eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
+    reward: RewardSourcesConfig = field(default_factory=RewardSourcesConfig)  # the reward: model, judge, answer, function
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)  # reward-hacking alarms and their thresholds
 
 
 @dataclass(kw_only=True)
@@ -671,7 +697,36 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
     _need(t.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
     _need(isinstance(t.resume, (bool, str)), f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    validate_reward_sources(cfg.reward)
+    validate_alarms(cfg.alarms)
     engine_config(cfg.engine, info)
+
+
+def validate_reward_sources(rw: RewardSourcesConfig) -> None:
+    """Known, distinct sources; one finite weight each; reward.function importable iff the function source."""
+    import math
+
+    from rlhf.rewards import SOURCES, load_function
+
+    _need(len(rw.sources) >= 1, f"reward.sources must name at least one of {SOURCES}")
+    for name in rw.sources:
+        _need(name in SOURCES, f"reward.sources: unknown source {name!r}; choose from {SOURCES}")
+    _need(len(set(rw.sources)) == len(rw.sources), f"reward.sources names a source twice: {list(rw.sources)}")
+    _need(not rw.weights or len(rw.weights) == len(rw.sources),
+          f"reward.weights has {len(rw.weights)} weights for {len(rw.sources)} reward.sources {list(rw.sources)}")
+    _need(all(math.isfinite(w) for w in rw.weights), f"reward.weights must be finite numbers, got {list(rw.weights)}")
+    if "function" in rw.sources:
+        load_function(rw.function)  # ConfigError naming reward.function when not importable / callable
+    else:
+        _need(rw.function is None, f"reward.function={rw.function!r} is set but 'function' is not in "
+                                   f"reward.sources {list(rw.sources)} (add it, e.g. reward.sources=[function])")
+
+
+def validate_alarms(a: AlarmsConfig) -> None:
+    _need(a.window >= 2, f"alarms.window must be >= 2 (steps in a trend), got {a.window}")
+    for key in ("kl_slope", "length_drift", "clipfrac", "gold_drop"):
+        _need(getattr(a, key) >= 0, f"alarms.{key} must be >= 0, got {getattr(a, key)}")
+    _need(0 <= a.entropy_ratio <= 1, f"alarms.entropy_ratio must be in [0, 1], got {a.entropy_ratio}")
 
 
 EVALUATE_MODES = ("auto", "policy", "reward")

@@ -21,6 +21,11 @@ with its other keys): critic-free ones skip the critic in 2., 4. and 5.; each pr
 rollout.n_samples_per_prompt times on one rank (its group); the KL can be a loss term
 (ppo.kl_loss_coef) instead of the reward penalty; ppo.loss_agg, ppo.cliprange_low/high and
 ppo.dynamic_sampling (drop groups of equal scores) shape the actor update.
+
+The score comes from `reward.sources` (rlhf/rewards.py): the reward model (default), the gold judge,
+exact match with an `answer` field, a user function, or a weighted sum; without the `model` source the
+reward model is not loaded. Every step the reward-hacking alarms (rlhf/alarms.py) read the metrics;
+`train.stop_on_alarm=true` ends the run cleanly at the first.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
 critic/, model_ema/ (with ppo.ema_decay), summary.json.
@@ -30,6 +35,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import fields
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -37,7 +44,7 @@ import torch
 from engine import atomic_directories
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
-from rlhf import ppo_math
+from rlhf import alarms, ppo_math, rewards
 from rlhf.app import ConfigError, stage_main
 from rlhf.config import PPOConfig, rollout_rows, validate_ppo
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
@@ -123,8 +130,9 @@ def sampling(cfg: PPOConfig) -> SamplingParams:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[str, Any]:
-    """Greedy gold score, and the sampled policy's KL to the reference and reward score, on held-out prompts."""
+def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offset: int = 0) -> dict[str, Any]:
+    """Greedy gold score, and the sampled policy's KL to the reference and reward score, on held-out prompts
+    (prompt i is row `group_offset + i` of the reward source's table; a row it fails on is left out)."""
     info = models.actor.info
     if not prompts:
         return {}
@@ -137,7 +145,9 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[st
         with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
             torch.manual_seed(cfg.seed + 1)
             g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    scored = models.score(g, cfg)
+    group = group_offset + info.rank * n + torch.arange(n, device=info.device)
+    scored = models.score(SimpleNamespace(**{f.name: getattr(g, f.name) for f in fields(g)}, responses=g.responses,
+                                          group=group), cfg)
     kept = (~nonfinite_rows(scored, g.response_mask)[0]).double()  # a NaN/inf row is left out (counted)
     # the same estimator as the reward penalty (ppo.kl_estimator), so the reported KL names one thing
     kl = ppo_math.masked_sum(ppo_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
@@ -145,7 +155,7 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig) -> dict[st
     sums = all_reduce_sum(torch.stack([kl.double() @ kept, scored["score"].double() @ kept, kept.sum(),
                                        (1 - kept).sum()]))
     out["kl"] = (sums[0] / sums[2].clamp(min=1)).item()
-    out["reward"] = (sums[1] / sums[2].clamp(min=1)).item()
+    out["reward"] = (sums[1] / sums[2]).item() if sums[2] > 0 else float("nan")
     if sums[3] > 0:
         out["nonfinite_rows"] = int(sums[3])
     return out
@@ -161,9 +171,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         raise ConfigError("model.name_or_path is not used by PPO: set actor.model and critic.model "
                           "(reference.model / reward_model.model default to them)")
     est = ppo_math.advantage_estimator(p.advantage_estimator)
+    needs_rm = "model" in cfg.reward.sources
     # the critic's path is read only for a critic, or as the reward model's default source
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
-        if key == "actor.model" or est.needs_critic or cfg.reward_model.model is None:
+        if key == "actor.model" or est.needs_critic or (needs_rm and cfg.reward_model.model is None):
             check_local(path, key)  # names the stage to run first
 
     # ---- data
@@ -187,13 +198,32 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 p.advantage_estimator, len(feats), stats, len(eval_prompts), total, r.prompts_per_step,
                 r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
 
+    # ---- reward source (rlhf/rewards.py): prompt rows of training, then of evaluation (group offset)
+    table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
+    eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
+    rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
+    rewards.check_rows(cfg.reward.sources, eval_table, f"data.eval_prompts_path={d.eval_prompts_path!r}")
+    source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
+    logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
+
     # ---- models
-    models = Models(cfg, tok, info, n_updates)
+    models = Models(cfg, tok, info, n_updates, reward_source=source)
+    if needs_rm:  # the reward model's source, alone or inside a weighted sum
+        models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
     kl_ctl = ppo_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
-    run.begin(models, total, lambda: evaluate(models, eval_prompts, tok, cfg), _eval_line, memory=models,
-              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict()})
+    monitor = alarms.Monitor(cfg.alarms)
+
+    def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
+        ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table)))
+        stop_on_alarm(run, monitor, cfg)
+        return ev
+
+    run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
+              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict()})
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
+    if "alarms" in run.extra_state:
+        monitor.load_state_dict(run.extra_state["alarms"])
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     losses = actor_loss(cfg), make_critic_loss(p.cliprange_value)
@@ -208,6 +238,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                            sampling(cfg), eos, pad)
         t1 = time.time()
         scored = models.score(rollout, cfg)
+        reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
@@ -223,7 +254,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         for key in times:
             times[key].append(rec[key])
         kl_ctl.update(rec["kl"], rollout_rows(r))
-        if run.logs(step):
+        rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
+        rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/alarms.py)
+        stop_on_alarm(run, monitor, cfg)
+        if run.logs(step) or monitor.fired:
             run.log_train(step, rec, dict(reward=f"{rec['reward']:.3f}", kl=f"{rec['kl']:.3f}",
                                           len=f"{rec['response_len']:.1f}"))
 
@@ -258,9 +292,19 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "advantage_estimator": p.advantage_estimator,
         "samples_per_step": rollout_rows(r),
         "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
+        "reward_sources": list(cfg.reward.sources),
+        "reward_errors": sum(x.get("reward_errors", 0) for x in read_metrics(out_dir, "train")),
+        "alarms_fired": monitor.first_fired,  # name -> the first step it fired
+        "stopped_early": run.stop_reason,
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
     }, model_dir, plot(p.kl_estimator), after.get("samples", []))
+
+
+def stop_on_alarm(run: Run, monitor: alarms.Monitor, cfg: PPOConfig) -> None:
+    """train.stop_on_alarm: end the run after this step when an alarm fired (the same figures on every rank)."""
+    if cfg.train.stop_on_alarm and monitor.fired:
+        run.stop(f"train.stop_on_alarm: alarm {', '.join(monitor.fired)} fired")
 
 
 def _eval_line(ev: dict) -> str:

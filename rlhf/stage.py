@@ -22,6 +22,8 @@ every stage gets the same way:
     and what the stage adds (`state()`, e.g. PPO's adaptive KL controller);
   - the evaluation cadence: before (step 0), every `train.eval_every` steps, after (the last step);
   - `train.max_consecutive_skips` non-finite steps in a row end the run with a TrainingError;
+  - `run.stop(reason)` (e.g. PPO's train.stop_on_alarm) ends the loop after the current step: a
+    checkpoint, then the final evaluation, export and summary as after the last step;
   - a tqdm bar with the stage's key figures, the memory plan after the first step.
 """
 from __future__ import annotations
@@ -131,6 +133,8 @@ class Run:
         self.extra_state: dict[str, Any] = {}
         self._skips = 0
         self.resume_path: str | None = None
+        self.stop_reason: str | None = None  # set by `stop`
+        self._last_eval: tuple[int, dict] | None = None
 
     @classmethod
     def open(cls, name: str, title: str, cfg: Any, train: Any, validate: Callable[[Any, Any], Any]) -> tuple[Run, Any]:
@@ -196,12 +200,24 @@ class Run:
                 logger.info("memory plan:\n%s", format_memory_report(self.memory.memory_report()))
             if t.eval_every and done % t.eval_every == 0 and done < self.total:
                 self.bar.write(f"step {done}: {self.eval_line(self._evaluate(done))}")
-            if t.save_every and (done % t.save_every == 0 or done == self.total):
+            saves = bool(t.save_every) and (done % t.save_every == 0 or done == self.total)
+            if saves or self.stop_reason:  # a stop saves first, so the run can be resumed or inspected
                 self.state.save_checkpoint(os.path.join(checkpoint_root(self.out_dir), f"step_{done:07d}"),
                                            {"step": done, "before": self.before, "run": self.record, **self.state_fn()})
                 if self.info.is_main:
                     prune_checkpoints(checkpoint_root(self.out_dir), t.keep_last_n)
+            if self.stop_reason:
+                logger.warning("stopping after step %d of %d (checkpoint saved): %s", done, self.total,
+                               self.stop_reason)
+                self.total = done  # the final evaluation, export and summary follow as at the end
+                break
         self.bar.close()
+
+    def stop(self, reason: str) -> None:
+        """End the loop cleanly after the current step (called from the loop body or an evaluation):
+        a checkpoint, then the final evaluation, export and summary as after the last step. Every rank
+        must call it at the same step (decide on all-reduced figures)."""
+        self.stop_reason = self.stop_reason or reason
 
     def logs(self, step: int) -> bool:
         """Whether 0-based `step` writes a train record (every train.log_every steps and the last)."""
@@ -229,6 +245,8 @@ class Run:
     # ------------------------------------------------------------------ the end
 
     def evaluate_after(self) -> dict[str, Any]:
+        if self._last_eval is not None and self._last_eval[0] == self.total:  # a stop right after an evaluation
+            return self._last_eval[1]
         return self._evaluate(self.total)
 
     def finish(self, summary: dict[str, Any], model_dir: str, plot: Plot, samples: Sequence[dict] = ()) -> dict:
@@ -254,4 +272,5 @@ class Run:
     def _evaluate(self, step: int) -> dict[str, Any]:
         ev = self.evaluate()
         self.log.log(step, "eval", **without_samples(ev))
+        self._last_eval = (step, ev)
         return ev

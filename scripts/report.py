@@ -96,6 +96,31 @@ def dpo_lines(d: dict) -> list[str]:
     ]
 
 
+def alarm_lines(rows: list[dict], summary: dict) -> list[str]:
+    """The reward-hacking alarms (rlhf/alarms.py) of the RL run: one line per alarm that fired (its first
+    step, how many records had it, the figures then), or that none did; and an early stop."""
+    fired: dict[str, list[dict]] = {}
+    checked = set()
+    for r in rows:
+        for key, v in r.items():
+            name = key[len("alarm_"):]
+            if key.startswith("alarm_") and "_" not in name:
+                checked.add(name)
+                if v == 1:
+                    fired.setdefault(name, []).append(r)
+    lines = []
+    for name, hits in sorted(fired.items(), key=lambda x: x[1][0]["step"]):
+        first = hits[0]
+        figures = ", ".join(f"{k[len('alarm_' + name + '_'):]} {fmt(v)}" for k, v in first.items()
+                            if k.startswith(f"alarm_{name}_"))
+        lines.append(f"- **{name}** fired at step {first['step']} ({len(hits)} record(s) in all): {figures}")
+    if not lines:
+        lines.append(f"No alarm fired ({', '.join(sorted(checked)) or 'none computed'}).")
+    if summary.get("stopped_early"):
+        lines.append(f"\nThe run stopped early after step {summary['steps']}: {summary['stopped_early']}.")
+    return lines
+
+
 def fmt(v) -> str:
     if v is None:
         return "–"
@@ -174,6 +199,8 @@ def main() -> None:
         "",
         "Time per PPO step: generation {:.3f} s, scoring {:.3f} s, training {:.3f} s.".format(
             s["ppo"]["step_generation_s"], s["ppo"]["step_scoring_s"], s["ppo"]["step_training_s"]),
+        "", "## Reward-hacking alarms", "",
+        *alarm_lines(read_metrics(os.path.join(root, "ppo")), s["ppo"]),
         "", "## Plots", "",
         "![SFT](sft/sft.png)", "", "![Reward model](reward/reward.png)", "", "![PPO](ppo/ppo.png)", "",
         "![Pipeline](pipeline.png)", "",

@@ -109,3 +109,16 @@ def interp():
 def _hub_does_not_answer(monkeypatch):
     """In-process code sees the same unanswering hub as the stage runs of `cli_env`."""
     monkeypatch.setenv("HF_ENDPOINT", CLOSED_PORT)
+
+
+@pytest.fixture(scope="session")
+def tiny_stages(tmp_path_factory):
+    """SFT and reward outputs of a few steps on the small model: models for PPO runs whose learning
+    does not matter (reward sources, alarms). Session-scoped: built once for every test file."""
+    root = tmp_path_factory.mktemp("tiny_stages")
+    run_stage("sft", f"output_dir={root / 'sft'}", *SMALL_MODEL, "train.max_steps=2", "train.eval_every=0",
+              "train.save_every=0", "data.num_eval_prompts=4")
+    run_stage("reward", f"output_dir={root / 'reward'}", f"model.name_or_path={root / 'sft'}",
+              "model.fallback_to_config=false", "train.max_steps=1", "train.eval_every=0", "train.save_every=0",
+              "data.num_eval_prompts=4")
+    return root

@@ -62,6 +62,18 @@ CONFIG_CASES = [
     ("ppo", ["ppo.ema_decay=1"], "ppo.ema_decay"),
     ("ppo", ["rollout.top_p=0"], "rollout.top_p"),
     ("ppo", ["critic.lora.alpha=8"], "model.lora.alpha"),
+    ("ppo", ["reward.sources=[modle]"], "reward.sources: unknown source 'modle'"),
+    ("ppo", ["reward.sources=[judge,judge]"], "reward.sources names a source twice"),
+    ("ppo", ["reward.sources=[judge,model]", "reward.weights=[1]"], "reward.weights has 1 weights for 2"),
+    ("ppo", ["reward.sources=[function]"], "reward.function must be 'module:function'"),
+    ("ppo", ["reward.sources=[function]", "reward.function=no_such_module_xyz:score"], "reward.function="),
+    ("ppo", ["reward.sources=[function]", "reward.function=os:sep"], "reward.function='os:sep': 'sep' is a str"),
+    ("ppo", ["reward.function=os.path:join"], "'function' is not in reward.sources"),
+    ("ppo", ["reward.weights=[nan]"], "reward.weights must be finite"),
+    ("ppo", ["alarms.window=1"], "alarms.window"),
+    ("ppo", ["alarms.entropy_ratio=2"], "alarms.entropy_ratio"),
+    ("ppo", ["alarms.gold_drop=-1"], "alarms.gold_drop"),
+    ("ppo", ["alarms.kl_slope=fast"], "alarms.kl_slope"),
 ]
 
 

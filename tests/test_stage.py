@@ -155,3 +155,26 @@ def test_default_micro_batches_fit_two_ranks_and_explicit_ones_are_kept():
         setattr(cfg, key, dataclasses.replace(getattr(cfg, key), lora=cfg.model.lora))
     check_ppo(cfg, SimpleNamespace(world_size=2, device=torch.device("cpu")))
     assert cfg.rollout.micro_batch_size == 16 and cfg.rollout.mini_batch_size == 32
+
+
+@pytest.mark.parametrize("stop_at,saved,evals_at", [
+    (3, ["step_0000002", "step_0000003"], [0, 3]),  # stopped right after an evaluation: it is the final one
+    (1, ["step_0000001"], [0, 1]),  # saved although save_every=2 would not have saved step 1
+])
+def test_stop_saves_a_checkpoint_then_finishes_as_after_the_last_step(tmp_path, stop_at, saved, evals_at):
+    state, evals = FakeState(), []
+    run = make_run(tmp_path)
+
+    def evaluate():
+        evals.append(len(evals))
+        return {"score": float(len(evals))}
+
+    run.begin(state, 5, evaluate, lambda ev: "", state_fn=lambda: {"extra": 1})
+    for step in run.steps():
+        if step + 1 == stop_at:
+            run.stop("an alarm")
+    ev = run.evaluate_after()
+    assert run.stop_reason == "an alarm" and run.total == stop_at
+    assert [name for name, _ in state.saved] == saved
+    assert [r["step"] for r in read_metrics(str(tmp_path), "eval")] == evals_at and ev["score"] == len(evals_at)
+    assert run.finish({}, "model/", [])["steps"] == stop_at

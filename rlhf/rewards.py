@@ -1,0 +1,225 @@
+"""Reward sources of the RL stage: the reward model, verifiable rewards, a user function, a weighted sum.
+
+    python -m rlhf.ppo reward.sources=[model]                                   # the reward model (default)
+    python -m rlhf.ppo reward.sources=[judge]                                   # the task's gold judge
+    python -m rlhf.ppo reward.sources=[answer] data.path=qa.jsonl               # exact match with each row's answer
+    python -m rlhf.ppo reward.sources=[function] reward.function=mypkg.mod:score
+    python -m rlhf.ppo reward.sources=[judge,function] reward.weights=[1,0.5] reward.function=mypkg.mod:score
+
+Each source implements `RewardSource` (rlhf/experience.py): `score(rollout) -> [B] float32`, one score
+per row of this rank, `rollout.group[i]` being the index of row i's prompt in the table of prompt rows
+the source was built with. The sources (`reward.sources`, weights `reward.weights`, default all 1):
+
+    model     the frozen reward model's value at the last real token (`RewardModelScore`); the only
+              source that loads a model: without it the reward model is not loaded at all
+    judge     the gold judge of the held-out gold score (`rlhf.task.judge`): exact match with the row's
+              `answer` field when it has one, else the embedded task's judge (1.0 / 0.0); every prompt
+              must be judgeable
+    answer    exact match with the row's `answer` field after `normalize_answer` (surrounding
+              whitespace stripped, inner runs of whitespace collapsed to one space; case is kept,
+              since it can be the task: "Uppercase kqzt." -> "KQZT"); every prompt row needs `answer`
+    function  `reward.function=module:function`, called once per response as
+              `fn(prompt: str, response: str, row: dict) -> float`, where `response` is the decoded
+              response (special tokens dropped) and `row` the prompt row's fields: `prompt`, `answer`
+              (when the row has one) and its other scalar fields (e.g. `task`)
+
+A function that raises, or returns something that is not a finite number, is an error for that row
+only: its score is NaN, so `mask_nonfinite` drops the row from the step's update, and the step logs
+one WARN line naming the function, the count and the first exception (`errors`, `first_error`).
+Several sources give `sum_k weights[k] * score_k` (a NaN in any one drops the row).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlhf.config import ConfigError, RewardSourcesConfig
+from rlhf.experience import RewardModelScore, RewardSource
+from rlhf.task import judge, parse_prompt
+
+logger = logging.getLogger("rlhf.rewards")
+
+SOURCES = ("model", "judge", "answer", "function")
+__all__ = ["SOURCES", "RewardModelScore", "TextReward", "WeightedSum", "build", "check_rows", "load_function",
+           "describe", "normalize_answer", "prompt_row", "report_errors"]
+
+RewardFn = Callable[[str, str, dict], Any]  # (prompt, response, row) -> float
+
+
+# ----------------------------------------------------------------------------- the verifiable rewards
+
+
+def normalize_answer(text: str) -> str:
+    """The `answer` source's normalisation: strip, and collapse every inner run of whitespace to one
+    space. Case is kept (an answer may be the case: the embedded task's "Uppercase")."""
+    return " ".join(text.split())
+
+
+def answer_reward(prompt: str, response: str, row: dict) -> float:
+    """1.0 when the response equals the row's `answer` after `normalize_answer`, else 0.0."""
+    return 1.0 if normalize_answer(response) == normalize_answer(str(row["answer"])) else 0.0
+
+
+def judge_reward(prompt: str, response: str, row: dict) -> float:
+    """The gold judge of the held-out gold score (the row's `answer`, else the embedded task)."""
+    score = judge(prompt, response, row.get("answer"))
+    if score is None:  # check_rows refuses such data up front; a row reaching here is a bug
+        raise ValueError(f"no gold judge for the prompt {prompt!r}")
+    return score
+
+
+def prompt_row(prompt: str, answer: str | None, meta: dict) -> dict:
+    """The `row` a reward function receives: prompt, answer (when given) and the row's other scalar fields."""
+    row = {"prompt": prompt, **meta}
+    if answer is not None:
+        row["answer"] = answer
+    return row
+
+
+def describe(cfg: RewardSourcesConfig) -> str:
+    """E.g. "1 x judge + 0.5 x mypkg.mod:score" (the log line of a run)."""
+    weights = list(cfg.weights) or [1.0] * len(cfg.sources)
+    return " + ".join(f"{w:g} x {cfg.function if s == 'function' else s}" for w, s in zip(weights, cfg.sources))
+
+
+def _judgeable(row: dict) -> bool:
+    if row.get("answer") is not None:
+        return True
+    try:
+        parse_prompt(row["prompt"])
+        return True
+    except ValueError:
+        return False
+
+
+def check_rows(sources: Sequence[str], rows: Sequence[dict], where: str) -> None:
+    """ConfigError unless every prompt row in `rows` (from `where`, e.g. "data.path=...") can be
+    scored by the text sources in `sources`: `answer` needs an answer field, `judge` a judge."""
+    for name, ok, why in (("answer", lambda r: r.get("answer") is not None, "has no `answer` field"),
+                          ("judge", _judgeable, "has no `answer` field and is not a prompt of the embedded task "
+                                                "(rlhf/task.py), so no judge can score it")):
+        if name in sources:
+            bad = [i for i, r in enumerate(rows) if not ok(r)]
+            if bad:
+                raise ConfigError(f"reward.sources has {name!r} but {len(bad)} of {len(rows)} prompt rows of {where} "
+                                  f"{why} (first: {rows[bad[0]]['prompt']!r}); use reward.sources=[model] or data "
+                                  f"with an `answer` field")
+
+
+# ----------------------------------------------------------------------------- the user's function
+
+
+def load_function(spec: str | None, key: str = "reward.function") -> RewardFn:
+    """`module:function` -> the callable; ConfigError (naming `key`) if it cannot be imported or called."""
+    if not spec or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ConfigError(f"{key} must be 'module:function' (e.g. mypkg.rewards:score), got {spec!r}")
+    module_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module raising on import
+        raise ConfigError(f"{key}={spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
+                          f"is it on PYTHONPATH? (sys.path[0]={sys.path[0]!r})") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"{key}={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class TextReward:
+    """A reward computed from text: `fn(prompt, response, row)` for each decoded response.
+
+    `rows[g]` is the prompt row of group index g. With `guarded`, an exception or a result that is
+    not a finite number gives NaN for that row (counted in `errors`, the first kept in `first_error`);
+    unguarded, it propagates (the built-in judges, which a failure would make a bug)."""
+
+    def __init__(self, name: str, fn: RewardFn, tokenizer: Any, rows: Sequence[dict], *, guarded: bool = False):
+        self.name, self.fn, self.tok, self.rows, self.guarded = name, fn, tokenizer, rows, guarded
+        self.errors, self.first_error = 0, None
+
+    def texts(self, rollout) -> list[str]:
+        """This rank's responses as text: real tokens only, special tokens (EOS) dropped."""
+        ids = rollout.responses.masked_fill(rollout.response_mask == 0, self.tok.pad_token_id)
+        return self.tok.batch_decode(ids.tolist(), skip_special_tokens=True)
+
+    def score(self, rollout) -> torch.Tensor:
+        self.errors, self.first_error = 0, None
+        out = []
+        for g, response in zip(rollout.group.tolist(), self.texts(rollout)):
+            row = self.rows[g]
+            out.append(self._call(row["prompt"], response, row) if self.guarded else
+                       float(self.fn(row["prompt"], response, row)))
+        return torch.tensor(out, dtype=torch.float32, device=rollout.sequences.device)
+
+    def _call(self, prompt: str, response: str, row: dict) -> float:
+        try:
+            value = self.fn(prompt, response, dict(row))  # a copy: the function may not change the table
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):  # numbers, bools, 0-d tensors
+                raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
+            if not math.isfinite(float(value)):
+                raise ValueError(f"returned {float(value)}")
+            return float(value)
+        except Exception as e:
+            self.errors += 1
+            if self.first_error is None:
+                self.first_error = f"{self.name}: {type(e).__name__}: {e} (prompt {prompt!r}, response {response!r})"
+            return math.nan
+
+
+class WeightedSum:
+    """`sum_k weight_k * source_k.score(rollout)`; `errors` / `first_error` gathered from the parts."""
+
+    def __init__(self, parts: Sequence[tuple[float, RewardSource]]):
+        self.parts = list(parts)
+
+    def score(self, rollout) -> torch.Tensor:
+        total = None
+        for w, src in self.parts:
+            s = w * src.score(rollout).float()
+            total = s if total is None else total + s
+        return total
+
+    @property
+    def errors(self) -> int:
+        return sum(getattr(s, "errors", 0) for _, s in self.parts)
+
+    @property
+    def first_error(self) -> str | None:
+        return next((s.first_error for _, s in self.parts if getattr(s, "first_error", None)), None)
+
+
+def build(cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict],
+          reward_model: RewardSource | None = None) -> RewardSource:
+    """The configured source over the prompt rows `rows` (`rollout.group` indexes them). `reward_model`:
+    the reward model's source, needed iff "model" is in `cfg.sources`. A single source of weight 1 is
+    returned as it is (so `reward.sources=[model]` scores exactly as the reward model alone)."""
+    makers: dict[str, Callable[[], RewardSource]] = {
+        "model": lambda: reward_model,
+        "judge": lambda: TextReward("judge", judge_reward, tokenizer, rows),
+        "answer": lambda: TextReward("answer", answer_reward, tokenizer, rows),
+        "function": lambda: TextReward(cfg.function, load_function(cfg.function), tokenizer, rows, guarded=True),
+    }
+    if ("model" in cfg.sources) != (reward_model is not None):
+        raise ValueError("build() needs the reward model's source exactly when 'model' is a source")
+    weights = list(cfg.weights) or [1.0] * len(cfg.sources)
+    parts = [(float(w), makers[name]()) for w, name in zip(weights, cfg.sources)]
+    return parts[0][1] if len(parts) == 1 and parts[0][0] == 1.0 else WeightedSum(parts)
+
+
+def report_errors(source: RewardSource, step: int) -> int:
+    """This rank's failed rows of the last `score` call; one WARN line naming the function when any."""
+    n = getattr(source, "errors", 0)
+    if n:
+        logger.warning("step %d: reward function failed on %d row(s) of this rank, dropped from the update "
+                       "(first: %s)", step, n, source.first_error)
+    return n
