@@ -206,3 +206,10 @@ class Monitor:
     def load_state_dict(self, state: dict) -> None:
         self.history, self.gold = list(state["history"]), [tuple(g) for g in state["gold"]]
         self.quiet, self.first_fired = dict(state["quiet"]), {k: int(v) for k, v in state["first_fired"].items()}
+
+
+def stop_run(run, monitor: Monitor, stop_on_alarm: bool) -> None:
+    """train.stop_on_alarm: end `run` (rlhf/stage.py Run.stop) after this step when an alarm fired
+    (the same figures on every rank, so every rank stops)."""
+    if stop_on_alarm and monitor.fired:
+        run.stop(f"train.stop_on_alarm: alarm {', '.join(monitor.fired)} fired")

@@ -362,6 +362,18 @@ class PPOConfig:
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)  # reward-hacking alarms and their thresholds
 
 
+    def unused_sources(self) -> set[str]:
+        """Model keys this run will not read: critic.model without a critic, unless it is the reward
+        model's default path and the reward model is a reward source."""
+        from rlhf.ppo_math import ADVANTAGE_ESTIMATORS
+
+        est = ADVANTAGE_ESTIMATORS.get(self.ppo.advantage_estimator)
+        needs_rm = "model" in self.reward.sources
+        if est is not None and not est.needs_critic and not (needs_rm and self.reward_model.model is None):
+            return {"critic.model"}
+        return set()
+
+
 @dataclass(kw_only=True)
 class EvaluateConfig:
     """`python -m rlhf.evaluate`: one model scored on held-out data exactly as the stages score theirs."""

@@ -154,14 +154,17 @@ def ensure_hub(source: str, key: str, repo_type: str = "model", cache_dir: str |
     )
 
 
-def check_sources(config: Any, prefix: str = "") -> None:
+def check_sources(config: Any, prefix: str = "", unused: frozenset = frozenset()) -> None:
     """`ensure_hub` on every key of a typed config marked `field(metadata={"hub": "model"|"dataset"})`,
-    so that an unreachable hub name fails with its exact key before anything starts."""
+    so that an unreachable hub name fails with its exact key before anything starts; keys the config
+    says it will not read (`config.unused_sources()`, e.g. PPO's critic.model without a critic) are left."""
+    if not prefix and hasattr(config, "unused_sources"):
+        unused = frozenset(config.unused_sources())
     for f in dataclasses.fields(config):
         value, key = getattr(config, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
-            check_sources(value, key + ".")
-        elif f.metadata.get("hub") and isinstance(value, str) and value:
+            check_sources(value, key + ".", unused)
+        elif f.metadata.get("hub") and isinstance(value, str) and value and key not in unused:
             # NOTE: with fallback_to_config a name_or_path that is not local builds from config (rlhf/models.py)
             if not (f.name == "name_or_path" and getattr(config, "fallback_to_config", False)):
                 ensure_hub(value, key, f.metadata["hub"], getattr(config, "cache_dir", None))

@@ -6,26 +6,15 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     torchrun --nproc_per_node 2 -m rlhf.ppo engine=zero3 rollout.micro_batch_size=16
     python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp (conf/algorithm/)
 
-One PPO step (DeepSpeed-Chat's defaults; rlhf/ppo_math.py holds the math):
-  1. generation mode: the actor's parameters are gathered once and `rollout.prompts_per_step`
-     prompts are answered by sampling (temperature / top-k / top-p); every row stops at its own EOS;
-  2. scoring (no grad): actor log-probs (old), reference log-probs, critic values, and the reward
-     model's value at the last real token of prompt + response (the EOS when one was generated);
-     responses with nothing before their EOS are dropped (masked out) and counted;
-  3. rewards: -kl_coef * KL on every response token, + clip(score, ±clip_reward_value) on the last;
-  4. GAE advantages (gamma, lam), returns = advantages + values, optional whitening (over all ranks);
-  5. `ppo.ppo_epochs` passes over shuffled mini-batches: one actor step (clipped surrogate, + ptx)
-     and one critic step (clipped value loss) per mini-batch; optional EMA of the actor.
-The algorithm is the registered advantage estimator (ppo.advantage_estimator; `algorithm=` sets it
-with its other keys): critic-free ones skip the critic in 2., 4. and 5.; each prompt is sampled
-rollout.n_samples_per_prompt times on one rank (its group); the KL can be a loss term
-(ppo.kl_loss_coef) instead of the reward penalty; ppo.loss_agg, ppo.cliprange_low/high and
-ppo.dynamic_sampling (drop groups of equal scores) shape the actor update.
-
-The score comes from `reward.sources` (rlhf/rewards.py): the reward model (default), the gold judge,
-exact match with an `answer` field, a user function, or a weighted sum; without the `model` source the
-reward model is not loaded. Every step the reward-hacking alarms (rlhf/alarms.py) read the metrics;
-`train.stop_on_alarm=true` ends the run cleanly at the first.
+One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
+`rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old and reference
+log-probs, critic values, `reward.sources`: the reward model, the gold judge, an `answer` match, a user
+function or a weighted sum; rlhf/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
+on the last) -> advantages (`ppo.advantage_estimator`, a registry in rlhf/ppo_math.py: gae with the
+critic, or critic-free grpo / rloo / reinforce_pp; `algorithm=` sets it with its other keys) ->
+update (`ppo.ppo_epochs` passes of mini-batches; rlhf/losses.py) -> metrics and the reward-hacking
+alarms (rlhf/alarms.py; `train.stop_on_alarm`). Without a critic or the `model` reward source those
+models are not loaded.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
 critic/, model_ema/ (with ppo.ema_decay), summary.json.
@@ -55,70 +44,15 @@ from rlhf.experience import (
     step_metrics, update,
 )
 from rlhf.hub import check_local
+from rlhf.losses import actor_loss, make_critic_loss
 from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer
-from rlhf.rollout import token_logprobs, token_values
 from rlhf.runlog import read_metrics
-from rlhf.sft import sft_loss
 from rlhf.stage import Run
 
 logger = logging.getLogger("rlhf.ppo")
 
 
-# ----------------------------------------------------------------------------- losses
-
-
-def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cliprange_low: float | None = None,
-                    cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
-                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3"):
-    """The actor's loss: the clipped surrogate (ratio clipped to [1 - low, 1 + high]; low/high
-    default to cliprange), aggregated by `loss_agg` (ppo_math.aggregate_loss: sum over its weight
-    units, so micro-batches and ranks combine into the whole mini-batch's aggregate), + kl_loss_coef
-    x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like the rest)."""
-    low = cliprange if cliprange_low is None else cliprange_low
-
-    def actor_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
-        mask = mb["response_mask"]
-        loss, stats = ppo_math.policy_loss(logp, mb["logp_old"], mb["advantages"], mask, low,
-                                           cliprange_high=cliprange_high, loss_agg=loss_agg, horizon=horizon)
-        n = ppo_math.loss_weight(mask, loss_agg)  # tokens (token_mean) or rows
-        if kl_loss_coef:
-            kl_sum, kl_n = ppo_math.aggregate_loss(ppo_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
-                                                   mask, loss_agg, horizon)
-            kl = kl_sum / kl_n.clamp(min=1)
-            loss = loss + kl_loss_coef * kl
-            stats["kl_loss"] = kl.detach()
-        total = loss * n
-        stats["entropy"] = ppo_math.masked_mean(entropy, mask)
-        if ptx_coef:
-            device = mb["sequences"].device
-            ptx_sum, ptx_n, _ = sft_loss(model, {k: v.to(device) for k, v in mb["ptx"].items()})
-            ptx = ptx_sum / ptx_n.clamp(min=1)
-            total = total + ptx_coef * ptx * n  # its mean enters the mini-batch mean like a token loss
-            stats["ptx_loss"] = ptx.detach()
-        return total, n, stats
-
-    return actor_loss
-
-
-def make_critic_loss(cliprange_value: float):
-    def critic_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        mask = mb["response_mask"]
-        loss, stats = ppo_math.value_loss(token_values(model, mb), mb["values"], mb["returns"], mask, cliprange_value)
-        return loss * mask.sum(), mask.sum(), stats
-
-    return critic_loss
-
-
 # ----------------------------------------------------------------------------- pieces
-
-
-def actor_loss(cfg: PPOConfig):
-    """The actor loss of `cfg`'s algorithm (make_actor_loss with the ppo.* keys)."""
-    p, r = cfg.ppo, cfg.rollout
-    return make_actor_loss(p.cliprange, r.temperature, p.ptx_coef, cliprange_low=p.cliprange_low,
-                           cliprange_high=p.cliprange_high, loss_agg=p.loss_agg, horizon=r.max_new_tokens,
-                           kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator)
 
 
 def sampling(cfg: PPOConfig) -> SamplingParams:
@@ -215,7 +149,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
         ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table)))
-        stop_on_alarm(run, monitor, cfg)
+        alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         return ev
 
     run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
@@ -256,7 +190,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         kl_ctl.update(rec["kl"], rollout_rows(r))
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
         rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/alarms.py)
-        stop_on_alarm(run, monitor, cfg)
+        alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:
             run.log_train(step, rec, dict(reward=f"{rec['reward']:.3f}", kl=f"{rec['kl']:.3f}",
                                           len=f"{rec['response_len']:.1f}"))
@@ -299,12 +233,6 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
     }, model_dir, plot(p.kl_estimator), after.get("samples", []))
-
-
-def stop_on_alarm(run: Run, monitor: alarms.Monitor, cfg: PPOConfig) -> None:
-    """train.stop_on_alarm: end the run after this step when an alarm fired (the same figures on every rank)."""
-    if cfg.train.stop_on_alarm and monitor.fired:
-        run.stop(f"train.stop_on_alarm: alarm {', '.join(monitor.fired)} fired")
 
 
 def _eval_line(ev: dict) -> str:

@@ -138,7 +138,7 @@ def test_a_step_whose_responses_are_all_empty_changes_nothing():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from rlhf.experience import Rollout, step_metrics, update
-    from rlhf.ppo import make_actor_loss, make_critic_loss
+    from rlhf.losses import make_actor_loss, make_critic_loss
 
     torch.manual_seed(0)
     info = init_distributed()
@@ -158,9 +158,12 @@ def test_a_step_whose_responses_are_all_empty_changes_nothing():
     exp = build_experience(seqs, attn, rollout.response_mask, P, scored, kl_coef=0.1, kl_estimator="k1",
                            clip_reward_value=5.0, gamma=1.0, lam=0.95)
     before = {k: v.clone() for k, v in actor.unwrapped.state_dict().items()}
-    cfg = SimpleNamespace(rollout=SimpleNamespace(prompts_per_step=B, mini_batch_size=2, micro_batch_size=2,
-                                                  temperature=1.0),
-                          ppo=SimpleNamespace(ppo_epochs=1, clip_reward_value=5.0, ptx_coef=0.0))
+    from dataclasses import replace
+
+    from rlhf.config import PPOConfig
+
+    cfg = PPOConfig()
+    cfg.rollout = replace(cfg.rollout, prompts_per_step=B, mini_batch_size=2, micro_batch_size=2)
     run = SimpleNamespace(check=lambda *outs: None)
     models = SimpleNamespace(actor=actor, critic=None, ema=None, info=info)
     a_stats, c_stats = update(models, exp, cfg, (make_actor_loss(0.2, 1.0, 0.0), make_critic_loss(0.2)), None, run)

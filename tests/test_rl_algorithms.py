@@ -161,7 +161,7 @@ class StubPolicy(torch.nn.Module):
 
 
 def test_actor_loss_with_kl_loss_term_and_aggregation():
-    from rlhf.ppo import make_actor_loss
+    from rlhf.losses import make_actor_loss
 
     g = torch.Generator().manual_seed(0)
     B, P, T = 3, 2, 4

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
 from engine.kernel_injection import inject_kernels  # noqa: E402
-from rlhf.ppo import make_actor_loss, make_critic_loss  # noqa: E402
+from rlhf.losses import make_actor_loss, make_critic_loss  # noqa: E402
 from rlhf.roles import Policy, ValueModel  # noqa: E402
 from rlhf.rollout import position_ids_from_mask, token_logprobs, token_values  # noqa: E402
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
 from rlhf.experience import build_experience  # noqa: E402
-from rlhf.ppo import make_actor_loss  # noqa: E402
+from rlhf.losses import make_actor_loss  # noqa: E402
 from rlhf.roles import Policy  # noqa: E402
 from rlhf.rollout import position_ids_from_mask, token_logprobs  # noqa: E402
 
