@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,8 @@ ZERO_SAVE = ("stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_we
 # ZeRO++ / MiCS: key -> its "off" value
 ZERO_PLUS = {"zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_gradients": False,
              "zero_quantized_nontrainable_weights": False, "mics_shard_size": -1, "mics_hierarchical_params_gather": False}
-OFFLOAD_KEYS = ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio")
+OFFLOAD_KEYS = ("device", "nvme_path", "pin_memory", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
+                "pipeline", "pipeline_read", "pipeline_write")
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ class _Mapper:
                 raise ConfigError(
                     f"train_batch_size ({total}) must equal train_micro_batch_size_per_gpu ({micro}) x "
                     f"gradient_accumulation_steps ({accum}) x {where} = {micro * accum * w} (DeepSpeed's rule)")
-            src = "train_batch_size", "train_micro_batch_size_per_gpu"
+            src = ("train_batch_size (= micro x gradient_accumulation_steps x world size)",
+                   "train_micro_batch_size_per_gpu")
         elif total is not None and (micro is not None or accum is not None):
             other, name = (micro, "train_micro_batch_size_per_gpu") if micro is not None else (
                 accum, "gradient_accumulation_steps")
@@ -355,7 +358,8 @@ class _Mapper:
         p = _block("optimizer.params", b.get("params", {}),
                    ("lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam", "fused", "foreach",
                     "capturable", "amsgrad", "bias_correction"))
-        self.ignore("optimizer.type", f"{t}: AdamW, as the engine's")
+        self.ignore("optimizer.type", "AdamW, as the engine's" if t.lower() == "adamw" else
+                    "Adam with adam_w_mode (DeepSpeed's default) is AdamW, as the engine's")
         if t.lower() == "adam" and "adam_w_mode" in p and not _flag("optimizer.params.adam_w_mode", p["adam_w_mode"]):
             wd = p.get("weight_decay", 0)
             if _is_auto(wd) or wd != 0:
@@ -410,7 +414,8 @@ class _Mapper:
             self.set_optim(pre + "warmup_num_steps", "warmup_steps", _number(pre + "warmup_num_steps", warmup,
                                                                                 integer=True, minimum=0))
         if warmup != 0 and get.get("warmup_type", "log") != "linear":
-            self.ignore(pre + "warmup_type", f"{get.get('warmup_type', 'log')} (DeepSpeed's default: log): the "
+            given = get.get("warmup_type")
+            self.ignore(pre + "warmup_type", f"{given or 'absent: DeepSpeed warms up by log by default'}; the "
                         "engine's warmup is linear, (s + 1) / warmup_steps of the peak")
         elif "warmup_type" in get:
             self.ignore(pre + "warmup_type", "linear, as the engine's warmup")
@@ -657,7 +662,9 @@ def hydra_value(v: Any) -> str:
     s = str(v)
     if s and all(c.isalnum() or c in "_-./" for c in s) and s.lower() not in ("null", "true", "false"):
         return s
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    # Hydra's quoted strings: a quote is escaped, and backslashes only where they precede a quote or the end
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", s)
+    return "'" + re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body) + "'"
 
 
 def _flat_keys(node: Any, prefix: str) -> list[str]:
