@@ -59,6 +59,9 @@ class EngineConfig:
     # A rank that waits longer than this in a collective (another rank died or hangs) fails instead of
     # hanging for good; rank-0-only work between collectives (export, pruning) must stay well under it.
     timeout_s: float = 1800.0  # process-group timeout in seconds (torchrun runs)
+    # Read by the stage apps' command line only (rlhf/ds_config.py), never by the engine: the file's
+    # settings become overrides placed before the user's, so the command line wins.
+    ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (README: Coming from DeepSpeed)
 
 
 @dataclass(kw_only=True, slots=True)

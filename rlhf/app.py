@@ -63,13 +63,18 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
             print(_help_page(args.config_name or config_name, schema, module, args.overrides, run), end="")
             return
         rewrites = cli.check_overrides(args.overrides, schema, CONF_DIR, module)
+        ds_args, ds_report = _ds_config(args.overrides, schema, module)
     sys.argv[1:] = [rewrites.get(a, a) for a in sys.argv[1:]]
+    if ds_args:  # before the user's first override, so that the command line wins
+        first = sys.argv.index(rewrites.get(args.overrides[0], args.overrides[0]), 1)
+        sys.argv[first:first] = ds_args
     if args.cfg and not args.resolve:
         sys.argv.append("--resolve")  # NOTE: resolves only what is printed; config.yaml keeps ${...}
 
     def task(raw: Any) -> None:
         with user_errors():
             config = to_config(raw, schema)
+            _check_ds_config_applied(config, ds_report)
             check_sources(config)
             run(config)
 
@@ -91,6 +96,32 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
         raise SystemExit(code)
 
 
+def _ds_config(overrides: list[str], schema: type, module: str) -> tuple[list[str], Any]:
+    """`engine.ds_config=PATH` on the command line: the file's settings as Hydra overrides (placed
+    before the user's) and the report that the run logs (rlhf/ds_config.py); else ([], None)."""
+    from rlhf.ds_config import ds_overrides
+
+    args, report = ds_overrides(overrides, schema, CONF_DIR, module)
+    if args:
+        from rlhf import cli
+
+        cli.check_overrides(args, schema, CONF_DIR, module)  # our keys and types, as for the user's
+    return args, report
+
+
+def _check_ds_config_applied(config: Any, report: Any) -> None:
+    """The file was read from the command line (and its mapping is logged once, by rank 0); a
+    ds_config set anywhere else (a YAML file) would be silently unread, so it is an error."""
+    path = getattr(getattr(config, "engine", None), "ds_config", None)
+    if path and report is None:
+        raise ConfigError(f"engine.ds_config={path} is read from the command line only: pass "
+                          f"engine.ds_config={path} there")
+    if report is not None and os.environ.get("RANK", "0") == "0":
+        from rlhf.ds_config import log_report
+
+        log_report(report, logger)
+
+
 def _stage_module(run: Callable) -> str:
     """The module that defines `run` ("rlhf.sft"), also under `python -m` (where it is "__main__")."""
     spec = getattr(sys.modules.get(run.__module__), "__spec__", None)
@@ -101,7 +132,7 @@ def _help_page(config_name: str, schema: type, module: str, overrides: list[str]
     from rlhf import cli
 
     rewrites = cli.check_overrides(overrides, schema, CONF_DIR, module)
-    overrides = [rewrites.get(o, o) for o in overrides]
+    overrides = _ds_config(overrides, schema, module)[0] + [rewrites.get(o, o) for o in overrides]
     raw = compose(config_name, overrides, return_hydra_config=True, job_name=module.rsplit(".", 1)[-1])
     choices = cli.config_groups(CONF_DIR)
     chosen = {g: raw.hydra.runtime.choices.get(g) for g in choices}
