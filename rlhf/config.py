@@ -208,7 +208,11 @@ class DPOAlgoConfig:
     beta: float = 0.1  # inverse temperature of the implicit reward beta * (logp - logp_ref)
     label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: the assumed label flip rate; in [0, 0.5)
     gamma: float = 0.0  # simpo: the target reward margin
-    sft_coef: float = 0.0  # > 0: + sft_coef x the chosen response's NLL per token (RPO)
+    # > 0: + sft_coef x the chosen response's NLL per token (RPO); 0 = plain DPO. Default 1 (measured on
+    # the embedded default from the SFT output, lr 3e-4, 100 steps: gold 66 -> 98.5 with 1, while with 0
+    # the chosen answers' likelihood falls too: reverse/sort drop, gold 80.5 at step 50, 86.5 at 100 with
+    # sort still at 39)
+    sft_coef: float = 1.0
     # precompute: one pass over the train + held-out pairs before training, then no reference model
     # while training; online: the reference scores each batch (a second frozen model, or with LoRA
     # the policy with its adapters disabled). simpo uses no reference either way.
@@ -218,8 +222,11 @@ class DPOAlgoConfig:
 @dataclass(kw_only=True)
 class DPOConfig(StageConfig):
     output_dir: str = "outputs/dpo"
+    # Measured on the embedded default (2 CPU cores, from the SFT output, dpo.sft_coef=1): held-out gold
+    # 66 -> 91 at step 25, 98 at 50, 98.5 at 100; 100 steps read 3,200 of the 8,000 pairs, and the
+    # reference pass covers only those, so the run stays well inside 5 minutes (three gold evaluations)
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        max_steps=250, lr=1e-4, warmup_steps=10, eval_every=50, log_every=5,
+        max_steps=100, lr=3e-4, warmup_steps=10, eval_every=50, log_every=5,
     ))  # optimizer, schedule, logging and checkpoints
     dpo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)  # the loss and the reference
     eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
