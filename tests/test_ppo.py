@@ -497,7 +497,7 @@ def test_run_all_seed_sweep(tmp_path):
         assert row == json.loads((root / f"seed_{seed}" / "report.json").read_text())
         assert row["rm_accuracy"] == summary(root / f"seed_{seed}" / "reward")["eval_accuracy"]
     table = [line for line in (root / "sweep.md").read_text().splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[0] for line in table[2:]] == ["| 3", "| 4", "| mean ± std", "| min", "| max"]
+    assert [line.split(" | ")[0] for line in table[1:]] == ["| 3", "| 4", "| mean ± std", "| min", "| max"]
 
 
 def test_run_all_rejects_a_bad_seed_list(tmp_path):
