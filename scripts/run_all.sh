@@ -77,6 +77,7 @@ if [ -n "${SEEDS:-}" ]; then  # a seed sweep: this script once per seed, then th
     case "$s" in *[!0-9]*) echo "run_all.sh: SEEDS holds seeds (integers >= 0) separated by spaces, got '$s'" >&2; exit 2 ;; esac
     seeds+=("$s")
   done
+  [ "${#seeds[@]}" -gt 0 ] || { echo "run_all.sh: SEEDS holds no seed" >&2; exit 2; }
   for s in "${seeds[@]}"; do
     echo "=== seed $s -> $ROOT/seed_$s"
     SEEDS="" OUTPUT_DIR="$ROOT/seed_$s" bash scripts/run_all.sh "$@" "all:seed=$s"
