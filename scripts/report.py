@@ -1,13 +1,17 @@
-"""Write <root>/report.md and <root>/pipeline.png from a run_all.sh run (the stages' outputs).
+"""Write <root>/report.md, <root>/report.json and <root>/pipeline.png from a run_all.sh run (the
+stages' outputs); with --sweep, <root>/sweep.md and <root>/sweep.json from the runs of a seed sweep
+(SEEDS="1 2 3" bash scripts/run_all.sh: one run per seed under <root>/seed_<s>/).
 
     python scripts/report.py outputs [--total-s 812]                 # SFT -> reward -> PPO
     python scripts/report.py outputs --pipeline dpo                  # SFT -> DPO (PIPELINE=dpo)
+    python scripts/report.py outputs --sweep 1 2 3
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -121,6 +125,84 @@ def alarm_lines(rows: list[dict], summary: dict) -> list[str]:
     return lines
 
 
+def figures(s: dict[str, dict], total_s: float) -> dict[str, float | None]:
+    """One run's headline figures (a row of the sweep table) from its three summaries."""
+    sft, ppo = s["sft"].get("gold_score_after"), s["ppo"].get("gold_score_after")
+    return {
+        "sft_gold": sft, "rm_accuracy": s["reward"].get("eval_accuracy"), "rm_gold_auc": s["reward"].get("gold_auc"),
+        "ppo_gold": ppo, "gold_gain": None if sft is None or ppo is None else ppo - sft, "kl": s["ppo"].get("kl"),
+        "sft_s": s["sft"]["time_s"], "reward_s": s["reward"]["time_s"], "ppo_s": s["ppo"]["time_s"], "total_s": total_s,
+    }
+
+
+def aggregate(rows: list[dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
+    """Per figure over the runs that have it: mean, std (sample, n - 1; None below 2 runs), min, max, n."""
+    out = {}
+    for key in rows[0] if rows else ():
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        out[key] = {"mean": statistics.fmean(vals) if vals else None,
+                    "std": statistics.stdev(vals) if len(vals) > 1 else None,
+                    "min": min(vals, default=None), "max": max(vals, default=None), "n": len(vals)}
+    return out
+
+
+# The sweep table's columns: (figure, header, format of one value)
+SWEEP_COLUMNS = [
+    ("sft_gold", "SFT gold (%)", "{:.1f}"), ("rm_accuracy", "RM held-out accuracy", "{:.3f}"),
+    ("rm_gold_auc", "RM gold AUC", "{:.3f}"), ("ppo_gold", "PPO gold (%)", "{:.1f}"),
+    ("gold_gain", "PPO gain (points)", "{:+.1f}"), ("kl", "KL (nats)", "{:.3f}"), ("sft_s", "SFT (s)", "{:.0f}"),
+    ("reward_s", "reward (s)", "{:.0f}"), ("ppo_s", "PPO (s)", "{:.0f}"), ("total_s", "total (s)", "{:.0f}"),
+]
+
+
+def sweep_table(seeds: list[int], rows: list[dict], agg: dict) -> list[str]:
+    """Markdown: one row per seed, then mean ± std, min and max of every column."""
+    def cell(fmt_: str, v) -> str:
+        return "–" if v is None else fmt_.format(v)
+
+    lines = ["| seed | " + " | ".join(h for _, h, _ in SWEEP_COLUMNS) + " |",
+             "|---|" + "---|" * len(SWEEP_COLUMNS)]
+    lines += [f"| {seed} | " + " | ".join(cell(f, r[k]) for k, _, f in SWEEP_COLUMNS) + " |" for seed, r in zip(seeds, rows)]
+    lines.append("| mean ± std | " + " | ".join(
+        cell(f, agg[k]["mean"]) + ("" if agg[k]["std"] is None else " ± " + cell(f, agg[k]["std"]).lstrip("+"))
+        for k, _, f in SWEEP_COLUMNS) + " |")
+    for stat in ("min", "max"):
+        lines.append(f"| {stat} | " + " | ".join(cell(f, agg[k][stat]) for k, _, f in SWEEP_COLUMNS) + " |")
+    return lines
+
+
+def sweep(root: str, seeds: list[int]) -> list[str]:
+    """Write <root>/sweep.md and sweep.json from <root>/seed_<s>/report.json; returns sweep.md's lines."""
+    rows = []
+    for seed in seeds:
+        path = os.path.join(root, f"seed_{seed}", "report.json")
+        if not os.path.exists(path):
+            raise SystemExit(f"report.py: {path} is missing (did the pipeline for seed {seed} finish?)")
+        with open(path) as f:
+            rows.append(json.load(f))
+    agg = aggregate(rows)
+    acc, gain = agg["rm_accuracy"], agg["gold_gain"]
+
+    def spread(a: dict, f: str) -> str:
+        return "–" if a["mean"] is None else (f.format(a["mean"]) + ("" if a["std"] is None else " ± " + f.format(a["std"]).lstrip("+"))
+                                              + f" (min {f.format(a['min'])})")
+
+    lines = [
+        "# RLHF pipeline: seed sweep", "",
+        f"Output root: `{os.path.abspath(root)}`. {len(seeds)} seeds ({', '.join(map(str, seeds))}), each a whole "
+        "pipeline under `seed_<s>/` (`seed=<s>` in every stage: initialisation, data order, sampling; the same data) "
+        "with its own report.md. Std is the sample standard deviation (n - 1).", "",
+        *sweep_table(seeds, rows, agg), "",
+        f"Reward-model held-out pair accuracy {spread(acc, '{:.3f}')}; PPO gold gain {spread(gain, '{:+.1f}')} points; "
+        f"slowest pipeline {fmt(agg['total_s']['max'])} s.", "",
+    ]
+    with open(os.path.join(root, "sweep.md"), "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(root, "sweep.json"), "w") as f:
+        json.dump({"seeds": seeds, "runs": rows, "aggregate": agg}, f, indent=1)
+    return lines
+
+
 def fmt(v) -> str:
     if v is None:
         return "–"
@@ -133,8 +215,13 @@ def main() -> None:
     ap.add_argument("--total-s", type=float, default=None, help="wall time of the whole pipeline")
     ap.add_argument("--pipeline", choices=sorted(PIPELINES), default=None,
                     help="ppo (SFT -> reward -> PPO) or dpo (SFT -> DPO); default: dpo when only dpo/ finished")
+    ap.add_argument("--sweep", type=int, nargs="+", metavar="SEED", help="the seeds of a sweep under root/seed_<s>/")
     args = ap.parse_args()
     root = args.root
+    if args.sweep:
+        print("\n".join(sweep(root, args.sweep)))
+        print(f"sweep report: {os.path.join(root, 'sweep.md')}")
+        return
     pipeline = args.pipeline or ("dpo" if os.path.exists(os.path.join(root, "dpo", "summary.json"))
                                  and not os.path.exists(os.path.join(root, "ppo", "summary.json")) else "ppo")
     stages = PIPELINES[pipeline]
@@ -208,6 +295,8 @@ def main() -> None:
     ]
     with open(os.path.join(root, "report.md"), "w") as f:
         f.write("\n".join(lines))
+    with open(os.path.join(root, "report.json"), "w") as f:  # the headline figures, for a seed sweep's table
+        json.dump(figures(s, total), f, indent=1)
     print("\n".join(lines[:20]))
     print(f"report: {os.path.join(root, 'report.md')}")
 

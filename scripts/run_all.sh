@@ -13,6 +13,10 @@
 #                                                             # grpo, rloo or reinforce_pp (conf/algorithm/)
 #
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
+#   SEEDS="1234 1 2" bash scripts/run_all.sh                  # a seed sweep: the pipeline once per seed
+#                                                             # (all:seed=<s>) under $OUTPUT_DIR/seed_<s>/,
+#                                                             # then $OUTPUT_DIR/sweep.md: per seed SFT gold,
+#                                                             # RM accuracy, PPO gold, KL, times; mean ± std, min, max
 #
 # Arguments are Hydra overrides prefixed with the stage they go to (sft:, reward:, ppo:, dpo:) or all:
 # (all: goes to the stages of the chosen PIPELINE: ppo = sft, reward, ppo; dpo = sft, dpo).
@@ -75,6 +79,21 @@ for arg in "$@"; do
     *) echo "run_all.sh: prefix each override with its stage (sft:, reward:, ppo:, dpo: or all:), got '$arg'" >&2; exit 2 ;;
   esac
 done
+
+if [ -n "${SEEDS:-}" ]; then  # a seed sweep: this script once per seed, then the table of all of them
+  seeds=()
+  for s in $SEEDS; do
+    case "$s" in *[!0-9]*) echo "run_all.sh: SEEDS holds seeds (integers >= 0) separated by spaces, got '$s'" >&2; exit 2 ;; esac
+    seeds+=("$s")
+  done
+  [ "${#seeds[@]}" -gt 0 ] || { echo "run_all.sh: SEEDS holds no seed" >&2; exit 2; }
+  for s in "${seeds[@]}"; do
+    echo "=== seed $s -> $ROOT/seed_$s"
+    SEEDS="" OUTPUT_DIR="$ROOT/seed_$s" bash scripts/run_all.sh "$@" "all:seed=$s"
+  done
+  python scripts/report.py "$ROOT" --sweep "${seeds[@]}"
+  exit 0
+fi
 
 run() {  # run <module> <overrides...>
   local module="$1"; shift

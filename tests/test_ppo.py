@@ -485,6 +485,32 @@ def mtimes(root) -> dict[str, int]:
 
 
 @pytest.mark.slow
+def test_run_all_seed_sweep(tmp_path):
+    """SEEDS="3 4" (the header's SEEDS= command at smoke size): a pipeline per seed with seed=<s> in every
+    stage, and sweep.md/sweep.json tabulating each seed's report.json."""
+    import json
+
+    root = tmp_path / "all"
+    run_all(root, SEEDS="3 4")
+    sweep = json.loads((root / "sweep.json").read_text())
+    assert sweep["seeds"] == [3, 4]
+    for seed, row in zip((3, 4), sweep["runs"]):
+        for stage in ("sft", "reward", "ppo"):
+            assert f"\nseed: {seed}\n" in (root / f"seed_{seed}" / stage / "config.yaml").read_text(), (seed, stage)
+        assert row == json.loads((root / f"seed_{seed}" / "report.json").read_text())
+        assert row["rm_accuracy"] == summary(root / f"seed_{seed}" / "reward")["eval_accuracy"]
+    table = [line for line in (root / "sweep.md").read_text().splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in table[1:]] == ["| 3", "| 4", "| mean ± std", "| min", "| max"]
+
+
+def test_run_all_rejects_a_bad_seed_list(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
+                          env={**cli_env(), "OUTPUT_DIR": str(tmp_path), "SEEDS": "1 -2"}, timeout=60)
+    assert proc.returncode == 2 and "SEEDS holds seeds (integers >= 0) separated by spaces, got '-2'" in proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing ran
+
+
+@pytest.mark.slow
 def test_run_all_skips_finished_stages_and_resumes_interrupted_ones(tmp_path):
     root = tmp_path / "all"
     first = run_all(root)

@@ -113,3 +113,62 @@ def test_dpo_pipeline_report(tmp_path):
     axes = make_figure("p", load_report().dpo_panels(str(tmp_path)), ncols=3, sharex=False).axes
     assert [ax.get_xlabel() for ax in axes] == ["SFT step", "DPO step", "DPO step"]
     assert "gold" in axes[2].get_ylabel()
+
+
+def summaries(sft_gold: float, acc: float, ppo_gold: float, kl: float, times=(10.0, 5.0, 7.0)) -> dict:
+    """The three summaries `report.figures` reads, with the given figures."""
+    return {"sft": {"time_s": times[0], "gold_score_after": sft_gold},
+            "reward": {"time_s": times[1], "eval_accuracy": acc, "gold_auc": None},
+            "ppo": {"time_s": times[2], "gold_score_after": ppo_gold, "kl": kl}}
+
+
+def test_report_json_holds_the_headline_figures(tmp_path):
+    write_run(tmp_path, kl=0.05)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--total-s", "30"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "report.json").read_text())
+    assert got == {"sft_gold": 40.0, "rm_accuracy": 0.8, "rm_gold_auc": None, "ppo_gold": 42.5, "gold_gain": 2.5,
+                   "kl": 0.05, "sft_s": 10.0, "reward_s": 5.0, "ppo_s": 7.0, "total_s": 30.0}
+
+
+def test_aggregate_by_hand():
+    report = load_report()
+    agg = report.aggregate([{"a": 1.0, "b": None}, {"a": 2.0, "b": 5.0}, {"a": 6.0, "b": None}])
+    # mean 3, sample variance ((-2)^2 + (-1)^2 + 3^2) / 2 = 7
+    assert agg["a"] == {"mean": 3.0, "std": pytest.approx(7 ** 0.5), "min": 1.0, "max": 6.0, "n": 3}
+    assert agg["b"] == {"mean": 5.0, "std": None, "min": 5.0, "max": 5.0, "n": 1}  # runs without it left out
+
+
+def test_seed_sweep_table(tmp_path):
+    report = load_report()
+    runs = {1: summaries(60.0, 0.90, 85.0, 0.5, (100.0, 200.0, 300.0)),
+            2: summaries(70.0, 0.94, 91.0, 0.7, (110.0, 210.0, 310.0)),
+            3: summaries(65.0, 0.95, 95.0, 0.6, (120.0, 220.0, 320.0))}
+    for seed, s in runs.items():
+        (tmp_path / f"seed_{seed}").mkdir()
+        total = sum(st["time_s"] for st in s.values()) + 10
+        (tmp_path / f"seed_{seed}" / "report.json").write_text(json.dumps(report.figures(s, total)))
+    (tmp_path / "seed_4").mkdir()  # a directory of another sweep: not read
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--sweep", "1", "2", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in (tmp_path / "sweep.md").read_text().splitlines() if line.startswith("| ")]
+    assert table[0].split(" | ")[:7] == ["| seed", "SFT gold (%)", "RM held-out accuracy", "RM gold AUC", "PPO gold (%)",
+                                         "PPO gain (points)", "KL (nats)"]
+    # gains 25, 21, 30: mean 25.333, std sqrt(((-1/3)^2 + (13/3)^2 + (14/3)^2) / 2) = 4.509
+    assert table[1] == "| 1 | 60.0 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
+    assert table[4] == ("| mean ± std | 65.0 ± 5.0 | 0.930 ± 0.026 | – | 90.3 ± 5.0 | +25.3 ± 4.5 | 0.600 ± 0.100 "
+                        "| 110 ± 10 | 210 ± 10 | 310 ± 10 | 640 ± 30 |")
+    assert table[5] == "| min | 60.0 | 0.900 | – | 85.0 | +21.0 | 0.500 | 100 | 200 | 300 | 610 |"
+    assert table[6] == "| max | 70.0 | 0.950 | – | 95.0 | +30.0 | 0.700 | 120 | 220 | 320 | 670 |"
+    assert len(table) == 7
+    text = (tmp_path / "sweep.md").read_text()
+    assert "accuracy 0.930 ± 0.026 (min 0.900)" in text and "gain +25.3 ± 4.5 (min +21.0) points" in text
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["seeds"] == [1, 2, 3] and saved["aggregate"]["gold_gain"]["min"] == 21.0
+    assert saved["aggregate"]["rm_accuracy"]["std"] == pytest.approx(0.026458, abs=1e-6)
+
+    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--sweep", "1", "4"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "seed_4/report.json is missing (did the pipeline for seed 4 finish?)" in missing.stderr
