@@ -80,7 +80,8 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("stage,overrides,named", CONFIG_CASES, ids=[" ".join(c[1][-1:]) + f" ({c[0]})" for c in CONFIG_CASES])
 def test_bad_config_value_exits_2_naming_the_key(stage, overrides, named, tmp_path):
     # PPO's and DPO's model paths must exist before its values are checked (a typo'd path is its own error)
-    models = {"ppo": [f"actor.model={tmp_path}", f"critic.model={tmp_path}"], "dpo": ["model.name_or_path=null"]}.get(stage, [])
+    models = {"ppo": [f"actor.model={tmp_path}", f"critic.model={tmp_path}"], "dpo": ["model.name_or_path=null"],
+              "reward": ["model.fallback_to_config=true"]}.get(stage, [])
     proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", *models, *overrides, check=False, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -125,7 +126,8 @@ DATA_CASES = [
 @pytest.mark.parametrize("stage,name,contents,says,line", DATA_CASES, ids=[c[1] + f" ({c[0]})" for c in DATA_CASES])
 def test_bad_data_file_exits_2_naming_file_and_line(stage, name, contents, says, line, tmp_path):
     path = _write(tmp_path / "data" / name, contents)
-    extra = {"reward": ["model.fallback_to_config=true"], "dpo": ["model.name_or_path=null"]}.get(stage, [])
+    extra = {"reward": ["model.fallback_to_config=true"], "dpo": ["model.name_or_path=null"],
+              "reward": ["model.fallback_to_config=true"]}.get(stage, [])
     proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", f"data.path={path}", *extra, check=False, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -70,11 +70,13 @@ def test_the_yaml_holds_only_what_differs_from_the_schema():
         for group in groups:
             for option in os.listdir(os.path.join(CONF_DIR, group)):
                 path = os.path.join(CONF_DIR, group, option)
-                values = _flat(OmegaConf.to_container(OmegaConf.load(path)), f"{group}.")
+                with open(path) as f:  # a `# @package _global_` option sets top-level keys
+                    prefix = "" if "@package _global_" in f.readline() else f"{group}."
+                values = _flat(OmegaConf.to_container(OmegaConf.load(path)), prefix)
                 set_by_groups |= set(values)
                 for key, value in values.items():
                     assert key in defaults, (group, option, key)
-                    named = key.split(".", 1)[1] in OPTION_KEYS.get(group, ())
+                    named = prefix and key.split(".", 1)[1] in OPTION_KEYS.get(group, ())
                     assert value != defaults[key] or named, (group, option, key)
         for key, value in _flat({k: v for k, v in raw.items() if k not in ("defaults", "hydra")}).items():
             assert key in defaults, (stage, key)
