@@ -623,12 +623,6 @@ def validate_dpo(cfg: DPOConfig, info) -> int:
     """Everything a DPO run needs, checked before any model loads; returns accumulation steps."""
     from rlhf.dpo_math import LOSS_TYPES
 
-    _need(bool(cfg.output_dir), "output_dir must be set")
-    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
-    validate_model(cfg.model)
-    validate_data(cfg.data)
-    validate_logger(cfg.logger)
-    validate_generation(cfg.eval, "eval")
     p = cfg.dpo
     _need(p.loss_type in LOSS_TYPES, f"dpo.loss_type must be one of {LOSS_TYPES}, got {p.loss_type!r}")
     _need(p.beta > 0, f"dpo.beta must be > 0, got {p.beta}")
@@ -638,9 +632,7 @@ def validate_dpo(cfg: DPOConfig, info) -> int:
     _need(p.gamma == 0 or p.loss_type == "simpo", f"dpo.gamma applies to dpo.loss_type=simpo, not {p.loss_type!r}")
     _need(p.sft_coef >= 0, f"dpo.sft_coef must be >= 0, got {p.sft_coef}")
     _need(p.reference in ("precompute", "online"), f"dpo.reference must be 'precompute' or 'online', got {p.reference!r}")
-    check_optim(cfg.train)
-    engine_config(cfg.engine, info)
-    return validate_train(cfg.train, info.world_size)
+    return validate_sft(cfg, info)  # the keys DPO shares with SFT: model, data, eval, train, engine
 
 
 def validate_ppo(cfg: PPOConfig, info) -> None:
