@@ -39,8 +39,8 @@ from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
-from rlhf.evaluate import all_gather, gold_eval, load_eval_prompts
-from rlhf.models import MODEL_SUBDIR, check_context, disable_dropout, export_hf, load_causal_lm, load_tokenizer
+from rlhf.evaluate import all_gather, gold_eval, gold_line, gold_summary, load_eval_prompts
+from rlhf.models import check_context, disable_dropout, export_model, load_causal_lm, load_tokenizer
 from rlhf.roles import Policy
 from rlhf.stage import Run
 
@@ -215,10 +215,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
 
     # ---- final evaluation, export, summary
     after = run.evaluate_after()
-    full = engine.full_state_dict()
-    model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
-    if info.is_main:
-        export_hf(full, engine.inner, tok, model_dir, cfg.model, add_bos=d.add_bos)
+    model_dir = export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=d.add_bos)
     before = run.before
     return run.finish({
         "loss_type": p.loss_type,
@@ -231,10 +228,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
            (("before", before), ("after", after))},
         "eval_reward_chosen_after": after.get("reward_chosen"),
         "eval_reward_rejected_after": after.get("reward_rejected"),
-        "gold_score_before": before.get("gold_score"),
-        "gold_score_after": after.get("gold_score"),
-        **{f"{k}_before": v for k, v in before.items() if k.startswith("gold_score/")},
-        **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
+        **gold_summary(before, after),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # rank 0, Linux KiB
         "skipped_steps": engine.skipped_steps,
     }, model_dir, PLOT, after.get("samples", []))
@@ -253,9 +247,8 @@ def _eval_line(ev: dict) -> str:
     parts = []
     if ev.get("loss") is not None:
         parts.append(f"held-out loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.3f}")
-    if ev.get("gold_score") is not None:
-        tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
-        parts.append(f"gold score {ev['gold_score']:.1f} ({tasks})")
+    if gold := gold_line(ev):
+        parts.append(gold)
     return ", ".join(parts) or "no held-out pairs or prompts"
 
 

@@ -146,6 +146,22 @@ def gold_eval(
     return result
 
 
+def gold_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The gold figures of two evaluations under their summary.json names: gold_score_before/after
+    and gold_score/<task>_before/after."""
+    return {"gold_score_before": before.get("gold_score"), "gold_score_after": after.get("gold_score"),
+            **{f"{k}_{when}": v for when, ev in (("before", before), ("after", after))
+               for k, v in ev.items() if k.startswith("gold_score/")}}
+
+
+def gold_line(ev: dict[str, Any]) -> str | None:
+    """"gold score 66.0 (add=90 reverse=40 ...)" for a progress line, None without a gold score."""
+    if ev.get("gold_score") is None:
+        return None
+    tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
+    return f"gold score {ev['gold_score']:.1f} ({tasks})"
+
+
 @torch.no_grad()
 def perplexity(
     model: torch.nn.Module,

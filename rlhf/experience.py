@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine import FrozenEngine, TrainEngine, hf_base_model
+from engine import FrozenEngine, TrainEngine, atomic_directories, hf_base_model
 from engine.checkpoint import kill_point, published, read_meta
 from engine.distributed import all_reduce_sum
 from engine.ema import ParamEMA
@@ -35,7 +35,7 @@ from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, opti
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
 from rlhf.models import (
-    check_context, disable_dropout, load_causal_lm, load_tokenizer, load_value_model, tokenizer_mismatch,
+    MODEL_SUBDIR, check_context, disable_dropout, export_hf, load_causal_lm, load_tokenizer, load_value_model, tokenizer_mismatch,
 )
 from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
@@ -308,6 +308,27 @@ class Models:
             kill_point("between_models")
             if self.critic is not None:
                 self.critic.write_state(os.path.join(tmp, "critic"))
+
+    def export(self, tok: Any, cfg: PPOConfig) -> str:
+        """model/ (the actor), critic/ and model_ema/ (those this run has) as HF directories under
+        output_dir, published together (summary.json, written after, marks them complete). Collective:
+        every rank consolidates, rank 0 writes. Returns the actor's directory."""
+        actor_sd = self.actor.full_state_dict()
+        critic_sd = self.critic.full_state_dict() if self.critic is not None else None
+        ema_sd = None
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                ema_sd = self.actor.full_state_dict()
+        if self.info.is_main:
+            actor_cfg = model_cfg(cfg, cfg.actor.model, cfg.actor.lora)
+            exports = [(sd, like, name, mcfg) for sd, like, name, mcfg in (
+                (actor_sd, self.actor.inner, MODEL_SUBDIR, actor_cfg),
+                (critic_sd, self.critic and self.critic.inner, "critic", model_cfg(cfg, cfg.critic.model, cfg.critic.lora)),
+                (ema_sd, self.actor.inner, "model_ema", actor_cfg)) if sd is not None]
+            with atomic_directories(*(os.path.join(cfg.output_dir, e[2]) for e in exports)) as tmps:
+                for tmp, (sd, like, _, mcfg) in zip(tmps, exports):
+                    export_hf(sd, like, tok, tmp, mcfg, add_bos=cfg.data.add_bos, atomic=False)
+        return os.path.join(cfg.output_dir, MODEL_SUBDIR)
 
     def load_checkpoint(self, path: str) -> dict:
         if self.critic is not None:

@@ -341,6 +341,16 @@ def export_tokenizer(tokenizer: Any, *, add_bos: bool, add_eos: bool) -> Any:
     return tok
 
 
+def export_model(engine: Any, tokenizer: Any, output_dir: str, cfg: ModelConfig, *, add_bos: bool) -> str:
+    """A stage's final export: the engine's model as `output_dir/model` (HF). Collective: every rank
+    calls it (the state dict is consolidated), rank 0 writes. Returns the model directory."""
+    state = engine.full_state_dict()
+    model_dir = os.path.join(output_dir, MODEL_SUBDIR)
+    if engine.info.is_main:
+        export_hf(state, engine.inner, tokenizer, model_dir, cfg, add_bos=add_bos)
+    return model_dir
+
+
 def export_hf(
     state_dict: dict[str, torch.Tensor],
     like: nn.Module,

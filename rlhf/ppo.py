@@ -22,7 +22,6 @@ critic/, model_ema/ (with ppo.ema_decay), summary.json.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import fields
 from types import SimpleNamespace
@@ -30,7 +29,6 @@ from typing import Any
 
 import torch
 
-from engine import atomic_directories
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
 from rlhf import alarms, ppo_math, rewards
@@ -38,14 +36,14 @@ from rlhf.app import ConfigError, stage_main
 from rlhf.config import PPOConfig, rollout_rows, validate_ppo
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
-from rlhf.evaluate import gold_eval, load_eval_prompts
+from rlhf.evaluate import gold_eval, gold_line, gold_summary, load_eval_prompts
 from rlhf.experience import (
     Models, build_experience, drop_uniform_groups, generate, mask_nonfinite, model_cfg, nonfinite_rows, ptx_batches,
     step_metrics, update,
 )
 from rlhf.hub import check_local
 from rlhf.losses import actor_loss, make_critic_loss
-from rlhf.models import MODEL_SUBDIR, export_hf, load_tokenizer
+from rlhf.models import load_tokenizer
 from rlhf.runlog import read_metrics
 from rlhf.stage import Run
 
@@ -197,28 +195,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     # ---- final evaluation, export, summary
     after = run.evaluate_after()
-    actor_sd = models.actor.full_state_dict()
-    critic_sd = models.critic.full_state_dict() if models.critic is not None else None
-    ema_sd = None
-    if models.ema is not None:
-        with models.ema.swapped_in():
-            ema_sd = models.actor.full_state_dict()
-    out_dir, model_dir = cfg.output_dir, os.path.join(cfg.output_dir, MODEL_SUBDIR)
-    if info.is_main:  # model/, critic/, model_ema/ published together (then summary.json marks them complete)
-        actor_cfg = model_cfg(cfg, cfg.actor.model, cfg.actor.lora)
-        exports = [(sd, like, name, mcfg) for sd, like, name, mcfg in (
-            (actor_sd, models.actor.inner, MODEL_SUBDIR, actor_cfg),
-            (critic_sd, models.critic and models.critic.inner, "critic", model_cfg(cfg, cfg.critic.model, cfg.critic.lora)),
-            (ema_sd, models.actor.inner, "model_ema", actor_cfg)) if sd is not None]
-        with atomic_directories(*(os.path.join(out_dir, e[2]) for e in exports)) as tmps:
-            for tmp, (sd, like, _, mcfg) in zip(tmps, exports):
-                export_hf(sd, like, tok, tmp, mcfg, add_bos=cfg.data.add_bos, atomic=False)
+    out_dir, model_dir = cfg.output_dir, models.export(tok, cfg)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
-        "gold_score_before": before.get("gold_score"),
-        "gold_score_after": after.get("gold_score"),
-        **{f"{k}_before": v for k, v in before.items() if k.startswith("gold_score/")},
-        **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
+        **gold_summary(before, after),
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),
@@ -237,9 +217,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
 def _eval_line(ev: dict) -> str:
     parts = []
-    if ev.get("gold_score") is not None:
-        tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
-        parts.append(f"gold score {ev['gold_score']:.1f} ({tasks})")
+    if gold := gold_line(ev):
+        parts.append(gold)
     if "kl" in ev:
         parts.append(f"KL {ev['kl']:.3f}, reward {ev['reward']:.3f}")
     return ", ".join(parts) or "no eval prompts"

@@ -16,7 +16,6 @@ Writes to `output_dir`: config.yaml, metrics.jsonl, reward.png, checkpoints/, mo
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -27,7 +26,7 @@ from rlhf.config import RewardConfig, engine_config, optim_config, validate_rewa
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
-from rlhf.models import MODEL_SUBDIR, check_context, export_hf, load_tokenizer, load_value_model
+from rlhf.models import check_context, export_model, load_tokenizer, load_value_model
 from rlhf.roles import ValueModel
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
 from rlhf.stage import Run
@@ -142,10 +141,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     # ---- final evaluation, export, summary
     after = run.evaluate_after()
-    state = engine.full_state_dict()
-    model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
-    if info.is_main:
-        export_hf(state, engine.inner, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
+    model_dir = export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=cfg.data.add_bos)
     return run.finish({
         "train_pairs": len(train_feats),
         "eval_pairs": len(eval_feats),

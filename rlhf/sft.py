@@ -15,7 +15,6 @@ Writes to `output_dir`: config.yaml, metrics.jsonl, sft.png, checkpoints/, model
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -26,8 +25,8 @@ from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
-from rlhf.models import MODEL_SUBDIR, check_context, export_hf, load_causal_lm, load_tokenizer
+from rlhf.evaluate import gold_eval, gold_line, gold_summary, load_eval_prompts, perplexity
+from rlhf.models import check_context, export_model, load_causal_lm, load_tokenizer
 from rlhf.roles import Policy
 from rlhf.stage import Run
 
@@ -96,10 +95,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
     # ---- final evaluation, export, summary
     after = run.evaluate_after()
-    state = engine.full_state_dict()  # collective; rank 0 gets the consolidated CPU copy
-    model_dir = os.path.join(cfg.output_dir, MODEL_SUBDIR)
-    if info.is_main:
-        export_hf(state, engine.inner, tok, model_dir, cfg.model, add_bos=cfg.data.add_bos)
+    model_dir = export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=cfg.data.add_bos)
     before = run.before
     return run.finish({
         "train_rows": len(train_feats),
@@ -107,9 +103,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         "eval_loss_before": before.get("loss"),
         "eval_loss_after": after.get("loss"),
         "perplexity_after": after.get("perplexity"),
-        "gold_score_before": before.get("gold_score"),
-        "gold_score_after": after.get("gold_score"),
-        **{f"{k}_after": v for k, v in after.items() if k.startswith("gold_score/")},
+        **gold_summary(before, after),
         "skipped_steps": engine.skipped_steps,
     }, model_dir, PLOT, after.get("samples", []))
 
@@ -124,9 +118,8 @@ def _eval_line(ev: dict) -> str:
     parts = []
     if ev.get("loss") is not None:
         parts.append(f"eval loss {ev['loss']:.4f} (ppl {ev['perplexity']:.3f})")
-    if ev.get("gold_score") is not None:
-        tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
-        parts.append(f"gold score {ev['gold_score']:.1f} ({tasks})")
+    if gold := gold_line(ev):
+        parts.append(gold)
     return ", ".join(parts) or "no eval data"
 
 
