@@ -25,6 +25,24 @@ from torch import nn
 from .inference.sampling import SamplingParams
 
 
+def choose_generation_path(want: str, device_type: str, config, *, adapters: bool = False) -> tuple[str, str]:
+    """("injected" | "hf", why) for `engine.generation=want` on a `device_type` device, for a model of
+    HF `config` (`adapters`: unmerged LoRA adapters, which the injected model does not apply). The
+    engine's decision (TrainEngine.generation), also what `python -m rlhf.env` / `rlhf.plan` report."""
+    from .inference import supports
+
+    if want == "hf":
+        return "hf", "engine.generation=hf"
+    if want == "auto" and device_type != "cuda":
+        return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {device_type})"
+    if adapters:
+        return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
+    ok, reason = supports(config)
+    if not ok:
+        return "hf", f"falling back: {reason}"
+    return "injected", f"engine.generation={want}, {config.model_type} is supported"
+
+
 def _max_new_tokens(params: SamplingParams) -> int:
     if params.max_new_tokens is None:
         raise ValueError("generation needs SamplingParams(max_new_tokens=...)")

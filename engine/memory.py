@@ -139,7 +139,7 @@ def memory_report(
     return report
 
 
-def _fmt(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
@@ -151,14 +151,14 @@ def format_memory_report(report: dict) -> str:
     lines = [
         f"[rank {report['rank']}/{report['world_size']}] ZeRO stage {report['stage']}: "
         f"{report['trainable_params']:,} trainable / {report['total_params']:,} params",
-        f"  params {_fmt(report['param_bytes'])} | grads {_fmt(report['grad_bytes'])} | "
-        f"optimizer {_fmt(report['optimizer_bytes'])} | model state {_fmt(report['model_state_bytes'])}",
-        f"  predicted for this layout {_fmt(report['layout_bytes'])} | ZeRO paper (Adam, mixed precision, "
-        f"trainable only) {report['zero_formula']} = {_fmt(report['zero_formula_bytes'])}",
+        f"  params {fmt_bytes(report['param_bytes'])} | grads {fmt_bytes(report['grad_bytes'])} | "
+        f"optimizer {fmt_bytes(report['optimizer_bytes'])} | model state {fmt_bytes(report['model_state_bytes'])}",
+        f"  predicted for this layout {fmt_bytes(report['layout_bytes'])} | ZeRO paper (Adam, mixed precision, "
+        f"trainable only) {report['zero_formula']} = {fmt_bytes(report['zero_formula_bytes'])}",
     ]
     if "models" in report:  # a run of several models (e.g. PPO's): what each holds on this rank
         lines.append(f"  {len(report['models'])} models on this rank: " + " | ".join(
-            f"{name} {_fmt(n)}" for name, n in report["models"].items()))
+            f"{name} {fmt_bytes(n)}" for name, n in report["models"].items()))
     if "cuda_max_allocated_bytes" in report:
-        lines.append(f"  CUDA max allocated after the first step: {_fmt(report['cuda_max_allocated_bytes'])}")
+        lines.append(f"  CUDA max allocated after the first step: {fmt_bytes(report['cuda_max_allocated_bytes'])}")
     return "\n".join(lines)

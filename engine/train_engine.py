@@ -442,20 +442,11 @@ class TrainEngine(_ShardedModule):
         return self._gen_path
 
     def _choose_generation_path(self) -> tuple[str, str]:
-        from .inference import supports
+        from .generation import choose_generation_path
 
-        want = self.cfg.generation
-        if want == "hf":
-            return "hf", "engine.generation=hf"
-        if want == "auto" and self.info.device.type != "cuda":
-            return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {self.info.device})"
         base = hf_base_model(self.unwrapped)
-        if base is not inner_module(self.unwrapped):
-            return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
-        ok, reason = supports(getattr(base, "config", None))
-        if not ok:
-            return "hf", f"falling back: {reason}"
-        return "injected", f"engine.generation={want}, {base.config.model_type} is supported"
+        return choose_generation_path(self.cfg.generation, self.info.device.type, getattr(base, "config", None),
+                                      adapters=base is not inner_module(self.unwrapped))
 
     def _refresh_inference_model(self):
         from .inference import InferenceModel
