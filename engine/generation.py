@@ -118,6 +118,54 @@ def hf_generate(
     return Generated(sequences=seqs, attention_mask=attn, response_mask=resp_mask, prompt_len=P, logprobs=logprobs)
 
 
+def probe_prompts(vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fixed prompts (ids [2, 6], mask [2, 6]; the second left-padded by 2) for `decoder_mismatch`."""
+    ids = torch.randint(3, vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
+
+
+@torch.no_grad()
+def decoder_mismatch(fast, reference: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                     dtype: torch.dtype, max_new_tokens: int = 4) -> str | None:
+    """Why the injected decoder `fast` (an InjectedGenerator) disagrees with `reference` (the
+    transformers module with the same, full weights), or None. The first-use self-check of
+    `TrainEngine.generation()` and `python -m rlhf.env --check` both call it.
+
+    `fast` decodes `max_new_tokens` greedily with no EOS (every step counts); `reference` scores the
+    result in one teacher-forced forward. At every response token the decoded token must be the
+    reference's greedy choice, or a near-tie: its reference log-prob within the tolerance of the best
+    one's; and the decoder's log-probs must match the reference's (kernels.testing.mismatch: the
+    kernels' per-dtype tolerances, `dtype` being the compute dtype).
+    """
+    from kernels.testing import TOLERANCES, mismatch
+
+    try:
+        out = fast.generate(prompt_ids, prompt_mask, SamplingParams(max_new_tokens=max_new_tokens, greedy=True),
+                            eos_token_id=-1, pad_token_id=0, return_logprobs=True)
+    except Exception as e:  # noqa: BLE001 - any failure of the fast path means: do not use it
+        return f"the injected decoder raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    P, mask = prompt_ids.shape[1], out.attention_mask
+    was_training = reference.training
+    reference.eval()
+    try:
+        logits = reference(input_ids=out.sequences, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                           use_cache=False).logits
+    finally:
+        reference.train(was_training)
+    logp_all = logits[:, P - 1 : -1].float().log_softmax(-1)  # [B, T, V]: what predicts response token t
+    tokens = out.sequences[:, P:]
+    want = logp_all.gather(-1, tokens[..., None]).squeeze(-1)  # [B, T]
+    gap = logp_all.max(-1).values - want  # 0 where the decoded token is the reference's greedy choice
+    tol = TOLERANCES[dtype]
+    if (gap > tol).any():
+        r, t = (gap > tol).nonzero()[0].tolist()
+        return (f"greedy token {t} of row {r}: decoded {tokens[r, t].item()}, transformers' choice "
+                f"{logp_all[r, t].argmax().item()} (log-prob gap {gap[r, t].item():.3g} > tolerance {tol:.0e})")
+    return mismatch(out.logprobs, want * out.response_mask, dtype, names=("greedy log-probs",))
+
+
 class HFGenerator:
     """The generic generation path: `transformers` `generate` on the whole module."""
 
