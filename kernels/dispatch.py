@@ -129,28 +129,28 @@ def head(t: torch.Tensor | None, n: int = 4) -> torch.Tensor | None:
     return None if t is None else t.reshape(-1, t.shape[-1])[:n]
 
 
-def guarded(op: str, fast, reference, args: tuple, probe: tuple, dtype: torch.dtype):
+def guarded(op: str, fast, reference, args: tuple, probe: tuple, dtype: torch.dtype, names: tuple[str, ...] = ()):
     """`fast(*args)` (the Triton path), trusted after its first call matched `reference` on `probe`.
 
-    `probe`: a small slice of `args` (e.g. `head` rows), compared under no_grad. A failed op returns
-    `reference(*args)` from then on."""
+    `probe`: a small slice of `args` (e.g. `head` rows), compared under no_grad; `names`: the outputs'
+    names for the message. A failed op returns `reference(*args)` from then on."""
     if op not in _verdicts:
         tensors = [t for t in probe if isinstance(t, torch.Tensor)]
         on = _selfcheck if _selfcheck is not None else all(t.is_cuda for t in tensors)
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if not on or capturing:
             return fast(*args)
-        _verdicts[op] = _check(op, fast, reference, probe, dtype)
+        _verdicts[op] = _check(op, fast, reference, probe, dtype, names)
     return reference(*args) if _verdicts[op] is not None else fast(*args)
 
 
-def _check(op: str, fast, reference, probe: tuple, dtype: torch.dtype) -> str | None:
+def _check(op: str, fast, reference, probe: tuple, dtype: torch.dtype, names: tuple[str, ...]) -> str | None:
     from .testing import mismatch
 
     with torch.no_grad():
         want = reference(*probe)
         try:
-            why = mismatch(fast(*probe), want, dtype)
+            why = mismatch(fast(*probe), want, dtype, names)
         except Exception as e:  # noqa: BLE001 - any failure of the fast path means: do not use it
             why = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if why is not None:

@@ -339,7 +339,7 @@ def fused_logprobs_entropy(hidden, weight, targets, bias=None, temperature=1.0, 
             # the first Triton call is checked on 4 rows; a fallback takes the chunked PyTorch path (the
             # reference's results without its [N, V] logits)
             logp, ent = guarded("fused_logprobs_entropy", run, lambda h, t: run(h, t, "chunked"), (h, t),
-                                (h[:4], t[:4]), h.dtype)
+                                (h[:4], t[:4]), h.dtype, ("log-probs", "entropy"))
         else:
             logp, ent = run(h, t)
     else:

@@ -198,7 +198,7 @@ def rms_norm(x, weight, eps=1e-6, residual=None, impl="auto"):
     if not auto:
         return fast(x, residual)
     return guarded("rms_norm", fast, lambda x, r: rms_norm_reference(x, weight, eps, r), (x, residual),
-                   (head(x), head(residual)), x.dtype)
+                   (head(x), head(residual)), x.dtype, ("y", "x + residual"))
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5, residual=None, impl="auto"):
@@ -213,4 +213,4 @@ def layer_norm(x, weight, bias=None, eps=1e-5, residual=None, impl="auto"):
     if not auto:
         return fast(x, residual)
     return guarded("layer_norm", fast, lambda x, r: layer_norm_reference(x, weight, bias, eps, r), (x, residual),
-                   (head(x), head(residual)), x.dtype)
+                   (head(x), head(residual)), x.dtype, ("y", "x + residual"))

@@ -109,4 +109,4 @@ def apply_rotary(q, k, cos, sin, impl="auto"):
         return _Rotary.apply(q, k, cos, sin)
     first = [t[:1] if t.dim() == 3 else t for t in (cos, sin)]  # the probe: batch row 0
     return guarded("apply_rotary", _Rotary.apply, apply_rotary_reference, (q, k, cos, sin), (q[:1], k[:1], *first),
-                   q.dtype)
+                   q.dtype, ("q", "k"))

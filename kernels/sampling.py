@@ -219,4 +219,4 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, noise=No
     # the same noise on both paths: tokens must be equal, not just equally distributed
     return guarded("sample", lambda z, u: _sample_triton(z, temperature, top_k, top_p, u),
                    lambda z, u: sample_reference(z, temperature, top_k, top_p, u), (logits, noise),
-                   (logits[:4], None if noise is None else noise[:4]), logits.dtype)
+                   (logits[:4], None if noise is None else noise[:4]), logits.dtype, ("tokens", "log-probs"))

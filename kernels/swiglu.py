@@ -91,4 +91,4 @@ def silu_mul(gate, up, impl="auto"):
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
     if not auto:
         return _SwiGLU.apply(gate, up)
-    return guarded("silu_mul", _SwiGLU.apply, silu_mul_reference, (gate, up), (head(gate), head(up)), gate.dtype)
+    return guarded("silu_mul", _SwiGLU.apply, silu_mul_reference, (gate, up), (head(gate), head(up)), gate.dtype, ("y",))
