@@ -128,7 +128,7 @@ def probe_prompts(vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def decoder_mismatch(fast, reference: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
-                     dtype: torch.dtype, max_new_tokens: int = 4) -> str | None:
+                     dtype: torch.dtype, max_new_tokens: int = 4, stats: dict | None = None) -> str | None:
     """Why the injected decoder `fast` (an InjectedGenerator) disagrees with `reference` (the
     transformers module with the same, full weights), or None. The first-use self-check of
     `TrainEngine.generation()` and `python -m rlhf.env --check` both call it.
@@ -137,7 +137,8 @@ def decoder_mismatch(fast, reference: nn.Module, prompt_ids: torch.Tensor, promp
     result in one teacher-forced forward. At every response token the decoded token must be the
     reference's greedy choice, or a near-tie: its reference log-prob within the tolerance of the best
     one's; and the decoder's log-probs must match the reference's (kernels.testing.mismatch: the
-    kernels' per-dtype tolerances, `dtype` being the compute dtype).
+    kernels' per-dtype tolerances, `dtype` being the compute dtype). `stats` (a dict) receives the
+    measured figures: tokens compared, the largest near-tie gap, the log-probs' relative error.
     """
     from kernels.testing import TOLERANCES, mismatch
 
@@ -159,6 +160,11 @@ def decoder_mismatch(fast, reference: nn.Module, prompt_ids: torch.Tensor, promp
     want = logp_all.gather(-1, tokens[..., None]).squeeze(-1)  # [B, T]
     gap = logp_all.max(-1).values - want  # 0 where the decoded token is the reference's greedy choice
     tol = TOLERANCES[dtype]
+    if stats is not None:
+        from kernels.testing import rel_err
+
+        stats.update(tokens=tokens.numel(), max_gap=gap.max().item(),
+                     logprob_rel_err=rel_err(out.logprobs, want * out.response_mask))
     if (gap > tol).any():
         r, t = (gap > tol).nonzero()[0].tolist()
         return (f"greedy token {t} of row {r}: decoded {tokens[r, t].item()}, transformers' choice "

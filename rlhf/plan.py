@@ -249,13 +249,12 @@ def candidates(stage: str, cfg, world: int) -> list[tuple[int, list[str]]]:
     return sorted(out, key=lambda c: c[0])
 
 
-def run_plan(args: list[str]) -> tuple[dict, list[str] | None]:
-    """Command-line words -> (the plan, the cheapest overrides that fit, or None)."""
+def stage_config(args: list[str]) -> tuple[str, object, dict]:
+    """Command-line words -> (stage, its typed config, the planner keys) (also used by rlhf/env.py)."""
     from rlhf import cli
     from rlhf.app import CONF_DIR
 
-    mine = dict(PLANNER_KEYS)
-    rest = []
+    mine, rest = dict(PLANNER_KEYS), []
     for a in args:
         k, sep, v = a.partition("=")
         (mine.__setitem__(k, v) if sep and k in PLANNER_KEYS else rest.append(a))
@@ -263,21 +262,28 @@ def run_plan(args: list[str]) -> tuple[dict, list[str] | None]:
     if stage not in STAGES:
         raise ConfigError(f"stage={stage!r}: the planner knows the stages {', '.join(STAGES)}")
     try:
-        world, rank, budget = int(mine["world_size"]), int(mine["rank"]), float(mine["budget_gib"])
+        mine.update(world_size=int(mine["world_size"]), rank=int(mine["rank"]), budget_gib=float(mine["budget_gib"]))
     except ValueError as e:
         raise ConfigError(f"world_size and rank must be integers, budget_gib a number ({e})") from None
-    if world < 1 or not 0 <= rank < world or budget < 0 or mine["device"] not in ("cuda", "cpu"):
-        raise ConfigError(f"need world_size >= 1, 0 <= rank < world_size, budget_gib >= 0, device cuda|cpu; got {mine}")
+    if mine["world_size"] < 1 or not 0 <= mine["rank"] < mine["world_size"] or mine["budget_gib"] < 0:
+        raise ConfigError(f"need world_size >= 1, 0 <= rank < world_size and budget_gib >= 0; got {mine}")
+    if mine["device"] not in ("cuda", "cpu"):
+        raise ConfigError(f"device must be cuda or cpu, got {mine['device']!r}")
     rewrites = cli.check_overrides(rest, SCHEMAS[stage], CONF_DIR, f"rlhf.{stage}")
-    rest = [rewrites.get(a, a) for a in rest]
+    return stage, to_config(compose(stage, [rewrites.get(a, a) for a in rest]), SCHEMAS[stage]), mine
 
+
+def run_plan(args: list[str]) -> tuple[dict, list[str] | None]:
+    """Command-line words -> (the plan, the cheapest overrides that fit, or None when it fits or no
+    budget was given; [] when nothing fits)."""
     from omegaconf import OmegaConf
 
-    cfg = to_config(compose(stage, rest), SCHEMAS[stage])
+    stage, cfg, mine = stage_config(args)
+    world = mine["world_size"]
 
     def one(extra: list[str]) -> dict:  # the candidate's keys set on the typed config (no new compose)
         changed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(extra)))
-        return plan(stage, changed, world=world, rank=rank, device=mine["device"], budget_gib=budget)
+        return plan(stage, changed, world=world, rank=mine["rank"], device=mine["device"], budget_gib=mine["budget_gib"])
 
     report = one([])
     if report["fits"] is not False:
