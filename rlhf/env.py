@@ -211,6 +211,9 @@ def describe(args: list[str]) -> list[str]:
 def main(argv: list[str]) -> int:
     from rlhf.app import user_errors
 
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     check = "--check" in argv
     args = [a for a in argv if a != "--check"]
     with user_errors():

@@ -5,7 +5,8 @@
 
 Planner keys: stage (sft | reward | dpo | ppo), world_size (1), budget_gib (device memory of one rank;
 0 = no verdict), device (cuda, where precision auto is bf16 | cpu), rank (0, which holds the largest
-FSDP shards). Every other key is the stage's own (`python -m rlhf.<stage> --help`).
+FSDP shards). Every other key is the stage's own (`python -m rlhf.<stage> --help`). Exit code: 0 (fits,
+or no budget), 1 (does not fit), 2 (a bad input: one line naming it).
 
 Each model is built on the meta device from its config alone (a local HF or stage output directory's
 config.json, or model.config), so parameter counts are exact, and parameter / gradient / optimizer
@@ -69,15 +70,15 @@ class Arch:
         return sum(math.prod(s) for s, t in self.shapes if t)
 
 
-_ARCHS: dict[str, Arch] = {}  # re-planning a changed engine / batch config builds no model again
+_MEMO: dict[str, object] = {}  # models and tokenizers: re-planning a changed engine / batch config builds none again
 
 
 def build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
     """`mcfg` (a ModelConfig) built on the meta device: no weights read, exact parameter shapes."""
     memo = repr((mcfg, key, value, lora))
-    if memo not in _ARCHS:
-        _ARCHS[memo] = _build_arch(mcfg, tok, key, value=value, lora=lora)
-    return _ARCHS[memo]
+    if memo not in _MEMO:
+        _MEMO[memo] = _build_arch(mcfg, tok, key, value=value, lora=lora)
+    return _MEMO[memo]
 
 
 def _build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
@@ -124,9 +125,9 @@ def _tokenizer(mcfg, key: str):
     from rlhf.models import load_tokenizer
 
     memo = repr((mcfg.tokenizer, mcfg.name_or_path, key))
-    if memo not in _ARCHS:
-        _ARCHS[memo] = load_tokenizer(mcfg, key)
-    return _ARCHS[memo]
+    if memo not in _MEMO:
+        _MEMO[memo] = load_tokenizer(mcfg, key)
+    return _MEMO[memo]
 
 
 @dataclass
@@ -336,6 +337,9 @@ def format_plan(report: dict, change: list[str] | None) -> str:
 def main() -> None:
     from rlhf.app import user_errors
 
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     with user_errors():
         report, change = run_plan(sys.argv[1:])
     print(format_plan(report, change))
