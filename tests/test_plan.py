@@ -109,6 +109,13 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     # KV cache: 2 (k, v) x 7 layers x 32 rows per rank x (48 + 32) tokens x 4 heads x 64 dims x 2 bytes (bf16)
     assert ppo["kv_cache_bytes"] == 2 * 7 * 32 * 80 * 256 * 2 and ppo["generation_path"] == "injected"
     assert a["grad_bytes"] > 0 and ppo["models"]["reference"]["grad_bytes"] == 0
+    # the documented formulas (rlhf/plan.py): L*b*s*(7h + 2kv + 4i)*e; with checkpointing L*b*s*h*e + one block's
+    # share; logits b*s*V*(e + 8); stage 0 in bf16 keeps autocast's casts of every parameter (Psi*e)
+    tokens = 32 * 80  # rollout.micro_batch_size x (data.max_prompt_len + rollout.max_new_tokens)
+    act = 7 * tokens * (7 * 512 + 2 * 256 + 4 * 1408) * 2
+    assert a["activation_bytes"] == act and a["activation_ckpt_bytes"] == 7 * tokens * 512 * 2 + act / 7
+    assert a["logits_bytes"] == tokens * 4099 * 10 and a["gathered_bytes"] == a["total_params"] * 2
+    assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
 
@@ -123,3 +130,17 @@ def test_bad_inputs_exit_2(args, message):
                           text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_memory_runs_on_cpu():
+    """scripts/bench_memory.py: one real SFT step of a small model, planned vs measured, both printed."""
+    from conftest import SMALL_MODEL
+
+    proc = subprocess.run([sys.executable, "scripts/bench_memory.py", *SMALL_MODEL, "train.micro_batch_size=4",
+                           "data.max_len=32"], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "planned" not in line}
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes"):
+        assert rows[key][0].strip() == rows[key][1].strip(), (key, rows[key])
+    assert "peak (CPU peak RSS growth)" in rows and "model state planned exactly: True" in proc.stdout
