@@ -21,7 +21,8 @@ width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute 
                          engine.kernels=true: two chunks of at most 256 MiB (no [b, s, V] logits)
     gathered params      stage 2: Psi*e for forward + backward (no reshard after forward); stage 3:
                          2 blocks*e (one computing, one prefetched); stage 0/1 in bf16: Psi*e
-                         (autocast's cached casts)
+                         (autocast's cached casts); an offloaded frozen model at stage 0/1: + its
+                         stored bytes (moved to the device for each forward)
     KV cache (RL)        2*L*B*(P + T)*kv*e, B = prompts_per_step / N * n_samples_per_prompt
     generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
 Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
@@ -200,6 +201,8 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         logits = 0 if not m.logits else (min(tokens * a.vocab * 4, 256 * 2**20) * 2 if ecfg.kernels
                                          else tokens * a.vocab * (e + 8))
         gathered = {2: a.total * e, 3: 2 * a.block * e}.get(ecfg.stage, a.total * e if e == 2 else 0)
+        if m.offload and not m.trained and ecfg.stage < 2:  # stage 0/1 moves the whole model in for each forward
+            gathered += a.total * a.storage_bytes
         entry = {**b, "model_state_bytes": state, "device_bytes": 0 if m.offload else state, "trained": m.trained,
                  "offload": m.offload, "total_params": a.total, "trainable_params": a.trainable if m.trained else 0,
                  "zero_formula": ZERO_FORMULAS[ecfg.stage],
