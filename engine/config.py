@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # scripts/stage_plan.py composes them in ~1 s without loading torch. The dtypes: parallelize.TORCH_DTYPES.
 PRECISIONS = ("fp32", "bf16", "fp16")
 GENERATION_PATHS = ("auto", "injected", "hf")
+SELFCHECK = ("auto", "true", "false")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,6 +60,10 @@ class EngineConfig:
     # A rank that waits longer than this in a collective (another rank died or hangs) fails instead of
     # hanging for good; rank-0-only work between collectives (export, pruning) must stay well under it.
     timeout_s: float = 1800.0  # process-group timeout in seconds (torchrun runs)
+    # The first use in a run of the injected decoder and of each Triton kernel is compared with its
+    # reference on a small slice (engine/generation.py decoder_mismatch, kernels/dispatch.py guarded);
+    # a mismatch or an exception: one warning line, and the reference path for the rest of the run.
+    selfcheck: str = "auto"  # check the fast paths on first use: auto (on CUDA) | true | false
     # Read by the stage apps' command line only (rlhf/ds_config.py), never by the engine: the file's
     # settings become overrides placed before the user's, so the command line wins.
     ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (README: Coming from DeepSpeed)
@@ -85,6 +90,13 @@ def resolve_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:
         return cfg
     return dataclasses.replace(cfg, precision="bf16" if device.type == "cuda" else "fp32")
 
+def selfcheck_enabled(cfg: EngineConfig, device_type: str) -> bool:
+    """`engine.selfcheck` for a `device_type` device: auto = on CUDA (true/false as written; a YAML or
+    command-line boolean arrives as "True"/"False" in this string field)."""
+    value = str(cfg.selfcheck).lower()
+    return device_type == "cuda" if value == "auto" else value == "true"
+
+
 def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = False) -> None:
     """Reject combinations that cannot work here, at construction, naming the key (`engine.<field>`).
 
@@ -100,6 +112,8 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.precision must be one of {PRECISIONS} (or auto), got {cfg.precision!r}")
     if cfg.generation not in GENERATION_PATHS:
         raise ValueError(f"engine.generation must be one of {GENERATION_PATHS}, got {cfg.generation!r}")
+    if str(cfg.selfcheck).lower() not in SELFCHECK:
+        raise ValueError(f"engine.selfcheck must be one of {SELFCHECK}, got {cfg.selfcheck!r}")
     if cfg.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(
             f"engine.precision=fp16 needs a CUDA device (device here: {info.device}); "

@@ -25,6 +25,24 @@ from torch import nn
 from .inference.sampling import SamplingParams
 
 
+def choose_generation_path(want: str, device_type: str, config, *, adapters: bool = False) -> tuple[str, str]:
+    """("injected" | "hf", why) for `engine.generation=want` on a `device_type` device, for a model of
+    HF `config` (`adapters`: unmerged LoRA adapters, which the injected model does not apply). The
+    engine's decision (TrainEngine.generation), also what `python -m rlhf.env` / `rlhf.plan` report."""
+    from .inference import supports
+
+    if want == "hf":
+        return "hf", "engine.generation=hf"
+    if want == "auto" and device_type != "cuda":
+        return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {device_type})"
+    if adapters:
+        return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
+    ok, reason = supports(config)
+    if not ok:
+        return "hf", f"falling back: {reason}"
+    return "injected", f"engine.generation={want}, {config.model_type} is supported"
+
+
 def _max_new_tokens(params: SamplingParams) -> int:
     if params.max_new_tokens is None:
         raise ValueError("generation needs SamplingParams(max_new_tokens=...)")
@@ -98,6 +116,60 @@ def hf_generate(
         logprobs = logprobs * resp_mask
     attn = torch.cat([prompt_mask.to(seqs.device).long(), resp_mask], dim=1)
     return Generated(sequences=seqs, attention_mask=attn, response_mask=resp_mask, prompt_len=P, logprobs=logprobs)
+
+
+def probe_prompts(vocab_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fixed prompts (ids [2, 6], mask [2, 6]; the second left-padded by 2) for `decoder_mismatch`."""
+    ids = torch.randint(3, vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
+
+
+@torch.no_grad()
+def decoder_mismatch(fast, reference: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                     dtype: torch.dtype, max_new_tokens: int = 4, stats: dict | None = None) -> str | None:
+    """Why the injected decoder `fast` (an InjectedGenerator) disagrees with `reference` (the
+    transformers module with the same, full weights), or None. The first-use self-check of
+    `TrainEngine.generation()` and `python -m rlhf.env --check` both call it.
+
+    `fast` decodes `max_new_tokens` greedily with no EOS (every step counts); `reference` scores the
+    result in one teacher-forced forward. At every response token the decoded token must be the
+    reference's greedy choice, or a near-tie: its reference log-prob within the tolerance of the best
+    one's; and the decoder's log-probs must match the reference's (kernels.testing.mismatch: the
+    kernels' per-dtype tolerances, `dtype` being the compute dtype). `stats` (a dict) receives the
+    measured figures: tokens compared, the largest near-tie gap, the log-probs' relative error.
+    """
+    from kernels.testing import TOLERANCES, mismatch
+
+    try:
+        out = fast.generate(prompt_ids, prompt_mask, SamplingParams(max_new_tokens=max_new_tokens, greedy=True),
+                            eos_token_id=-1, pad_token_id=0, return_logprobs=True)
+    except Exception as e:  # noqa: BLE001 - any failure of the fast path means: do not use it
+        return f"the injected decoder raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    P, mask = prompt_ids.shape[1], out.attention_mask
+    was_training = reference.training
+    reference.eval()
+    try:
+        logits = reference(input_ids=out.sequences, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                           use_cache=False).logits
+    finally:
+        reference.train(was_training)
+    logp_all = logits[:, P - 1 : -1].float().log_softmax(-1)  # [B, T, V]: what predicts response token t
+    tokens = out.sequences[:, P:]
+    want = logp_all.gather(-1, tokens[..., None]).squeeze(-1)  # [B, T]
+    gap = logp_all.max(-1).values - want  # 0 where the decoded token is the reference's greedy choice
+    tol = TOLERANCES[dtype]
+    if stats is not None:
+        from kernels.testing import rel_err
+
+        stats.update(tokens=tokens.numel(), max_gap=gap.max().item(),
+                     logprob_rel_err=rel_err(out.logprobs, want * out.response_mask))
+    if (gap > tol).any():
+        r, t = (gap > tol).nonzero()[0].tolist()
+        return (f"greedy token {t} of row {r}: decoded {tokens[r, t].item()}, transformers' choice "
+                f"{logp_all[r, t].argmax().item()} (log-prob gap {gap[r, t].item():.3g} > tolerance {tol:.0e})")
+    return mismatch(out.logprobs, want * out.response_mask, dtype, names=("greedy log-probs",))
 
 
 class HFGenerator:

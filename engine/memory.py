@@ -11,9 +11,15 @@ from the paper, and frozen params (LoRA's base model: Phi of them, fp32 storage)
 the report also predicts our own layout (after a backward, gradients included):
     stage 0: 16 Psi + 4 Phi   stage 1: 8 Psi + 8 Psi / N + 4 Phi   (DDP keeps fp32 params + grads whole)
     stage 2, 3: (16 Psi + 4 Phi) / N                              (FSDP2 reshards after backward)
+`planned_bytes` computes the same three numbers exactly, per rank, from parameter shapes alone (a model
+on the meta device is enough; rlhf/plan.py): FSDP2 gives rank r rows [r*c, (r+1)*c) of each
+parameter's dim 0, c = ceil(rows / N) (torch.chunk), ZeroRedundancyOptimizer assigns whole parameters
+greedily (largest first, to the rank holding the fewest elements so far), and AdamW keeps exp_avg and
+exp_avg_sq like the parameter plus a 4-byte `step` per parameter.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -34,6 +40,47 @@ def layout_bytes(stage: int, trainable: int, frozen: int, world: int) -> float:
     """Model-state bytes per rank for this engine's layout (fp32 params + grads, Adam moments)."""
     psi, phi, n = trainable, frozen, world
     return {0: 16 * psi + 4 * phi, 1: 8 * psi + 8 * psi / n + 4 * phi}.get(stage, (16 * psi + 4 * phi) / n)
+
+
+def shard_numel(shape: tuple[int, ...], world: int, rank: int) -> int:
+    """Elements of a parameter of `shape` that FSDP2 places on `rank` (dim 0 in torch.chunk pieces)."""
+    if not shape:
+        return 1 if rank == 0 else 0
+    rows, rest = shape[0], math.prod(shape[1:])
+    chunk = -(-rows // world)
+    return max(0, min(chunk, rows - rank * chunk)) * rest
+
+
+def zero1_owned(groups: list[list[int]], world: int, rank: int) -> list[int]:
+    """Sizes (numel) of the parameters whose optimizer state `rank` holds under ZeroRedundancyOptimizer:
+    per param group, largest first (a stable sort), each to the rank with the fewest elements so far."""
+    sizes, mine = [0] * world, []
+    for group in groups:
+        for numel in sorted(group, reverse=True):
+            owner = sizes.index(min(sizes))
+            sizes[owner] += numel
+            if owner == rank:
+                mine.append(numel)
+    return mine
+
+
+def planned_bytes(shapes: list[tuple[tuple[int, ...], bool]], groups: list[list[int]], *, stage: int, world: int,
+                  rank: int, frozen_bytes_per_param: int | None = None) -> dict[str, int]:
+    """param/grad/optimizer bytes that `memory_report` measures on `rank` after a step, from shapes.
+
+    `shapes`: (shape, trainable) per parameter (tied ones once); `groups`: the numels of each AdamW
+    param group (engine.optim.param_groups). A TrainEngine stores every parameter in fp32. A
+    FrozenEngine (`frozen_bytes_per_param`: its storage dtype's size) has no gradients or optimizer.
+    """
+    sharded = stage >= 2
+    local = [(shard_numel(s, world, rank) if sharded else math.prod(s), t) for s, t in shapes]
+    if frozen_bytes_per_param is not None:
+        return {"param_bytes": frozen_bytes_per_param * sum(n for n, _ in local), "grad_bytes": 0, "optimizer_bytes": 0}
+    trainable = [n for n, t in local if t]
+    # AdamW: exp_avg + exp_avg_sq in fp32, and `step`, a 0-dim fp32 tensor, per parameter it owns
+    owned = zero1_owned(groups, world, rank) if stage == 1 else trainable
+    return {"param_bytes": 4 * sum(n for n, _ in local), "grad_bytes": 4 * sum(trainable),
+            "optimizer_bytes": sum(8 * n + 4 for n in owned)}
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -92,7 +139,7 @@ def memory_report(
     return report
 
 
-def _fmt(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
@@ -104,14 +151,14 @@ def format_memory_report(report: dict) -> str:
     lines = [
         f"[rank {report['rank']}/{report['world_size']}] ZeRO stage {report['stage']}: "
         f"{report['trainable_params']:,} trainable / {report['total_params']:,} params",
-        f"  params {_fmt(report['param_bytes'])} | grads {_fmt(report['grad_bytes'])} | "
-        f"optimizer {_fmt(report['optimizer_bytes'])} | model state {_fmt(report['model_state_bytes'])}",
-        f"  predicted for this layout {_fmt(report['layout_bytes'])} | ZeRO paper (Adam, mixed precision, "
-        f"trainable only) {report['zero_formula']} = {_fmt(report['zero_formula_bytes'])}",
+        f"  params {fmt_bytes(report['param_bytes'])} | grads {fmt_bytes(report['grad_bytes'])} | "
+        f"optimizer {fmt_bytes(report['optimizer_bytes'])} | model state {fmt_bytes(report['model_state_bytes'])}",
+        f"  predicted for this layout {fmt_bytes(report['layout_bytes'])} | ZeRO paper (Adam, mixed precision, "
+        f"trainable only) {report['zero_formula']} = {fmt_bytes(report['zero_formula_bytes'])}",
     ]
     if "models" in report:  # a run of several models (e.g. PPO's): what each holds on this rank
         lines.append(f"  {len(report['models'])} models on this rank: " + " | ".join(
-            f"{name} {_fmt(n)}" for name, n in report["models"].items()))
+            f"{name} {fmt_bytes(n)}" for name, n in report["models"].items()))
     if "cuda_max_allocated_bytes" in report:
-        lines.append(f"  CUDA max allocated after the first step: {_fmt(report['cuda_max_allocated_bytes'])}")
+        lines.append(f"  CUDA max allocated after the first step: {fmt_bytes(report['cuda_max_allocated_bytes'])}")
     return "\n".join(lines)

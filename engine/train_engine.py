@@ -37,7 +37,7 @@ from .checkpoint import (
     set_rng_state,
     write_meta,
 )
-from .config import EngineConfig, OptimConfig, validate_engine_config
+from .config import EngineConfig, OptimConfig, selfcheck_enabled, validate_engine_config
 from .errors import CheckpointError
 from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
@@ -69,6 +69,15 @@ def _materialize_meta(model: nn.Module, info: DistInfo) -> None:
 
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)
+
+
+def _set_kernel_selfcheck(cfg: EngineConfig) -> None:
+    """`engine.selfcheck` for the kernels' first-use check (process-wide, like the kernels themselves):
+    auto leaves it to the kernels (on for CUDA tensors), true / false force it."""
+    from kernels.dispatch import set_selfcheck
+
+    value = str(cfg.selfcheck).lower()
+    set_selfcheck(None if value == "auto" else value == "true")
 
 
 def _maybe_inject_kernels(model: nn.Module, cfg: EngineConfig, info: DistInfo) -> None:
@@ -190,6 +199,7 @@ class TrainEngine(_ShardedModule):
         validate_engine_config(engine_cfg, info)
         validate_optim_config(optim_cfg, total_steps)
         self.cfg, self.optim_cfg, self.info = engine_cfg, optim_cfg, info
+        _set_kernel_selfcheck(engine_cfg)
         _materialize_meta(model, info)
         _maybe_inject_kernels(model, engine_cfg, info)
         if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
@@ -201,6 +211,8 @@ class TrainEngine(_ShardedModule):
         self._zero1 = engine_cfg.stage == 1
         self._gen_path: str | None = None  # generation(): "injected" | "hf", chosen on first use
         self._inference = None  # the injected InferenceModel, kept between generation phases
+        # engine.selfcheck: the injected decoder is compared with transformers on its first use
+        self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
         self.optimizer = build_optimizer(self.unwrapped, optim_cfg, zero1=self._zero1)
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
         self.scaler = DynamicLossScaler(
@@ -406,11 +418,22 @@ class TrainEngine(_ShardedModule):
         Generic timeline: the parameters are all-gathered once, the module is put in eval mode, and
         on exit the gathered copy is freed (resharded). Either way, on CUDA the allocator cache is
         released on exit so training resumes with its usual memory. Inside, no collective runs.
+        With `engine.selfcheck` (auto: on CUDA), the injected path's first use is checked against
+        transformers first (`_decoder_agrees`); if it disagrees, this and every later phase take the
+        generic path.
         """
         from .generation import HFGenerator, InjectedGenerator
 
         if self._generation_path() == "injected":
             model = self._refresh_inference_model()
+            if self._check_decoder_first:
+                self._check_decoder_first = False
+                if not self._decoder_agrees(model):  # the rest of the run generates through transformers
+                    model.release()
+                    self._inference, self._gen_path = None, "hf"
+                else:
+                    model.release_cache()  # the probe's 2-row cache and graphs; the real batch allocates its own
+        if self._gen_path == "injected":
             try:
                 yield InjectedGenerator(model)
             finally:
@@ -442,20 +465,30 @@ class TrainEngine(_ShardedModule):
         return self._gen_path
 
     def _choose_generation_path(self) -> tuple[str, str]:
-        from .inference import supports
+        from .generation import choose_generation_path
 
-        want = self.cfg.generation
-        if want == "hf":
-            return "hf", "engine.generation=hf"
-        if want == "auto" and self.info.device.type != "cuda":
-            return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {self.info.device})"
         base = hf_base_model(self.unwrapped)
-        if base is not inner_module(self.unwrapped):
-            return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
-        ok, reason = supports(getattr(base, "config", None))
-        if not ok:
-            return "hf", f"falling back: {reason}"
-        return "injected", f"engine.generation={want}, {base.config.model_type} is supported"
+        return choose_generation_path(self.cfg.generation, self.info.device.type, getattr(base, "config", None),
+                                      adapters=base is not inner_module(self.unwrapped))
+
+    def _decoder_agrees(self, model) -> bool:
+        """engine.selfcheck, on the injected decoder's first use: `decoder_mismatch` on two probe prompts
+        against the transformers module with its gathered weights; a mismatch (or an exception) logs one
+        warning. Collective: every rank checks, and all fall back if any rank's check failed (the two
+        paths gather weights with different collectives)."""
+        from .distributed import all_reduce_sum
+        from .generation import InjectedGenerator, decoder_mismatch, probe_prompts
+
+        ids, mask = probe_prompts(hf_base_model(self.unwrapped).config.vocab_size, self.info.device)
+        with self.gathered_parameters():
+            why = decoder_mismatch(InjectedGenerator(model), inner_module(self.unwrapped), ids, mask,
+                                   dtype=TORCH_DTYPES[self.cfg.precision])
+        failed = all_reduce_sum(torch.tensor([float(why is not None)], device=self.info.device)).item() > 0
+        if failed:
+            logger.warning("generation: the injected decoder disagrees with transformers on first use (%s); using "
+                           "transformers generate for the rest of the run",
+                           why or "on another rank; this rank's check passed")
+        return not failed
 
     def _refresh_inference_model(self):
         from .inference import InferenceModel
@@ -490,6 +523,7 @@ class FrozenEngine(_ShardedModule):
         info = info or init_distributed()
         validate_engine_config(engine_cfg, info, frozen=True)
         self.cfg, self.info = engine_cfg, info
+        _set_kernel_selfcheck(engine_cfg)
         _materialize_meta(model, info)
         _maybe_inject_kernels(model, engine_cfg, info)
         model.requires_grad_(False)

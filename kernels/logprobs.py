@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cdiv, jit, resolve_impl, tl
+from .dispatch import cdiv, guarded, jit, resolve_impl, tl
 
 IGNORE_INDEX = -100
 _CHUNK_BYTES = 256 << 20  # per [chunk, V] buffer: chunked path (fp32) and Triton dlogits (input dtype)
@@ -318,19 +318,30 @@ def fused_logprobs_entropy(hidden, weight, targets, bias=None, temperature=1.0, 
     t = targets.reshape(-1)
     N, V = h.shape[0], weight.shape[0]
     fallback = "chunked" if N * V * 4 > _CHUNK_BYTES else "reference"
+    auto = impl == "auto"
     impl = resolve_impl(impl, fallback, h, weight) if N > 0 else "reference"  # no empty launches
     if impl == "reference":
         logp, ent = logprobs_entropy_reference(h, weight, t, bias, temperature, compute_entropy, ignore_index)
     elif impl in ("triton", "chunked"):
         if h.dtype != weight.dtype:
             raise TypeError(f"hidden {h.dtype} and weight {weight.dtype} must have the same dtype")
-        itemsize = 4 if impl == "chunked" else h.element_size()
-        chunk = chunk_size or max(1, _CHUNK_BYTES // (V * itemsize))
         h = h if h.stride(-1) == 1 else h.contiguous()
         w = weight if weight.stride(-1) == 1 else weight.contiguous()
-        logp, ent = _LogprobsEntropy.apply(h, w, bias, t.contiguous(), float(temperature),
-                                           compute_entropy, ignore_index, impl, min(chunk, max(N, 1)))
-        ent = ent if compute_entropy else None
+
+        def run(h, t, impl=impl):
+            itemsize = 4 if impl == "chunked" else h.element_size()
+            chunk = chunk_size or max(1, _CHUNK_BYTES // (V * itemsize))
+            logp, ent = _LogprobsEntropy.apply(h, w, bias, t.contiguous(), float(temperature),
+                                               compute_entropy, ignore_index, impl, min(chunk, max(h.shape[0], 1)))
+            return logp, ent if compute_entropy else None
+
+        if auto and impl == "triton":
+            # the first Triton call is checked on 4 rows; a fallback takes the chunked PyTorch path (the
+            # reference's results without its [N, V] logits)
+            logp, ent = guarded("fused_logprobs_entropy", run, lambda h, t: run(h, t, "chunked"), (h, t),
+                                (h[:4], t[:4]), h.dtype, ("log-probs", "entropy"))
+        else:
+            logp, ent = run(h, t)
     else:
         raise ValueError(f"impl must be auto|triton|chunked|reference, got {impl!r}")
     if len(shape) != 1:

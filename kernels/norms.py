@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cdiv, jit, next_pow2, num_warps_for, resolve_impl, tl
+from .dispatch import cdiv, guarded, head, jit, next_pow2, num_warps_for, resolve_impl, tl
 
 
 def _acc_dtype(x):
@@ -188,21 +188,29 @@ class _Norm(torch.autograd.Function):
 def rms_norm(x, weight, eps=1e-6, residual=None, impl="auto"):
     """LlamaRMSNorm over the last dim. x [..., D], weight [D]; residual like x or None.
     Returns y (dtype promote(x, weight)), or (y, x + residual) when residual is given.
-    impl: "auto" | "triton" | "reference"."""
-    impl = resolve_impl(impl, "reference", x, weight)
+    impl: "auto" | "triton" | "reference" ("auto" checks its first Triton call: dispatch.guarded)."""
+    auto, impl = impl == "auto", resolve_impl(impl, "reference", x, weight)
     if impl == "reference":
         return rms_norm_reference(x, weight, eps, residual)
     if impl != "triton":
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
-    return _Norm.apply(x, weight, None, residual, eps, True)
+    fast = lambda x, r: _Norm.apply(x, weight, None, r, eps, True)  # noqa: E731
+    if not auto:
+        return fast(x, residual)
+    return guarded("rms_norm", fast, lambda x, r: rms_norm_reference(x, weight, eps, r), (x, residual),
+                   (head(x), head(residual)), x.dtype, ("y", "x + residual"))
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5, residual=None, impl="auto"):
     """nn.LayerNorm over the last dim. x [..., D], weight [D], bias [D] or None; residual like x.
     Returns y (x's dtype), or (y, x + residual) when residual is given."""
-    impl = resolve_impl(impl, "reference", x, weight)
+    auto, impl = impl == "auto", resolve_impl(impl, "reference", x, weight)
     if impl == "reference":
         return layer_norm_reference(x, weight, bias, eps, residual)
     if impl != "triton":
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
-    return _Norm.apply(x, weight, bias, residual, eps, False)
+    fast = lambda x, r: _Norm.apply(x, weight, bias, r, eps, False)  # noqa: E731
+    if not auto:
+        return fast(x, residual)
+    return guarded("layer_norm", fast, lambda x, r: layer_norm_reference(x, weight, bias, eps, r), (x, residual),
+                   (head(x), head(residual)), x.dtype, ("y", "x + residual"))

@@ -12,7 +12,7 @@ strided views (e.g. `proj(x).view(B, T, H, D).transpose(1, 2)`) as long as the l
 """
 import torch
 
-from .dispatch import jit, next_pow2, resolve_impl, tl
+from .dispatch import guarded, jit, next_pow2, resolve_impl, tl
 
 
 def _rotate_half(x):
@@ -100,9 +100,13 @@ def apply_rotary(q, k, cos, sin, impl="auto"):
     Returns (q_embed, k_embed). Differentiable w.r.t. q and k. impl: "auto" | "triton" | "reference"."""
     if q.shape[-1] % 2:
         raise ValueError(f"head dim must be even, got {q.shape[-1]}")
-    impl = resolve_impl(impl, "reference", q, k)
+    auto, impl = impl == "auto", resolve_impl(impl, "reference", q, k)
     if impl == "reference":
         return apply_rotary_reference(q, k, cos, sin)
     if impl != "triton":
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
-    return _Rotary.apply(q, k, cos, sin)
+    if not auto:
+        return _Rotary.apply(q, k, cos, sin)
+    first = [t[:1] if t.dim() == 3 else t for t in (cos, sin)]  # the probe: batch row 0
+    return guarded("apply_rotary", _Rotary.apply, apply_rotary_reference, (q, k, cos, sin), (q[:1], k[:1], *first),
+                   q.dtype, ("q", "k"))

@@ -29,7 +29,7 @@ if it shows up in the decode step.
 """
 import torch
 
-from .dispatch import jit, next_pow2, resolve_impl, tl
+from .dispatch import guarded, jit, next_pow2, resolve_impl, tl
 
 
 _TINY = torch.finfo(torch.float32).tiny  # 1.1754944e-38, also hard-coded in the kernel
@@ -209,9 +209,14 @@ def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, noise=No
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not _greedy(temperature) and noise is None:
         noise = torch.rand(logits.shape, generator=generator, device=logits.device)
-    impl = resolve_impl(impl, "reference", logits)
+    auto, impl = impl == "auto", resolve_impl(impl, "reference", logits)
     if impl == "reference":
         return sample_reference(logits, temperature, top_k, top_p, noise)
     if impl != "triton":
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
-    return _sample_triton(logits, temperature, top_k, top_p, noise)
+    if not auto:
+        return _sample_triton(logits, temperature, top_k, top_p, noise)
+    # the same noise on both paths: tokens must be equal, not just equally distributed
+    return guarded("sample", lambda z, u: _sample_triton(z, temperature, top_k, top_p, u),
+                   lambda z, u: sample_reference(z, temperature, top_k, top_p, u), (logits, noise),
+                   (logits[:4], None if noise is None else noise[:4]), logits.dtype, ("tokens", "log-probs"))

@@ -8,7 +8,7 @@ views (e.g. the two halves of a fused gate_up projection); the output is contigu
 import torch
 import torch.nn.functional as F
 
-from .dispatch import cdiv, jit, resolve_impl, tl
+from .dispatch import cdiv, guarded, head, jit, resolve_impl, tl
 
 _BLOCK = 1024
 
@@ -84,9 +84,11 @@ def silu_mul(gate, up, impl="auto"):
     """silu(gate) * up for gate, up [..., I] of the same shape. impl: "auto" | "triton" | "reference"."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must match")
-    impl = resolve_impl(impl, "reference", gate, up)
+    auto, impl = impl == "auto", resolve_impl(impl, "reference", gate, up)
     if impl == "reference":
         return silu_mul_reference(gate, up)
     if impl != "triton":
         raise ValueError(f"impl must be auto|triton|reference, got {impl!r}")
-    return _SwiGLU.apply(gate, up)
+    if not auto:
+        return _SwiGLU.apply(gate, up)
+    return guarded("silu_mul", _SwiGLU.apply, silu_mul_reference, (gate, up), (head(gate), head(up)), gate.dtype, ("y",))

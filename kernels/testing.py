@@ -1,4 +1,5 @@
-"""Helpers for comparing an op with its reference (used by tests/test_kernels_*.py and benchmarks)."""
+"""Helpers for comparing an op with its reference (tests/test_kernels_*.py, benchmarks, the first-use
+self-check in dispatch.py and `python -m rlhf.env --check`, which share `mismatch` and its tolerances)."""
 import atexit
 import os
 import pickle
@@ -13,6 +14,43 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     denom = ref.norm().item()
     diff = (out - ref).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+# ||out - ref|| / ||ref|| allowed per dtype of the op's inputs: bf16/fp16 kernels round once where the
+# references round per op (a few ulps apart); fp32 kernels differ in summation order only.
+TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def mismatch(out, ref, dtype: torch.dtype, names: tuple[str, ...] = ()) -> str | None:
+    """Why `out` is not `ref` (tensors, or tuples of tensors / None), or None when it matches.
+
+    Floating outputs: relative error (`rel_err`) within TOLERANCES[dtype], `dtype` being the op's input
+    dtype (a bf16 op's fp32 log-probs get the bf16 tolerance). Integer outputs (sampled tokens): equal.
+    The message names the output, the value and the tolerance.
+    """
+    outs, refs = (out, ref) if isinstance(out, (tuple, list)) else ((out,), (ref,))
+    tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        name = names[i] if i < len(names) else f"output {i}"
+        if o is None or r is None:
+            if (o is None) != (r is None):
+                return f"{name}: {'missing' if o is None else 'unexpected'}"
+            continue
+        if o.shape != r.shape:
+            return f"{name}: shape {tuple(o.shape)}, reference {tuple(r.shape)}"
+        if not r.is_floating_point():
+            diff = (o != r).nonzero()
+            if len(diff):
+                at = tuple(diff[0].tolist())
+                return (f"{name}: {len(diff)} of {r.numel()} values differ (first at {at}: {o[at].item()} vs "
+                        f"reference {r[at].item()}; tolerance: exact)")
+            continue
+        if not torch.isfinite(o).all() and torch.isfinite(r).all():
+            return f"{name}: non-finite values where the reference has none"
+        err = rel_err(o, r)
+        if not err <= tol:
+            return f"{name}: relative error {err:.2e} > tolerance {tol:.0e} ({str(dtype).replace('torch.', '')})"
+    return None
 
 
 def outputs_and_grads(fn, inputs, grad_outputs=None, seed=0):

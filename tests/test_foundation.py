@@ -102,6 +102,7 @@ def test_the_yaml_holds_only_what_differs_from_the_schema():
     ("engine.precision=fp8", "engine.precision"),
     ("engine.precision=fp16", "engine.precision"),  # CPU: fp16 needs CUDA
     ("engine.offload=true", "engine.offload"),  # stage 0 cannot offload
+    ("engine.selfcheck=sometimes", "engine.selfcheck"),
     ("model.lora.r=-1", "model.lora.r"),
     ("model.lora.r=4 model.lora.merge_on_save=false", "model.lora.merge_on_save"),
     ("model.dtype=int8", "model.dtype"),

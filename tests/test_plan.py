@@ -1,0 +1,146 @@
+"""rlhf.plan: the planned model-state bytes are the engine's measured ones, per rank; the budget
+verdict and its proposed change; bad inputs.
+
+The measured side: tests/engine_scripts/plan_ranks.py, one process and 2 gloo ranks launched at once,
+for the tiny default model and a ~25M-parameter Llama (saved to a temporary directory;
+its vocabulary of 4,099 rows does not split evenly over 2 ranks; the planner reads only its config.json), at ZeRO stages 0-3.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlhf.plan import run_plan
+from conftest import ROOT, cli_env
+from test_engine_dist import _free_port
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "engine_scripts", "plan_ranks.py")
+TOKENIZER = f"model.tokenizer={ROOT / 'data' / 'tokenizer'}"
+
+
+@pytest.fixture(scope="module")
+def llama25m(tmp_path_factory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("llama25m")
+    config = LlamaConfig(vocab_size=4099, hidden_size=512, intermediate_size=1408, num_hidden_layers=7,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(path)  # weights for the measured runs; the planner reads config.json
+    return str(path)
+
+
+def _launch(out: str, nproc: int, overrides: list[str]) -> subprocess.Popen:
+    os.makedirs(out, exist_ok=True)
+    cmd = [sys.executable, SCRIPT] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), SCRIPT]
+    return subprocess.Popen([*cmd, out, *overrides], env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+MODELS = {"tiny": [], "llama25m": None}  # None: the temporary directory, filled in by the fixture
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, llama25m) -> dict:
+    """{(model, world, rank, stage): the engine's memory report}, all runs started at once."""
+    root = tmp_path_factory.mktemp("measured")
+    models = {"tiny": [], "llama25m": [f"model.name_or_path={llama25m}", TOKENIZER]}
+    procs = {(m, n): _launch(str(root / f"{m}_{n}"), n, o) for m, o in models.items() for n in (1, 2)}
+    out = {}
+    for (m, n), proc in procs.items():
+        log, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"{m} on {n} rank(s):\n{log[-4000:]}"
+        for rank in range(n):
+            for stage in range(4):
+                with open(root / f"{m}_{n}" / f"rank{rank}_stage{stage}.json") as f:
+                    out[m, n, rank, stage] = json.load(f)
+    return out
+
+
+@pytest.mark.slow  # 4 launches (1 process and 2 ranks per model), ~2 min on 2 cores
+@pytest.mark.parametrize("model", ["tiny", "llama25m"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_planned_model_state_equals_measured(measured, llama25m, model, world):
+    extra = [] if model == "tiny" else [f"model.name_or_path={llama25m}", TOKENIZER]
+    for rank in range(world):
+        for stage in range(4):
+            got = measured[model, world, rank, stage]
+            report, _ = run_plan(["stage=sft", f"world_size={world}", f"rank={rank}", "device=cpu", *extra,
+                                  f"engine.stage={stage}"])
+            planned = report["models"]["model"]
+            assert planned["total_params"] == got["total_params"]
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes"):
+                assert planned[key] == got[key], (model, world, rank, stage, key, planned[key], got[key])
+            assert planned["zero_formula_bytes"] == got["zero_formula_bytes"]
+            assert planned["layout_bytes"] == got["layout_bytes"]
+    if world == 2:  # uneven shards are per rank: rank 0 holds the larger chunk of an odd-sized dim 0
+        r0, r1 = measured[model, 2, 0, 3], measured[model, 2, 1, 3]
+        assert (r0["param_bytes"] > r1["param_bytes"]) == (model == "llama25m")
+
+
+def test_budget_too_small_proposes_a_change_that_fits(llama25m):
+    args = ["stage=sft", "world_size=2", f"model.name_or_path={llama25m}", TOKENIZER, "data.max_len=256",
+            "train.micro_batch_size=16", "budget_gib=0.5"]
+    report, change = run_plan(args)
+    assert report["fits"] is False and report["peak_bytes"] > 0.5 * 2**30
+    assert change, "a change should have been found"
+    again, more = run_plan([*args, *change])
+    assert again["fits"] is True and more is None and again["peak_bytes"] <= 0.5 * 2**30
+    # the cheapest one: nothing simpler (any one of its keys alone) fits as well
+    for key in change:
+        if len(change) > 1:
+            assert run_plan([*args, key])[0]["fits"] is False
+    roomy, none = run_plan([*args[:-1], "budget_gib=80"])
+    assert roomy["fits"] is True and none is None
+
+
+def test_ppo_models_follow_the_algorithm(llama25m):
+    paths = [f"actor.model={llama25m}", f"critic.model={llama25m}", TOKENIZER]
+    ppo, _ = run_plan(["stage=ppo", "world_size=2", *paths, "rollout.max_new_tokens=32"])
+    assert list(ppo["models"]) == ["actor", "critic", "reference", "reward_model"]
+    assert ppo["models"]["critic"]["total_params"] < ppo["models"]["actor"]["total_params"]  # value head, no LM head
+    a = ppo["models"]["actor"]
+    # KV cache: 2 (k, v) x 7 layers x 32 rows per rank x (48 + 32) tokens x 4 heads x 64 dims x 2 bytes (bf16)
+    assert ppo["kv_cache_bytes"] == 2 * 7 * 32 * 80 * 256 * 2 and ppo["generation_path"] == "injected"
+    assert a["grad_bytes"] > 0 and ppo["models"]["reference"]["grad_bytes"] == 0
+    # the documented formulas (rlhf/plan.py): L*b*s*(7h + 2kv + 4i)*e; with checkpointing L*b*s*h*e + one block's
+    # share; logits b*s*V*(e + 8); stage 0 in bf16 keeps autocast's casts of every parameter (Psi*e)
+    tokens = 32 * 80  # rollout.micro_batch_size x (data.max_prompt_len + rollout.max_new_tokens)
+    act = 7 * tokens * (7 * 512 + 2 * 256 + 4 * 1408) * 2
+    assert a["activation_bytes"] == act and a["activation_ckpt_bytes"] == 7 * tokens * 512 * 2 + act / 7
+    assert a["logits_bytes"] == tokens * 4099 * 10 and a["gathered_bytes"] == a["total_params"] * 2
+    assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
+    grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
+    assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["stage=bogus"], "stage='bogus': the planner knows the stages sft, reward, dpo, ppo"),
+    (["model.name_or_path=/nonexistent/model"], "model.name_or_path"),
+    (["engine.stagee=3"], "did you mean 'engine.stage'"),
+])
+def test_bad_inputs_exit_2(args, message):
+    proc = subprocess.run([sys.executable, "-m", "rlhf.plan", *args], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_memory_runs_on_cpu():
+    """scripts/bench_memory.py: one real SFT step of a small model, planned vs measured, both printed."""
+    from conftest import SMALL_MODEL
+
+    proc = subprocess.run([sys.executable, "scripts/bench_memory.py", *SMALL_MODEL, "train.micro_batch_size=4",
+                           "data.max_len=32"], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and "planned" not in line}
+    for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes"):
+        assert rows[key][0].strip() == rows[key][1].strip(), (key, rows[key])
+    assert "peak (CPU peak RSS growth)" in rows and "model state planned exactly: True" in proc.stdout
