@@ -188,6 +188,9 @@ class SFTConfig(StageConfig):
 class RewardLossConfig:
     margin: float = 0.0  # loss = -log sigmoid(r_chosen - r_rejected - margin)
     score_reg: float = 0.0  # + score_reg * (r_chosen^2 + r_rejected^2) / 2: keeps scores near 0
+    # A fresh scalar head's init: normal(0, head_init_std), 0 = zeros, null = the model's own
+    # (normal(0, initializer_range)). A head loaded from a reward checkpoint is kept as it is.
+    head_init_std: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -609,6 +612,8 @@ def validate_reward(cfg: RewardConfig, info) -> int:
     validate_data(cfg.data)
     validate_logger(cfg.logger)
     _need(cfg.reward.score_reg >= 0, f"reward.score_reg must be >= 0, got {cfg.reward.score_reg}")
+    std = cfg.reward.head_init_std
+    _need(std is None or std >= 0, f"reward.head_init_std must be >= 0 (0 = zeros) or null, got {std}")
     check_optim(cfg.train)
     engine_config(cfg.engine, info)
     return validate_train(cfg.train, info.world_size)

@@ -266,14 +266,31 @@ def load_causal_lm(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model",
     return apply_lora(model, cfg, key, seed) if lora else model
 
 
-def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True) -> nn.Module:
+def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True,
+                     head_init_std: float | None = None) -> nn.Module:
     """Backbone + a scalar head (`AutoModelForSequenceClassification`, num_labels=1): a causal-LM
-    checkpoint loses its LM head and gets a fresh head; a reward checkpoint keeps its head."""
+    checkpoint loses its LM head and gets a fresh head; a reward checkpoint keeps its head.
+    `head_init_std`: a fresh head's weights are drawn from normal(0, head_init_std) instead (0 = zeros;
+    None = the model's own init, normal(0, initializer_range)); a kept head is left as loaded."""
     from transformers import AutoModelForSequenceClassification
 
     model = _build(cfg, tok, AutoModelForSequenceClassification, {"num_labels": 1}, key, seed)
     model.config.pad_token_id = tok.pad_token_id
+    if head_init_std is not None and not has_trained_head(model):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, head_init_std) if head_init_std > 0 else model.score.weight.zero_()
+            if getattr(model.score, "bias", None) is not None:
+                model.score.bias.zero_()
+        logger.info("fresh score head: %s", f"normal(0, {head_init_std})" if head_init_std > 0 else "zeros")
     return apply_lora(model, cfg, key, seed, task_type="SEQ_CLS") if lora else model
+
+
+def has_trained_head(model: nn.Module) -> bool:
+    """Whether a value model's scalar head came from its checkpoint (a sequence-classification
+    checkpoint: a reward model or critic) rather than being created fresh (a causal LM, or a build
+    from config)."""
+    return any(a.endswith("ForSequenceClassification") for a in (model.config.architectures or []))
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig, key: str, seed: int, task_type: str = "CAUSAL_LM") -> nn.Module:

@@ -120,7 +120,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
                 len(train_feats), stats, len(eval_feats), total, cfg.train.global_batch_size, order.steps_per_epoch)
 
     # ---- model + engine
-    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed))
+    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=cfg.reward.head_init_std))
     check_context(model, cfg.data.max_len, "data.max_len")
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
