@@ -206,6 +206,8 @@ def _merge_adapter(model: nn.Module, path: str) -> nn.Module:
     if pcfg.task_type == "CAUSAL_LM" and not hasattr(model, "prepare_inputs_for_generation"):
         pcfg.task_type = None
     merged = PeftModel.from_pretrained(model, path, config=pcfg).merge_and_unload()
+    if pcfg.task_type == "SEQ_CLS":  # the adapter brought a trained score head: say so, as a saved reward model does
+        merged.config.architectures = [type(merged).__name__]
     # NOTE: peft freezes the base; the merged weights are the new base and train unless LoRA freezes them.
     for p in merged.parameters():
         p.requires_grad_(True)

@@ -5,7 +5,9 @@
     torchrun --nproc_per_node 2 -m rlhf.reward engine=zero3 train.micro_batch_size=16
 
 Choices: the model is the backbone of a causal LM with a fresh scalar head
-(`AutoModelForSequenceClassification`, num_labels=1; an existing reward checkpoint keeps its head).
+(`AutoModelForSequenceClassification`, num_labels=1), zero-initialised by default
+(`reward.head_init_std=0`: less seed variance, see RewardLossConfig); an existing reward checkpoint
+keeps its head.
 A sequence's score is the head's value at its last real token, found from the attention mask
 (rlhf/reward_math.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
 regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass.
