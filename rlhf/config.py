@@ -186,8 +186,19 @@ class SFTConfig(StageConfig):
 
 @dataclass(kw_only=True)
 class RewardLossConfig:
+    """The pairwise loss and the fresh head's init. head_init_std defaults to 0: a zero head gives the
+    backbone no gradient until the head has learnt a direction from the SFT features, so a random
+    head does not first pull the backbone around. Measured on the embedded default (one SFT output,
+    seed 1234; reward seeds 1234 / 1 / 2, 625 steps): held-out accuracy 0.833 / 0.907 / 0.927 with
+    the model's own normal(0, 0.02) head, 0.883 / 0.913 / 0.913 with zeros (worst seed +5 points,
+    spread 0.094 -> 0.030), at no cost in time."""
+
     margin: float = 0.0  # loss = -log sigmoid(r_chosen - r_rejected - margin)
     score_reg: float = 0.0  # + score_reg * (r_chosen^2 + r_rejected^2) / 2: keeps scores near 0
+    # A fresh scalar head's init: normal(0, head_init_std), 0 = zeros (every pair a tie before
+    # training: "before" accuracy 0), null = the model's own (normal(0, initializer_range)).
+    # A head loaded from a reward checkpoint is kept as it is.
+    head_init_std: float | None = 0.0
 
 
 @dataclass(kw_only=True)
@@ -197,7 +208,7 @@ class RewardConfig(StageConfig):
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         epochs=3, max_steps=625, lr=3e-4, warmup_steps=20, eval_every=125, save_every=125,
     ))  # optimizer, schedule, logging and checkpoints
-    reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss
+    reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss and the fresh head's init
 
 
 @dataclass(kw_only=True)
@@ -609,6 +620,8 @@ def validate_reward(cfg: RewardConfig, info) -> int:
     validate_data(cfg.data)
     validate_logger(cfg.logger)
     _need(cfg.reward.score_reg >= 0, f"reward.score_reg must be >= 0, got {cfg.reward.score_reg}")
+    std = cfg.reward.head_init_std
+    _need(std is None or std >= 0, f"reward.head_init_std must be >= 0 (0 = zeros) or null, got {std}")
     check_optim(cfg.train)
     engine_config(cfg.engine, info)
     return validate_train(cfg.train, info.world_size)

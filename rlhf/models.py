@@ -206,6 +206,8 @@ def _merge_adapter(model: nn.Module, path: str) -> nn.Module:
     if pcfg.task_type == "CAUSAL_LM" and not hasattr(model, "prepare_inputs_for_generation"):
         pcfg.task_type = None
     merged = PeftModel.from_pretrained(model, path, config=pcfg).merge_and_unload()
+    if pcfg.task_type == "SEQ_CLS":  # the adapter brought a trained score head: say so, as a saved reward model does
+        merged.config.architectures = [type(merged).__name__]
     # NOTE: peft freezes the base; the merged weights are the new base and train unless LoRA freezes them.
     for p in merged.parameters():
         p.requires_grad_(True)
@@ -266,14 +268,31 @@ def load_causal_lm(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model",
     return apply_lora(model, cfg, key, seed) if lora else model
 
 
-def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True) -> nn.Module:
+def load_value_model(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True,
+                     head_init_std: float | None = None) -> nn.Module:
     """Backbone + a scalar head (`AutoModelForSequenceClassification`, num_labels=1): a causal-LM
-    checkpoint loses its LM head and gets a fresh head; a reward checkpoint keeps its head."""
+    checkpoint loses its LM head and gets a fresh head; a reward checkpoint keeps its head.
+    `head_init_std`: a fresh head's weights are drawn from normal(0, head_init_std) instead (0 = zeros;
+    None = the model's own init, normal(0, initializer_range)); a kept head is left as loaded."""
     from transformers import AutoModelForSequenceClassification
 
     model = _build(cfg, tok, AutoModelForSequenceClassification, {"num_labels": 1}, key, seed)
     model.config.pad_token_id = tok.pad_token_id
+    if head_init_std is not None and not has_trained_head(model):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, head_init_std) if head_init_std > 0 else model.score.weight.zero_()
+            if getattr(model.score, "bias", None) is not None:
+                model.score.bias.zero_()
+        logger.info("fresh score head: %s", f"normal(0, {head_init_std})" if head_init_std > 0 else "zeros")
     return apply_lora(model, cfg, key, seed, task_type="SEQ_CLS") if lora else model
+
+
+def has_trained_head(model: nn.Module) -> bool:
+    """Whether a value model's scalar head came from its checkpoint (a sequence-classification
+    checkpoint: a reward model or critic) rather than being created fresh (a causal LM, or a build
+    from config)."""
+    return any(a.endswith("ForSequenceClassification") for a in (model.config.architectures or []))
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig, key: str, seed: int, task_type: str = "CAUSAL_LM") -> nn.Module:

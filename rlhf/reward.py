@@ -5,7 +5,9 @@
     torchrun --nproc_per_node 2 -m rlhf.reward engine=zero3 train.micro_batch_size=16
 
 Choices: the model is the backbone of a causal LM with a fresh scalar head
-(`AutoModelForSequenceClassification`, num_labels=1; an existing reward checkpoint keeps its head).
+(`AutoModelForSequenceClassification`, num_labels=1), zero-initialised by default
+(`reward.head_init_std=0`: less seed variance, see RewardLossConfig); an existing reward checkpoint
+keeps its head.
 A sequence's score is the head's value at its last real token, found from the attention mask
 (rlhf/reward_math.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
 regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass.
@@ -119,7 +121,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
                 len(train_feats), stats, len(eval_feats), total, cfg.train.global_batch_size, order.steps_per_epoch)
 
     # ---- model + engine
-    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed))
+    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=cfg.reward.head_init_std))
     check_context(model, cfg.data.max_len, "data.max_len")
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,

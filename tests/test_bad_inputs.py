@@ -37,6 +37,7 @@ CONFIG_CASES = [
     ("sft", [*SMALL_MODEL, "data.max_len=4096"], "data.max_len (4096) exceeds the model's context"),
     ("reward", ["train.micro_batch_size=-1"], "train.micro_batch_size"),
     ("reward", ["reward.score_reg=-1"], "reward.score_reg"),
+    ("reward", ["reward.head_init_std=-0.02"], "reward.head_init_std must be >= 0"),
     ("reward", ["seed=-3"], "seed must be >= 0"),
     ("dpo", ["dpo.loss_type=kto"], "dpo.loss_type"),
     ("dpo", ["dpo.beta=0"], "dpo.beta"),
@@ -126,8 +127,7 @@ DATA_CASES = [
 @pytest.mark.parametrize("stage,name,contents,says,line", DATA_CASES, ids=[c[1] + f" ({c[0]})" for c in DATA_CASES])
 def test_bad_data_file_exits_2_naming_file_and_line(stage, name, contents, says, line, tmp_path):
     path = _write(tmp_path / "data" / name, contents)
-    extra = {"reward": ["model.fallback_to_config=true"], "dpo": ["model.name_or_path=null"],
-              "reward": ["model.fallback_to_config=true"]}.get(stage, [])
+    extra = {"reward": ["model.fallback_to_config=true"], "dpo": ["model.name_or_path=null"]}.get(stage, [])
     proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", f"data.path={path}", *extra, check=False, timeout=120)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]

@@ -95,6 +95,35 @@ def _value_model(seed: int = 0):
     return ValueModel(load_value_model(cfg, tok, seed=seed)).eval(), tok
 
 
+def test_head_init_std_sets_a_fresh_head_and_keeps_a_trained_one(tmp_path):
+    """reward.head_init_std: 0 = a zero head (every score 0, so the first steps train the head alone:
+    the backbone's gradient is zero), > 0 = normal(0, std) drawn from the seed; a head that a
+    reward checkpoint brings is kept as saved."""
+    from rlhf.config import ModelConfig
+    from rlhf.models import has_trained_head, load_tokenizer, load_value_model
+
+    cfg = ModelConfig(name_or_path=None, tokenizer=str(ROOT / "data/tokenizer"),
+                      config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64})
+    tok = load_tokenizer(cfg)
+    own = load_value_model(cfg, tok, seed=0).score.weight
+    assert own.std().item() == pytest.approx(0.02, rel=0.3)  # the model's own init: initializer_range
+    zero = load_value_model(cfg, tok, seed=0, head_init_std=0.0)
+    assert not has_trained_head(zero) and torch.count_nonzero(zero.score.weight) == 0
+    small = [load_value_model(cfg, tok, seed=s, head_init_std=1e-3).score.weight for s in (0, 0, 1)]
+    assert torch.equal(small[0], small[1]) and not torch.equal(small[0], small[2])
+    assert small[0].std().item() == pytest.approx(1e-3, rel=0.3)
+    ids = torch.tensor([tok("Human: Reverse abc.\n\nAssistant: cba")["input_ids"]])
+    from rlhf.roles import ValueModel
+
+    assert torch.count_nonzero(ValueModel(zero)(ids, torch.ones_like(ids))) == 0
+    zero.score.weight.data.fill_(0.5)  # "trained"
+    zero.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    kept = load_value_model(ModelConfig(name_or_path=str(tmp_path / "rm")), tok, seed=0, head_init_std=0.0)
+    assert has_trained_head(kept) and torch.all(kept.score.weight == 0.5)
+
+
 def test_a_sequence_scores_the_same_alone_and_in_a_right_padded_batch():
     model, tok = _value_model()
     a = tok("Human: Sort 3 1 2.\n\nAssistant: 1 2 3")["input_ids"]

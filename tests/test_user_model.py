@@ -36,9 +36,8 @@ def make_user_tokenizer():
     return tok
 
 
-@pytest.fixture(scope="module")
-def user_model(tmp_path_factory):
-    """A local OPT directory with its own tokenizer, as a user would bring (random weights)."""
+def user_model_dir(root):
+    """<root>/opt-user: a local OPT directory with its own tokenizer, as a user would bring (random weights)."""
     from transformers import AutoModelForCausalLM, OPTConfig
 
     tok = make_user_tokenizer()
@@ -47,10 +46,15 @@ def user_model(tmp_path_factory):
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
-    path = tmp_path_factory.mktemp("user") / "opt-user"
+    path = root / "opt-user"
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory):
+    return user_model_dir(tmp_path_factory.mktemp("user"))
 
 
 def vocab(path) -> dict[str, int]:

@@ -1,0 +1,268 @@
+"""Every command that README.md and the scripts' headers show, run at smoke size (issue #18: a
+documented command that fails on the defaults is a bug).
+
+The commands are read from the files (README's ```bash blocks, the comment header of
+scripts/run_all.sh, the module docstrings of scripts/*.py), so a command added there is run here too,
+or must be listed in NOT_RUN with the reason. Each runs as written plus, per kind, only what makes it
+small and local:
+
+- placeholders become local stand-ins (SUBST: /models/... -> a tiny OPT directory with its own
+  tokenizer, hub datasets -> the shipped pairs, my_*.jsonl / ds_*.json / mypkg -> files written here);
+- a stage command (`python -m rlhf.<stage>`, `torchrun ... -m rlhf.<stage>`) runs in a workspace
+  whose outputs/sft, outputs/reward, outputs/ppo, outputs/dpo a tiny pipeline made, into its own
+  output_dir unless it names one, with the stage's smoke overrides for keys it does not set;
+- a `scripts/run_all.sh` command gets PRESET=smoke, a small model, and an OUTPUT_DIR under the workspace.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SMALL_MODEL, cli_env, run_stage, summary
+
+pytestmark = pytest.mark.slow
+
+# Commands shown but not run here, and why.
+NOT_RUN = {
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e \".[test]\" "
+    "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
+    "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
+    "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
+    "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
+    "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
+                                           "reproduces them",
+    "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; the SEEDS= command is run",
+}
+
+# Placeholders in the documented commands -> local stand-ins ({W}: the workspace, {M}: a tiny local model).
+SUBST = {
+    "/models/opt-1.3b": "{M}", "/models/opt-350m": "{M}", "/models/my-model": "{M}", "/models/Qwen2.5-0.5B": "{M}",
+    "Dahoas/rm-static": "{P}", "Anthropic/hh-rlhf": "{P}",
+    "/runs/sft": "outputs/sft", "/runs/rm": "outputs/reward",
+    "OUTPUT_DIR=runs/": "OUTPUT_DIR={W}/runs/",
+}
+# model=qwen2 names a hub model: the local one instead (the preset's other settings stay)
+AFTER = {"model=qwen2": ["model.name_or_path={M}"]}
+
+SMOKE = {
+    "sft": ["train.max_steps=2", "train.eval_every=0", "train.save_every=2", "data.num_eval_prompts=8",
+            "train.micro_batch_size=8", "train.global_batch_size=16", "eval.max_new_tokens=6"],
+    "reward": ["train.max_steps=2", "train.eval_every=0", "train.save_every=0", "train.micro_batch_size=8",
+               "train.global_batch_size=16"],
+    "dpo": ["train.max_steps=2", "train.eval_every=0", "data.num_eval_prompts=8", "train.micro_batch_size=8",
+            "train.global_batch_size=16", "eval.max_new_tokens=6"],
+    "ppo": ["train.max_steps=1", "train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=8",
+            "rollout.prompts_per_step=32", "rollout.max_new_tokens=6", "eval.max_new_tokens=6"],
+    "evaluate": ["data.num_eval_prompts=8", "eval.max_new_tokens=6"],
+}
+SMOKE_GROUPED = {"rollout.prompts_per_step=32": "rollout.prompts_per_step=4"}  # grpo/rloo: 4 prompts x 8 samples
+TINY_ALL = [*(f"sft:{o}" for o in SMALL_MODEL), "sft:train.max_steps=4", "sft:data.num_eval_prompts=8",
+            "reward:train.max_steps=4", "ppo:train.max_steps=1", "ppo:data.num_eval_prompts=8",
+            "dpo:train.max_steps=2", "dpo:data.num_eval_prompts=8"]  # after PRESET=smoke's, so they win
+
+
+# ----------------------------------------------------------------------------- reading the commands
+
+
+def _strip_comment(line: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", line).strip()
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = _strip_comment(line)
+            if line and not line.startswith("#"):
+                out.append(re.sub(r"\s+", " ", line))
+    return out
+
+
+def header_commands() -> list[str]:
+    """scripts/run_all.sh's comment header and the `python scripts/...` lines of scripts/*.py docstrings
+    (an optional `[...]` part dropped, `...` for 'more overrides' dropped)."""
+    out = []
+    for line in (ROOT / "scripts/run_all.sh").read_text().split("\nset -euo")[0].splitlines():
+        line = _strip_comment(line.removeprefix("#"))
+        if re.match(r"^([A-Z_]+=\S+ )*bash scripts/run_all.sh", line) or line.startswith(("LAUNCH=", "SEEDS=")):
+            out.append(line)
+    for path in sorted((ROOT / "scripts").glob("*.py")):
+        doc = path.read_text().split('"""')[1]
+        for line in doc.splitlines():
+            if line.strip().startswith("python scripts/"):
+                line = re.sub(r"\s*\[.*?\]", "", _strip_comment(line)).replace(" ...", "")
+                out.append(line)
+    return out
+
+
+def documented_commands() -> list[str]:
+    seen: list[str] = []
+    for c in readme_commands() + header_commands():
+        if c not in seen:
+            seen.append(c)
+    return seen
+
+
+def test_the_commands_are_read():
+    """The reader finds the commands it must (a change in README layout must not make this test vacuous)."""
+    commands = documented_commands()
+    assert "bash scripts/run_all.sh" in commands
+    assert 'LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:engine=zero3' in commands
+    assert "torchrun --nproc_per_node 2 -m rlhf.ppo engine=zero3 rollout.micro_batch_size=16 reference.offload=true" \
+        in commands
+    assert "python -m rlhf.sft model.name_or_path=/models/opt-1.3b data.path=my_sft.jsonl train.lr=1e-5 " \
+           "train.epochs=2 train.micro_batch_size=8 train.global_batch_size=64" in commands  # a continued line
+    assert "python scripts/compare_rl.py --sft outputs/sft --reward outputs/reward --out runs/compare" in commands
+    assert len(commands) >= 50, len(commands)
+    assert set(NOT_RUN) <= set(commands), set(NOT_RUN) - set(commands)  # no stale entries
+
+
+# ----------------------------------------------------------------------------- the workspace
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A directory with outputs/{sft,reward,ppo,dpo} from tiny runs, a tiny local model and the files
+    the commands name."""
+    from test_user_model import user_model_dir
+
+    w = tmp_path_factory.mktemp("docs")
+    out = {st: f"output_dir={w / 'outputs' / st}" for st in ("sft", "reward", "ppo", "dpo")}
+    run_stage("sft", out["sft"], *SMALL_MODEL, *SMOKE["sft"])  # with a checkpoint, for train.resume=true
+    run_stage("reward", out["reward"], f"model.name_or_path={w / 'outputs/sft'}", *SMOKE["reward"])
+    run_stage("ppo", out["ppo"], f"actor.model={w / 'outputs/sft'}", f"critic.model={w / 'outputs/reward'}",
+              *SMOKE["ppo"])
+    run_stage("dpo", out["dpo"], f"model.name_or_path={w / 'outputs/sft'}", *SMOKE["dpo"])
+    model = user_model_dir(w / "models")
+    rows = [json.loads(line) for line in open(ROOT / "data/default/sft_train.jsonl")][:256]  # > a global batch of 64
+    with open(w / "my_sft.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "response": r["response"]}) + "\n")
+    with open(w / "qa.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({"prompt": r["prompt"], "answer": r["response"].strip()}) + "\n")
+    shutil.copy(ROOT / "data/default/eval_prompts.jsonl", w / "my_prompts.jsonl")
+    (w / "mypkg").mkdir()
+    (w / "mypkg" / "__init__.py").write_text("")
+    (w / "mypkg" / "rewards.py").write_text(
+        "def brevity(prompt, response, row):\n    return -len(response) / 16\n")
+    # DeepSpeed's own examples of the two files the README names
+    (w / "ds_zero2.json").write_text(json.dumps({
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+        "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+        "gradient_clipping": 1.0}))
+    (w / "ds_chat_actor.json").write_text(json.dumps({
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 16, "steps_per_print": 10,
+        "zero_optimization": {"stage": 3}, "gradient_clipping": 1.0, "prescale_gradients": False}))
+    return {"W": str(w), "M": str(model), "P": str(ROOT / "data/default/pairs_train.jsonl")}
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _keys(args: list[str]) -> set[str]:
+    return {a.split("=", 1)[0].lstrip("+~") for a in args if "=" in a}
+
+
+def _stage_args(module: str, args: list[str], out: str) -> list[str]:
+    """`args` + this stage's smoke overrides for the keys `args` leaves alone + an own output_dir."""
+    smoke = SMOKE[module]
+    if any(a in ("algorithm=grpo", "algorithm=rloo") for a in args):
+        smoke = [SMOKE_GROUPED.get(o, o) for o in smoke]
+    if "engine.ds_config=ds_zero2.json" in args:  # the file sets the batch sizes
+        smoke = [o for o in smoke if "batch_size" not in o]
+    given = _keys(args)
+    extra = [o for o in smoke if o.split("=", 1)[0] not in given]
+    extra += [] if "output_dir" in given else [f"output_dir={out}"]
+    if "train.resume" not in given and "--cfg" not in args:
+        extra.append("train.overwrite=true")
+    return args + extra
+
+
+def _argv(command: str, ws: dict[str, str], out: str) -> tuple[list[str], dict[str, str]]:
+    for a, b in SUBST.items():
+        command = command.replace(a, b)
+    for key, more in AFTER.items():
+        command += "".join(f" {m}" for m in more) if key in command.split() else ""
+    command = command.format(**ws)
+    words = shlex.split(command)
+    env = {}
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        k, v = words.pop(0).split("=", 1)
+        env[k] = v
+    if words[0] == "bash":  # scripts/run_all.sh
+        env.setdefault("OUTPUT_DIR", out)
+        env.setdefault("PRESET", "smoke")
+        if "LAUNCH" in env:
+            env["LAUNCH"] = env["LAUNCH"].replace("torchrun", f"torchrun --master_addr 127.0.0.1 --master_port "
+                                                              f"{_free_port()}")
+        return [words[0], str(ROOT / words[1]), *words[2:], *TINY_ALL], env
+    if words[0] == "torchrun":
+        i = words.index("-m")
+        module = words[i + 1].removeprefix("rlhf.")
+        launcher = [sys.executable, "-m", "torch.distributed.run", *words[1:i], "--master_addr", "127.0.0.1",
+                    "--master_port", _free_port()]
+        return [*launcher, "-m", words[i + 1], *_stage_args(module, words[i + 2:], out)], env
+    if words[:2] == ["python", "-m"]:
+        module = words[2].removeprefix("rlhf.")
+        return [sys.executable, "-m", words[2], *_stage_args(module, words[3:], out)], env
+    if words[0] == "python" and words[1].startswith("scripts/"):
+        args = words[2:]
+        if words[1].endswith("compare_rl.py"):  # one row, at smoke size
+            args += ["--rows", "ppo_rm", "train.max_steps=1", "train.eval_every=0", "train.save_every=0",
+                     "data.num_eval_prompts=8", "rollout.prompts_per_step=32", "rollout.max_new_tokens=6"]
+        return [sys.executable, str(ROOT / words[1]), *args], env
+    raise AssertionError(f"a documented command this test does not know how to run: {command}")
+
+
+# ----------------------------------------------------------------------------- running them
+
+
+@pytest.mark.parametrize("command", [c for c in documented_commands() if c not in NOT_RUN])
+def test_documented_command_runs(command, workspace, tmp_path):
+    out = str(tmp_path / "out")
+    if "train.resume=true" in command:  # "continue from the last checkpoint": of a run that has one
+        shutil.copytree(os.path.join(workspace["W"], "outputs", "sft"), out)
+        command += f" output_dir={out} " + " ".join(SMALL_MODEL)  # that run's model
+    argv, env = _argv(command, workspace, out)
+    proc = subprocess.run(argv, cwd=workspace["W"],
+                          env={**cli_env(), "PYTHONPATH": f"{ROOT}{os.pathsep}{workspace['W']}", **env},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    # what the command is for, checked on its output
+    if "--cfg" in argv:
+        assert "output_dir:" in proc.stdout
+    elif argv[0] == "bash":
+        root = env["OUTPUT_DIR"]
+        if "SEEDS" in env:
+            assert os.path.isfile(os.path.join(root, "sweep.md"))
+            root = os.path.join(root, f"seed_{env['SEEDS'].split()[0]}")
+        last = "dpo" if env.get("PIPELINE") == "dpo" else "ppo"
+        assert os.path.isfile(os.path.join(root, "report.md"))
+        assert os.path.isfile(os.path.join(root, "report.json")) == (last == "ppo")  # the headline figures: SFT -> RM -> PPO
+        assert summary(os.path.join(root, last))["steps"] >= 1
+    elif "stage_plan.py" in argv[1]:
+        assert proc.stdout.split()[0] in ("skip", "resume", "run")
+    elif "report.py" in argv[1]:
+        assert os.path.isfile(os.path.join(workspace["W"], "outputs", "report.md"))
+    elif "compare_rl.py" in argv[1]:
+        assert "| PPO |" in proc.stdout
+    elif "bench_" in argv[1]:
+        assert proc.stdout.strip()
+    else:
+        given = [a for a in argv if a.startswith("output_dir=")][-1].split("=", 1)[1]
+        path = given if os.path.isabs(given) else os.path.join(workspace["W"], given)
+        s = summary(path)
+        assert s.get("steps", 1) >= 1 or "gold_score" in s or "eval_accuracy" in s, s
