@@ -1,0 +1,135 @@
+"""Padding-free micro-batches: the rows of a micro-batch packed end to end into a few long rows.
+
+    packs = pack_bins([len(r) for r in rows], pack_length)   # first-fit decreasing: [[row, ...], ...]
+    batch = pack_sft(feats, pad_id, pack_length)              # input_ids/labels/position_ids [P, T]
+    batch = pack_pairs(feats, pad_id, pack_length)            # + row_pack/row_end [2B]: where each score is
+
+A packed batch has `attention_mask=None` and `position_ids` that restart at 0 on every row.
+transformers (masking_utils, >= 4.53) then finds the row boundaries from the position ids and
+builds a block-diagonal causal mask for sdpa/eager (flash-attention uses them as varlen offsets),
+so no token attends across rows and every row sees exactly the positions it has alone: a packed
+forward equals the padded one (tests/test_packing.py). The tail of a pack that is not full is one
+more "row" of pad tokens with its own positions: it attends only to itself and nothing reads it.
+
+Layout: `pack_length=0` puts the whole micro-batch in one row [1, sum(len)] (what flash-attention
+varlen wants); `pack_length=L` fills rows of at most L tokens ([P, L], P <= B). On CPU, sdpa
+materialises the block-diagonal mask densely and computes every block of it, so one long row costs
+(sum len)^2 attention; rows of max_len cost P x max_len^2, below the padded B x max_len^2.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlhf.data.tokenize import IGNORE_INDEX
+
+
+def pack_length_of(data_cfg: Any) -> int:
+    """`data.pack_length` resolved: null -> data.max_len."""
+    return data_cfg.max_len if data_cfg.pack_length is None else data_cfg.pack_length
+
+
+def pack_bins(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
+    """Row indices grouped into packs of at most `pack_length` tokens (0 = one pack of all rows):
+    first-fit decreasing, so a pack's rows are longest first; packs in order of creation."""
+    if pack_length <= 0:
+        return [list(range(len(lengths)))]
+    if lengths and max(lengths) > pack_length:
+        raise ValueError(f"a row of {max(lengths)} tokens does not fit a pack of {pack_length}")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for b, r in enumerate(room):
+            if lengths[i] <= r:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(pack_length - lengths[i])
+    return bins
+
+
+def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
+            labels: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    bins = pack_bins([len(r) for r in rows], pack_length)
+    T = pack_length if pack_length > 0 else sum(len(r) for r in rows)
+    P = len(bins)
+    input_ids = torch.full((P, T), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((P, T), dtype=torch.long)
+    label_t = torch.full((P, T), IGNORE_INDEX, dtype=torch.long)
+    row_pack = torch.empty(len(rows), dtype=torch.long)
+    row_end = torch.empty(len(rows), dtype=torch.long)
+    for p, members in enumerate(bins):
+        at = 0
+        for i in members:
+            n = len(rows[i])
+            input_ids[p, at : at + n] = torch.tensor(rows[i])
+            position_ids[p, at : at + n] = torch.arange(n)
+            if labels is not None:
+                label_t[p, at : at + n] = torch.tensor(labels[i])
+                # NOTE: a row's first token is never a target (the padded path predicts from column 1
+                # on); here the previous row's last token would "predict" it.
+                label_t[p, at] = IGNORE_INDEX
+            row_pack[i], row_end[i] = p, at + n - 1
+            at += n
+        position_ids[p, at:] = torch.arange(T - at)  # the pad tail: a row of its own
+    out = {"input_ids": input_ids, "attention_mask": None, "position_ids": position_ids,
+           "row_pack": row_pack, "row_end": row_end, "num_tokens": sum(len(r) for r in rows)}
+    if labels is not None:
+        out["labels"] = label_t
+    return out
+
+
+def pack_sft(batch: Sequence[dict[str, list[int]]], pad_id: int, pack_length: int) -> dict[str, Any]:
+    """`collate_sft`'s rows packed: input_ids, labels, position_ids [P, T] (labels -100 on every row's
+    first token and on the pad tail), attention_mask None, row_pack/row_end [B], num_tokens."""
+    return _packed([b["input_ids"] for b in batch], pad_id, pack_length, [b["labels"] for b in batch])
+
+
+def pack_pairs(batch: Sequence[dict[str, Any]], pad_id: int, pack_length: int) -> dict[str, Any]:
+    """`collate_pairs`' 2B rows (chosen first) packed; row_pack/row_end [2B] locate each row's last
+    token, where its score is read (`packed_scores`)."""
+    return _packed([b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch], pad_id, pack_length)
+
+
+def packed_scores(values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """values [P, T] of a packed batch -> [rows]: each row's value at its last token, in row order."""
+    return values[batch["row_pack"].to(values.device), batch["row_end"].to(values.device)]
+
+
+def is_packed(batch: dict[str, Any]) -> bool:
+    return batch.get("attention_mask") is None and "position_ids" in batch
+
+
+def batch_tokens(batch: dict[str, Any]) -> int:
+    """Real (non-pad) tokens of a padded or packed batch."""
+    return int(batch["num_tokens"]) if is_packed(batch) else int(batch["attention_mask"].sum())
+
+
+def padded_tokens(batch: dict[str, Any]) -> int:
+    """Token slots the forward computes (real + pad)."""
+    return batch["input_ids"].numel()
+
+
+# Families whose model code does not hand position_ids to transformers' mask builder, so a packed row
+# would attend across its rows: they get the block-diagonal mask explicitly (`block_causal_mask`).
+EXPLICIT_MASK_MODEL_TYPES = ("opt",)
+
+
+def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str) -> torch.Tensor:
+    """position_ids [P, T] of packed rows -> a 4D mask [P, 1, T, T] that lets token i see token j
+    only when j <= i in the same row (a row starts where the position does not follow the previous
+    one, as transformers' `find_packed_sequence_indices`): bool for sdpa, additive float32 for eager.
+    Dense: T^2 bytes per pack (1 MiB at T=1024)."""
+    first = position_ids[:, :1] - 1
+    seq = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)  # [P, T] row index per token
+    T = position_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    allowed = (seq[:, :, None] == seq[:, None, :]) & causal  # [P, T, T]
+    if attn_implementation == "eager":
+        return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min)[:, None]
+    return allowed[:, None]
