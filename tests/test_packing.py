@@ -179,3 +179,39 @@ def test_validate_data_packing_keys():
         validate_data(DataConfig(path="x", pack_length=32))
     validate_data(DataConfig(path="x", pack_length=0))
     validate_data(DataConfig(path="x", pack_length=256))
+
+
+# ---------------------------------------------------------------- 2 ranks, ZeRO-3
+
+
+def _launch(out: str, nproc: int) -> subprocess.Popen:
+    script = os.path.join(os.path.dirname(__file__), "engine_scripts", "packing.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, script, out]
+    if nproc > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(port), *cmd[1:]]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_packed_equals_padded_two_ranks_zero3(tmp_path):
+    """2 gloo ranks under ZeRO-3, 2 micro-batches each: packed steps give the padded steps' losses and
+    parameters, and both equal one process (the normalisation is exact across packs, accumulation, ranks)."""
+    procs = {n: _launch(str(tmp_path), n) for n in (2, 1)}
+    for n, proc in procs.items():
+        output, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, output[-4000:]
+    res = {n: json.load(open(tmp_path / f"{n}.json")) for n in (1, 2)}
+    for kind in ("sft", "reward"):
+        ref = res[1][f"{kind}_padded"]
+        for n, mode in ((2, "padded"), (2, "packed"), (1, "packed")):
+            got = res[n][f"{kind}_{mode}"]
+            assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (kind, n, mode)
+            for name, norm in ref["param_norms"].items():
+                assert got["param_norms"][name] == pytest.approx(norm, rel=1e-5), (kind, n, mode, name)
