@@ -215,3 +215,19 @@ def test_packed_equals_padded_two_ranks_zero3(tmp_path):
             assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), (kind, n, mode)
             for name, norm in ref["param_norms"].items():
                 assert got["param_norms"][name] == pytest.approx(norm, rel=1e-5), (kind, n, mode, name)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+def test_dpo_response_logps_equal_padded(family):
+    from rlhf.dpo import pair_batch, response_logps
+
+    policy = Policy(tiny(family, "lm"))
+    feats = [{**f, "prompt_len": 1 + i % 2} for i, f in enumerate(pair_rows())]
+    table = torch.randn(len(feats), 2)
+    idx = [4, 0, 2, 5]
+    padded, packed = pair_batch(feats, idx, PAD, table), pair_batch(feats, idx, PAD, table, pack_length=0)
+    assert torch.equal(packed["ref"], padded["ref"])
+    with torch.no_grad():
+        (lp_a, n_a), (lp_b, n_b) = response_logps(policy, padded), response_logps(policy, packed)
+    assert lp_a.shape == (8,) and torch.equal(n_a, n_b) and n_a.sum() > 8
+    torch.testing.assert_close(lp_b, lp_a, rtol=1e-5, atol=1e-5)

@@ -60,6 +60,7 @@ def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
     input_ids = torch.full((P, T), pad_id, dtype=torch.long)
     position_ids = torch.zeros((P, T), dtype=torch.long)
     label_t = torch.full((P, T), IGNORE_INDEX, dtype=torch.long)
+    row_id = torch.full((P, T), -1, dtype=torch.long)  # which row each token is (-1: the pad tail)
     row_pack = torch.empty(len(rows), dtype=torch.long)
     row_end = torch.empty(len(rows), dtype=torch.long)
     for p, members in enumerate(bins):
@@ -68,6 +69,7 @@ def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
             n = len(rows[i])
             input_ids[p, at : at + n] = torch.tensor(rows[i])
             position_ids[p, at : at + n] = torch.arange(n)
+            row_id[p, at : at + n] = i
             if labels is not None:
                 label_t[p, at : at + n] = torch.tensor(labels[i])
                 # NOTE: a row's first token is never a target (the padded path predicts from column 1
@@ -77,7 +79,7 @@ def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
             at += n
         position_ids[p, at:] = torch.arange(T - at)  # the pad tail: a row of its own
     out = {"input_ids": input_ids, "attention_mask": None, "position_ids": position_ids,
-           "row_pack": row_pack, "row_end": row_end, "num_tokens": sum(len(r) for r in rows)}
+           "row_pack": row_pack, "row_end": row_end, "row_id": row_id, "num_tokens": sum(len(r) for r in rows)}
     if labels is not None:
         out["labels"] = label_t
     return out
@@ -89,15 +91,33 @@ def pack_sft(batch: Sequence[dict[str, list[int]]], pad_id: int, pack_length: in
     return _packed([b["input_ids"] for b in batch], pad_id, pack_length, [b["labels"] for b in batch])
 
 
-def pack_pairs(batch: Sequence[dict[str, Any]], pad_id: int, pack_length: int) -> dict[str, Any]:
+def pack_pairs(batch: Sequence[dict[str, Any]], pad_id: int, pack_length: int, *, labels: bool = False) -> dict[str, Any]:
     """`collate_pairs`' 2B rows (chosen first) packed; row_pack/row_end [2B] locate each row's last
-    token, where its score is read (`packed_scores`)."""
-    return _packed([b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch], pad_id, pack_length)
+    token, where its score is read (`packed_scores`). `labels`: + labels [P, T], the response tokens
+    (IGNORE_INDEX on bos + prompt, as DPO's `pair_batch`)."""
+    rows = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
+    lab = None
+    if labels:
+        lab = [[IGNORE_INDEX] * f["prompt_len"] + r[f["prompt_len"] :] for f, r in zip([*batch, *batch], rows)]
+    return _packed(rows, pad_id, pack_length, lab)
 
 
 def packed_scores(values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
     """values [P, T] of a packed batch -> [rows]: each row's value at its last token, in row order."""
     return values[batch["row_pack"].to(values.device), batch["row_end"].to(values.device)]
+
+
+def packed_row_sums(values: torch.Tensor, mask: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-target values [P, T-1] of a packed batch (target t = token t+1) and a mask [P, T-1] ->
+    (the sum over each row's masked targets [rows] float32, their count [rows] float32), in row order:
+    `dpo_math.sequence_logps` of the padded batch."""
+    row = batch["row_id"][:, 1:].to(values.device)
+    keep = mask.bool() & (row >= 0)
+    n = batch["row_pack"].shape[0]
+    sums = torch.zeros(n, dtype=torch.float32, device=values.device).index_add(0, row[keep], values[keep].float())
+    counts = torch.zeros(n, dtype=torch.float32, device=values.device).index_add(
+        0, row[keep], torch.ones_like(row[keep], dtype=torch.float32))
+    return sums, counts
 
 
 def is_packed(batch: dict[str, Any]) -> bool:
