@@ -105,10 +105,15 @@ def test_pack_sft_layout():
     assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
     assert b["labels"].tolist() == [[-100, 6, 7, -100, 9]]  # a row's first token is never a target
     assert b["attention_mask"] is None and batch_tokens(b) == 5
-    b = pack_sft(rows, PAD, 4)  # rows of at most 4 tokens: a pad tail with its own positions
-    assert b["input_ids"].tolist() == [[5, 6, 7, PAD], [8, 9, PAD, PAD]]
-    assert b["position_ids"].tolist() == [[0, 1, 2, 0], [0, 1, 0, 1]]
+    b = pack_sft(rows, PAD, 4)  # packs of at most 4 tokens, as long as the fullest: a pad tail with its own positions
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 9, PAD]]
+    assert b["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
     assert b["row_pack"].tolist() == [0, 1] and b["row_end"].tolist() == [2, 1]
+    assert b["row_id"].tolist() == [[0, 0, 0], [1, 1, -1]]
+    rows.append({"input_ids": [4], "labels": [4]})  # fits beside the 3-token row
+    b = pack_sft(rows, PAD, 4)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 4], [8, 9, PAD, PAD]]
+    assert b["labels"].tolist() == [[-100, 6, 7, -100], [-100, 9, -100, -100]]
 
 
 # ---------------------------------------------------------------- equality with the padded batch
