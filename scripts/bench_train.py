@@ -9,7 +9,7 @@ For each model and each kind of step, the same micro-batches run padded and pack
     reward  TrainEngine.train_step with rlhf.reward's pairwise loss (chosen + rejected rows), a ValueModel
     score   the RL stage's scoring pass: no-grad log-probs of every row's tokens under the Policy
             (what rlhf/experience.py computes; that stage itself still runs padded batches)
-Columns: real tokens/s, padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
+Columns: real tokens/s (`--clock cpu`: per CPU-second of this process), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
 CPU: bytes of tensors saved for backward, deduplicated by storage, the activation memory that
 padding inflates; '-' for the no-grad pass), and the ratio of tokens/s to the padded run's.
 
@@ -135,7 +135,7 @@ class SavedBytes:
         self.bytes = sum(self.seen.values())
 
 
-def timed(fn, device: torch.device) -> tuple[float, float | None]:
+def timed(fn, device: torch.device, clock) -> tuple[float, float | None]:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -144,9 +144,9 @@ def timed(fn, device: torch.device) -> tuple[float, float | None]:
         torch.cuda.synchronize()
         return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**20
     with SavedBytes() as sb:
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
     return dt, sb.bytes / 2**20 if sb.bytes else None
 
 
@@ -199,7 +199,7 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
             for name in layouts:  # interleaved: padded, packed, padded, packed, ...
                 dt_total = 0.0
                 for b in batches[name]:
-                    dt, m = timed(lambda: fn(b), device)
+                    dt, m = timed(lambda: fn(b), device, args.clock_fn)
                     dt_total += dt
                     mem[name] = max(mem[name], m or 0.0) if step != "score" or device.type == "cuda" else 0.0
                 times[name].append(dt_total)
@@ -228,12 +228,16 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="engine.kernels (fused log-probs from hidden states)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="CPU only: cpu = this process's CPU time (with --threads 1: the work done, nearly blind "
+                         "to other processes on a loaded machine, where wall time swung 2x between identical runs)")
     args = ap.parse_args()
+    args.clock_fn = time.process_time if args.clock == "cpu" and args.device == "cpu" else time.perf_counter
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, load "
-          f"{os.getloadavg()[0]:.1f}", flush=True)
+    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for which in args.models.split(","):
         rows += bench_model(which, args, device)
