@@ -162,9 +162,10 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
     pick = lambda rows: [[rows[i] for i in torch.randperm(len(rows), generator=g)[:micro].tolist()]  # noqa: E731
                          for _ in range(args.batches)]
     sft_mbs, pair_mbs = pick(sft), pick(pairs)
-    layouts = {"padded": None, f"packed {max_len}": max_len}
-    if args.one_row:
-        layouts["packed 1 row"] = 0
+    layouts = {"padded": None}
+    for L in args.pack_lengths.split(","):
+        L = max_len if L == "max" else int(L)
+        layouts["packed 1 row" if L == 0 else f"packed {L}"] = L
     ecfg = EngineConfig(stage=0, precision="bf16" if device.type == "cuda" else "fp32", kernels=args.kernels)
     optim = OptimConfig(lr=1e-5)
     policy = TrainEngine(Policy(build(which, "lm", model_cfg, tok), fused=args.kernels), ecfg, optim, total_steps=10**6)
@@ -224,7 +225,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--batches", type=int, default=4, help="micro-batches per round")
     ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the 25m model")
-    ap.add_argument("--one-row", action="store_true", help="also pack each micro-batch into one row [1, sum(len)]")
+    ap.add_argument("--pack-lengths", default="max",
+                    help="data.pack_length values to run: max (= the model's data.max_len, the stages' default), "
+                         "N >= max_len, 0 (the micro-batch in one row [1, sum(len)]); comma-separated")
     ap.add_argument("--kernels", action="store_true", help="engine.kernels (fused log-probs from hidden states)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
