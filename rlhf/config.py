@@ -111,8 +111,9 @@ class DataConfig:
     max_prompt_len: int = 48  # prompt tokens (+ bos); longer prompts follow `overlong`
     overlong: str = "truncate"  # truncate | drop (see rlhf/data/tokenize.py)
     add_bos: bool = True  # prepend the tokenizer's bos token (when it has one)
-    # Padding-free training batches (rlhf/data/packing.py): auto = on where the model supports it
-    # (rlhf/models.py PACKABLE_MODEL_TYPES), true = on or a ConfigError, false = padded batches
+    # Padding-free training batches (rlhf/data/packing.py): auto = where the model supports it
+    # (rlhf/models.py PACKABLE_MODEL_TYPES) and a micro-batch packs into fewer token slots than padded;
+    # true = every micro-batch packed (a ConfigError on other models); false = padded batches
     packing: Any = "auto"
     # Tokens per packed row: null = max_len (rows of at most max_len tokens, [P, max_len]; CPU sdpa
     # computes the whole block-diagonal mask, so this keeps attention below the padded batch's);

@@ -36,7 +36,7 @@ from engine.checkpoint import published, read_meta
 from rlhf.app import Throughput, stage_main
 from rlhf.config import ConfigError, DPOAlgoConfig, DPOConfig, engine_config, optim_config, validate_dpo
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
-from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_row_sums
+from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_row_sums, packing_saves
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
@@ -50,12 +50,14 @@ TABLES = "reference_logps.pt"  # in each checkpoint: {"train": [N, 2], "eval": [
 
 
 def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None,
-               pack_length: int | None = None) -> dict:
+               pack_length: int | None = None, only_if_saves: bool = False) -> dict:
     """Pairs `feats[idx]` as collate_pairs' [2B, L] batch (chosen rows first) + labels [2B, L]
     (IGNORE_INDEX on bos, prompt and padding) + with a reference table [N, 2] "ref" [2B]. With
-    `pack_length` (not None) the rows are packed instead (rlhf/data/packing.py)."""
+    `pack_length` (not None) the rows are packed instead (rlhf/data/packing.py); with `only_if_saves`
+    (data.packing=auto) only where that computes fewer slots."""
     rows = [feats[i] for i in idx]
-    if pack_length is not None:
+    lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
+    if pack_length is not None and (not only_if_saves or packing_saves(lengths, pack_length)):
         b = pack_pairs(rows, pad_id, pack_length, labels=True)
         if table is not None:
             b["ref"] = torch.cat([table[idx, 0], table[idx, 1]])
@@ -217,7 +219,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     meter, last = Throughput(), {}
     for step in run.steps():
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [pair_batch(train_feats, rows, pad, table, pack_len) for rows in idx]
+        batches = [pair_batch(train_feats, rows, pad, table, pack_len, d.packing == "auto") for rows in idx]
         meter.add(sum(batch_tokens(b) for b in batches))
         out = engine.train_step(batches, loss_fn)
         run.check(out)

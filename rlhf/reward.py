@@ -27,7 +27,7 @@ from engine import TrainEngine
 from rlhf.app import Throughput, stage_main
 from rlhf.config import RewardConfig, engine_config, optim_config, validate_reward
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
-from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_scores
+from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_scores, packing_saves
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
 from rlhf.models import MODEL_SUBDIR, check_context, export_hf, load_tokenizer, load_value_model, use_packing
@@ -47,11 +47,16 @@ def batch_scores(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return sequence_scores(model(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
 
 
-def pair_collate(pad_id: int, pack_length: int | None):
-    """rows -> collate_pairs' padded batch, or with `pack_length` (not None) the packed one."""
-    if pack_length is None:
-        return lambda rows: collate_pairs(rows, pad_id)
-    return lambda rows: pack_pairs(rows, pad_id, pack_length)
+def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False):
+    """rows -> collate_pairs' padded batch, or with `pack_length` (not None) the packed one (with
+    `only_if_saves`, data.packing=auto: only where packing computes fewer slots)."""
+    def collate(rows: list[dict]) -> dict:
+        lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
+        if pack_length is None or (only_if_saves and not packing_saves(lengths, pack_length)):
+            return collate_pairs(rows, pad_id)
+        return pack_pairs(rows, pad_id, pack_length)
+
+    return collate
 
 
 def make_loss(margin: float, score_reg: float):
@@ -145,7 +150,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed))
     check_context(model, cfg.data.max_len, "data.max_len")
     pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
-    collate = pair_collate(tok.pad_token_id, pack_len)
+    collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto")
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
                                               cfg.train.micro_batch_size, pack_len), _eval_line, memory=engine)

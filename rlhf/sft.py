@@ -25,7 +25,7 @@ from engine import TrainEngine
 from rlhf.app import Throughput, stage_main
 from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
-from rlhf.data.packing import batch_tokens, pack_length_of, pack_sft
+from rlhf.data.packing import batch_tokens, pack_length_of, pack_sft, packing_saves
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluate import gold_eval, load_eval_prompts, perplexity
@@ -82,11 +82,14 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
     check_context(model, cfg.data.max_len, "data.max_len")
     packed, pack_len = use_packing(d.packing, model), pack_length_of(d)
+    only_if_saves = d.packing == "auto"
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, cfg, tok, eval_feats, prompts), _eval_line, memory=engine)
 
     def collate(rows: list[dict]) -> dict:
-        return pack_sft(rows, tok.pad_token_id, pack_len) if packed else collate_sft(rows, tok.pad_token_id)
+        if packed and (not only_if_saves or packing_saves([len(r["input_ids"]) for r in rows], pack_len)):
+            return pack_sft(rows, tok.pad_token_id, pack_len)
+        return collate_sft(rows, tok.pad_token_id)
 
     # ---- train
     meter, last = Throughput(), {}

@@ -236,3 +236,11 @@ def test_dpo_response_logps_equal_padded(family):
         (lp_a, n_a), (lp_b, n_b) = response_logps(policy, padded), response_logps(policy, packed)
     assert lp_a.shape == (8,) and torch.equal(n_a, n_b) and n_a.sum() > 8
     torch.testing.assert_close(lp_b, lp_a, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_saves_only_when_rows_share_packs():
+    from rlhf.data.packing import packing_saves
+
+    assert not packing_saves([43, 40, 45], 64)  # no two fit in 64: three packs of the longest -> padded
+    assert packing_saves([43, 20, 45], 64)  # 43 + 20 share a pack: 2 x 45 < 3 x 45
+    assert packing_saves([43, 40, 45], 0) and not packing_saves([5, 5], 0)  # one row of 128 < 3 x 45; 10 = 2 x 5
