@@ -244,3 +244,64 @@ def test_packing_saves_only_when_rows_share_packs():
     assert not packing_saves([43, 40, 45], 64)  # no two fit in 64: three packs of the longest -> padded
     assert packing_saves([43, 20, 45], 64)  # 43 + 20 share a pack: 2 x 45 < 3 x 45
     assert packing_saves([43, 40, 45], 0) and not packing_saves([5, 5], 0)  # one row of 128 < 3 x 45; 10 = 2 x 5
+
+
+# ---------------------------------------------------------------- the RL stage's scoring / training passes
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("pack_length", [0, 40])
+def test_rollout_logprobs_values_scores_equal_padded(family, pack_length):
+    """A rollout batch (prompts left-padded, responses right-padded): log-probs (and entropy, and their
+    gradients), critic values and reward scores on the repacked real tokens equal the padded ones."""
+    from rlhf.reward_math import sequence_scores
+    from rlhf.rollout import Repacked, _values, position_ids_from_mask, token_logprobs, token_values
+
+    g = torch.Generator().manual_seed(4)
+    B, P, T = 5, 7, 9
+    seqs = torch.randint(1, VOCAB, (B, P + T), generator=g)
+    prompt = torch.tensor([7, 3, 5, 1, 6])
+    resp = torch.tensor([9, 2, 0, 5, 9])  # a row with an empty response
+    col = torch.arange(P + T)
+    mask = ((col[None] >= P - prompt[:, None]) & (col[None] < P + resp[:, None])).long()
+    seqs = seqs * mask
+    base = {"sequences": seqs, "attention_mask": mask, "position_ids": position_ids_from_mask(mask), "prompt_len": P}
+    packed = {**base, "pack_length": pack_length}
+    assert Repacked(seqs, mask, pack_length).input_ids.numel() < seqs.numel()
+    rmask = (col[None, P:] < P + resp[:, None]).float()  # response tokens [B, T]
+    policy = Policy(tiny(family, "lm"))
+    (la, ea), (lb, eb) = (token_logprobs(policy, b, 0.7, with_entropy=True) for b in (base, packed))
+    torch.testing.assert_close(lb * rmask, la * rmask, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eb * rmask, ea * rmask, rtol=1e-5, atol=1e-5)
+    (la * rmask).sum().backward()
+    g_a = grads(policy)
+    (lb * rmask).sum().backward()
+    assert_grads_close(grads(policy), g_a, torch.float32)
+    critic = ValueModel(tiny(family, "value"))
+    with torch.no_grad():
+        va, vb = token_values(critic, base), token_values(critic, packed)
+        vmask = rmask.bool()
+        torch.testing.assert_close(vb[vmask], va[vmask], rtol=1e-5, atol=1e-6)
+        sa = sequence_scores(_values(critic, base), mask)
+        sb = sequence_scores(_values(critic, packed), mask)
+        torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_ppo_with_packing_true_matches_padded(tiny_stages, tmp_path):
+    """The RL stage with data.packing=true (scoring and both losses on packed rows) trains as the padded
+    run: the same first-step KL, reward and losses (to rounding; the rollout is sampled from the same
+    seed before any packed forward, so step 1's inputs are identical)."""
+    from conftest import metrics, run_stage
+
+    common = [f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}", "train.max_steps=2",
+              "train.eval_every=0", "train.save_every=0", "rollout.prompts_per_step=8", "rollout.mini_batch_size=8",
+              "rollout.micro_batch_size=4", "rollout.max_new_tokens=6", "eval.max_new_tokens=6",
+              "data.num_eval_prompts=4"]
+    for packing in ("false", "true"):
+        run_stage("ppo", f"output_dir={tmp_path / packing}", *common, f"data.packing={packing}", timeout=400)
+    a, b = metrics(tmp_path / "false", "train")[0], metrics(tmp_path / "true", "train")[0]
+    keys = [k for k in ("kl", "reward", "actor_loss", "critic_loss", "score") if k in a]
+    assert len(keys) >= 3, sorted(a)
+    for k in keys:
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), k
