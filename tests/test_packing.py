@@ -91,8 +91,11 @@ def assert_grads_close(a: dict, b: dict, dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------- layout
 
 
-def test_pack_bins_first_fit_decreasing():
-    assert pack_bins([5, 3, 8, 2, 6], 10) == [[2, 3], [4, 1], [0]]  # 8+2, 6+3, 5
+def test_pack_bins_first_fit_decreasing_then_evened():
+    # first-fit decreasing needs 3 packs (8+2, 6+3, 5: the fullest 10); longest first into the least
+    # filled of 3 packs gives 8, 6+2, 5+3: the fullest 8, so packs of 8 tokens
+    assert pack_bins([5, 3, 8, 2, 6], 10) == [[2], [4, 3], [0, 1]]
+    assert pack_bins([6, 5, 4, 3], 9) == [[0, 3], [1, 2]]  # 6+3, 5+4 either way
     assert pack_bins([5, 3, 8], 0) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="does not fit"):
         pack_bins([11], 10)
@@ -110,10 +113,11 @@ def test_pack_sft_layout():
     assert b["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]]
     assert b["row_pack"].tolist() == [0, 1] and b["row_end"].tolist() == [2, 1]
     assert b["row_id"].tolist() == [[0, 0, 0], [1, 1, -1]]
-    rows.append({"input_ids": [4], "labels": [4]})  # fits beside the 3-token row
+    rows.append({"input_ids": [4], "labels": [4]})  # joins the 2-token row (evened packs): no padding
     b = pack_sft(rows, PAD, 4)
-    assert b["input_ids"].tolist() == [[5, 6, 7, 4], [8, 9, PAD, PAD]]
-    assert b["labels"].tolist() == [[-100, 6, 7, -100], [-100, 9, -100, -100]]
+    assert b["input_ids"].tolist() == [[5, 6, 7], [8, 9, 4]]
+    assert b["labels"].tolist() == [[-100, 6, 7], [-100, 9, -100]]
+    assert b["position_ids"].tolist() == [[0, 1, 2], [0, 1, 0]] and b["row_end"].tolist() == [2, 1, 2]
 
 
 # ---------------------------------------------------------------- equality with the padded batch

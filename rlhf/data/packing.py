@@ -33,12 +33,28 @@ def pack_length_of(data_cfg: Any) -> int:
 
 
 def pack_bins(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
-    """Row indices grouped into packs of at most `pack_length` tokens (0 = one pack of all rows):
-    first-fit decreasing, so a pack's rows are longest first; packs in order of creation."""
+    """Row indices grouped into packs of at most `pack_length` tokens (0 = one pack of all rows).
+
+    First-fit decreasing finds how many packs are needed (K); then the rows, longest first, go to the
+    least-filled of K packs, which evens the packs out, and is kept when its fullest pack is no longer
+    than first-fit's and fits: packs are as long as the fullest one, so that is the padding left
+    (25M-parameter bench, 8 rows of 16-1024 tokens per micro-batch: FFD alone left 32% padding)."""
     if pack_length <= 0:
         return [list(range(len(lengths)))]
     if lengths and max(lengths) > pack_length:
         raise ValueError(f"a row of {max(lengths)} tokens does not fit a pack of {pack_length}")
+    ffd = _first_fit_decreasing(lengths, pack_length)
+    even: list[list[int]] = [[] for _ in ffd]
+    load = [0] * len(ffd)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = min(range(len(even)), key=lambda b: load[b])
+        even[b].append(i)
+        load[b] += lengths[i]
+    fullest = max((sum(lengths[i] for i in b) for b in ffd), default=0)
+    return even if max(load, default=0) <= min(fullest, pack_length) else ffd
+
+
+def _first_fit_decreasing(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
