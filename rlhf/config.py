@@ -111,6 +111,14 @@ class DataConfig:
     max_prompt_len: int = 48  # prompt tokens (+ bos); longer prompts follow `overlong`
     overlong: str = "truncate"  # truncate | drop (see rlhf/data/tokenize.py)
     add_bos: bool = True  # prepend the tokenizer's bos token (when it has one)
+    # Padding-free training batches (rlhf/data/packing.py): auto = where the model supports it
+    # (rlhf/models.py PACKABLE_MODEL_TYPES) and a micro-batch packs into fewer token slots than padded;
+    # true = every micro-batch packed (a ConfigError on other models); false = padded batches
+    packing: Any = "auto"
+    # Tokens per packed row: null = max_len (rows of at most max_len tokens, [P, max_len]; CPU sdpa
+    # computes the whole block-diagonal mask, so this keeps attention below the padded batch's);
+    # 0 = the whole micro-batch in one row [1, sum(len)] (flash-attention varlen on GPU)
+    pack_length: int | None = None
     cache_dir: str | None = None  # datasets cache for hub names
 
 
@@ -512,6 +520,10 @@ def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: boo
         _need(d.max_len > d.max_prompt_len,
               f"data.max_len ({d.max_len}) must exceed data.max_prompt_len ({d.max_prompt_len})")
     _need(d.overlong in ("truncate", "drop"), f"data.overlong must be 'truncate' or 'drop', got {d.overlong!r}")
+    _need(d.packing in ("auto", True, False), f"data.packing must be auto, true or false, got {d.packing!r}")
+    _need(d.pack_length is None or d.pack_length == 0 or d.pack_length >= d.max_len,
+          f"data.pack_length must be null (= data.max_len), 0 (one row per micro-batch) or >= data.max_len "
+          f"({d.max_len}, the longest row), got {d.pack_length}")
     if d.data_split is not None:
         try:
             parse_data_split(d.data_split)

@@ -36,11 +36,12 @@ from engine.checkpoint import published, read_meta
 from rlhf.app import Throughput, stage_main
 from rlhf.config import ConfigError, DPOAlgoConfig, DPOConfig, engine_config, optim_config, validate_dpo
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
+from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_row_sums, packing_saves
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
 from rlhf.evaluate import all_gather, gold_eval, gold_line, gold_summary, load_eval_prompts
-from rlhf.models import check_context, disable_dropout, export_model, load_causal_lm, load_tokenizer
+from rlhf.models import check_context, disable_dropout, export_model, load_causal_lm, load_tokenizer, use_packing
 from rlhf.roles import Policy
 from rlhf.stage import Run
 
@@ -48,10 +49,19 @@ logger = logging.getLogger("rlhf.dpo")
 TABLES = "reference_logps.pt"  # in each checkpoint: {"train": [N, 2], "eval": [M, 2]} (chosen, rejected)
 
 
-def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None) -> dict:
+def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None,
+               pack_length: int | None = None, only_if_saves: bool = False) -> dict:
     """Pairs `feats[idx]` as collate_pairs' [2B, L] batch (chosen rows first) + labels [2B, L]
-    (IGNORE_INDEX on bos, prompt and padding) + with a reference table [N, 2] "ref" [2B]."""
+    (IGNORE_INDEX on bos, prompt and padding) + with a reference table [N, 2] "ref" [2B]. With
+    `pack_length` (not None) the rows are packed instead (rlhf/data/packing.py); with `only_if_saves`
+    (data.packing=auto) only where that computes fewer slots."""
     rows = [feats[i] for i in idx]
+    lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
+    if pack_length is not None and (not only_if_saves or packing_saves(lengths, pack_length)):
+        b = pack_pairs(rows, pad_id, pack_length, labels=True)
+        if table is not None:
+            b["ref"] = torch.cat([table[idx, 0], table[idx, 1]])
+        return b
     b = collate_pairs(rows, pad_id)
     b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, IGNORE_INDEX)
     for i, f in enumerate(rows + rows):
@@ -64,7 +74,9 @@ def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tens
 def response_logps(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of the response tokens of each row [2B] and their counts [2B]."""
     labels = batch["labels"][:, 1:]  # token t+1 is predicted at position t
-    logp, _ = policy(batch["input_ids"], batch["attention_mask"], targets=labels)
+    logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch.get("position_ids"), targets=labels)
+    if is_packed(batch):
+        return packed_row_sums(logp, labels != IGNORE_INDEX, batch)
     return sequence_logps(logp, labels != IGNORE_INDEX)
 
 
@@ -171,6 +183,9 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     # ---- policy (+ reference) and engines
     model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels)
     check_context(model, d.max_len, "data.max_len")
+    # the training batches are packed (data.packing); the reference tables and held-out figures are
+    # computed on padded batches (equal to rounding: tests/test_packing.py)
+    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     state, lora = PolicyState(engine), cfg.model.lora.r > 0
     needs_ref, online = NEEDS_REFERENCE[p.loss_type], p.reference == "online"
@@ -204,8 +219,8 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     meter, last = Throughput(), {}
     for step in run.steps():
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [pair_batch(train_feats, rows, pad, table) for rows in idx]
-        meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
+        batches = [pair_batch(train_feats, rows, pad, table, pack_len, d.packing == "auto") for rows in idx]
+        meter.add(sum(batch_tokens(b) for b in batches))
         out = engine.train_step(batches, loss_fn)
         run.check(out)
         if run.logs(step):

@@ -35,7 +35,8 @@ from rlhf.config import ConfigError, ModelConfig, PPOConfig, engine_config, opti
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
 from rlhf.models import (
-    MODEL_SUBDIR, check_context, disable_dropout, export_hf, load_causal_lm, load_tokenizer, load_value_model, tokenizer_mismatch,
+    MODEL_SUBDIR, check_context, disable_dropout, export_hf, load_causal_lm, load_tokenizer, load_value_model,
+    tokenizer_mismatch, use_packing,
 )
 from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
@@ -267,6 +268,7 @@ class Models:
             if m is not None:
                 check_context(m, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
                               "data.max_prompt_len + rollout.max_new_tokens")
+        self.pack_length = rl_pack_length(cfg, [m for m in (actor, critic, ref, rm) if m is not None])
         self.info = info
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
@@ -297,7 +299,8 @@ class Models:
         scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
                                actor=self.actor.model, reference=self.reference.model,
                                critic=self.critic.model if self.critic else None, reward=None,
-                               micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature)
+                               micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature,
+                               pack_length=self.pack_length)
         scored["score"] = self.reward_source.score(rollout)
         return scored
 
@@ -342,6 +345,24 @@ class Models:
         return read_meta(path)["extra_state"]
 
 
+def rl_pack_length(cfg: PPOConfig, models: list) -> int | None:
+    """The RL passes' `pack_length` (rlhf/rollout.py Repacked), or None for padded batches. Only
+    data.packing=true packs them (auto keeps them padded: their packing is newer and its speed
+    unmeasured in a whole RL run); every model must support it (ConfigError naming data.packing)."""
+    d = cfg.data
+    if d.packing is not True:
+        return None
+    for m in models:
+        use_packing(True, m)
+    longest = d.max_prompt_len + cfg.rollout.max_new_tokens  # + bos: max_prompt_len counts it
+    if d.pack_length is None:
+        return longest
+    if 0 < d.pack_length < longest:
+        raise ConfigError(f"data.pack_length ({d.pack_length}) must be 0 or >= data.max_prompt_len + "
+                          f"rollout.max_new_tokens ({longest}), the longest rollout row")
+    return d.pack_length
+
+
 def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_batches, run) -> tuple[list, list]:
     """The "update" step: `ppo.ppo_epochs` passes over shuffled mini-batches of this rank's rows, one
     actor (and critic) optimizer step per mini-batch; `ptx_batches()` gives each micro-batch's SFT rows."""
@@ -354,6 +375,8 @@ def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_b
         for k in range(rows // r.mini_batch_size):
             rows_k = perm[k * mini_rows : (k + 1) * mini_rows]
             micro = [exp.rows(rows_k[i : i + r.micro_batch_size]) for i in range(0, mini_rows, r.micro_batch_size)]
+            for mb in micro:
+                mb["pack_length"] = models.pack_length  # the losses' forwards pack like the scoring's
             if ptx_batches is not None:
                 for mb in micro:
                     mb["ptx"] = ptx_batches()

@@ -456,3 +456,46 @@ def disable_dropout(model: nn.Module) -> nn.Module:
             if isinstance(getattr(m, attr, None), float):
                 setattr(m, attr, 0.0)
     return model
+
+
+# ----------------------------------------------------------------------------- packing
+
+# Families whose forward honours per-row `position_ids` in a packed row and builds the block-diagonal
+# causal mask from them (transformers' masking_utils, attention_mask=None): llama and OPT are checked
+# against the padded forward in tests/test_packing.py (OPT's learned positions read position_ids + 2;
+# its mask builder ignores position_ids, so it gets an explicit block mask: rlhf/data/packing.py);
+# mistral, qwen2 and qwen3 are llama's modeling code with other defaults. Other families may ignore
+# position_ids (e.g. positions from a cumsum of the attention mask) and would silently attend across rows.
+PACKABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "opt")
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def packing_support(model: nn.Module) -> str | None:
+    """Why `model` cannot train on packed rows, or None when it can."""
+    from engine import hf_base_model
+
+    config = getattr(hf_base_model(model), "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in PACKABLE_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {PACKABLE_MODEL_TYPES}, checked to keep packed rows apart"
+    from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES
+
+    attn = getattr(config, "_attn_implementation", None) or "sdpa"
+    allowed = ("sdpa", "eager") if model_type in EXPLICIT_MASK_MODEL_TYPES else PACKABLE_ATTENTION
+    if attn not in allowed:
+        return f"attention implementation {attn!r} of {model_type} is not one of {allowed}"
+    return None
+
+
+def use_packing(packing: Any, model: nn.Module, key: str = "data.packing") -> bool:
+    """`data.packing` (auto | true | false) for `model`: auto packs where supported; true on a model
+    that is not supported is a ConfigError naming the key."""
+    if packing is False:
+        return False
+    why = packing_support(model)
+    if why is None:
+        return True
+    if packing is True:
+        raise ConfigError(f"{key}=true: {why}; set {key}=false (or auto) for padded batches")
+    logger.info("%s=auto: padded batches (%s)", key, why)
+    return False

@@ -10,7 +10,9 @@ Choices: the model is the backbone of a causal LM with a fresh scalar head
 keeps its head.
 A sequence's score is the head's value at its last real token, found from the attention mask
 (rlhf/reward_math.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
-regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass.
+regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass,
+packed end to end without padding where the model supports it (`data.packing`, rlhf/data/packing.py;
+a row's score is then the value at its own last token).
 Held-out evaluation: pair accuracy, mean chosen/rejected scores, and where a gold judge exists,
 agreement with it (pairs) and the AUC of scores separating correct from incorrect responses.
 Writes to `output_dir`: config.yaml, metrics.jsonl, reward.png, checkpoints/, model/ (HF), summary.json.
@@ -26,9 +28,10 @@ from engine import TrainEngine
 from rlhf.app import Throughput, stage_main
 from rlhf.config import RewardConfig, engine_config, optim_config, validate_reward
 from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
+from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_scores, packing_saves
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.evaluate import all_gather
-from rlhf.models import check_context, export_model, load_tokenizer, load_value_model
+from rlhf.models import check_context, export_model, load_tokenizer, load_value_model, use_packing
 from rlhf.roles import ValueModel
 from rlhf.reward_math import auc, pair_accuracy, pairwise_loss, sequence_scores
 from rlhf.stage import Run
@@ -37,10 +40,30 @@ from rlhf.task import judge, task_of
 logger = logging.getLogger("rlhf.reward")
 
 
+def batch_scores(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """[rows] scores of a `ValueModel` on a padded batch (value at the last real token) or a packed one
+    (rlhf/data/packing.py: value at each row's last token, in row order)."""
+    if is_packed(batch):
+        return packed_scores(model(batch["input_ids"], None, batch["position_ids"]), batch)
+    return sequence_scores(model(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+
+
+def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False):
+    """rows -> collate_pairs' padded batch, or with `pack_length` (not None) the packed one (with
+    `only_if_saves`, data.packing=auto: only where packing computes fewer slots)."""
+    def collate(rows: list[dict]) -> dict:
+        lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
+        if pack_length is None or (only_if_saves and not packing_saves(lengths, pack_length)):
+            return collate_pairs(rows, pad_id)
+        return pack_pairs(rows, pad_id, pack_length)
+
+    return collate
+
+
 def make_loss(margin: float, score_reg: float):
     def reward_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
-        """Summed pairwise loss over the B pairs of a [2B, L] batch (chosen rows first)."""
-        scores = sequence_scores(model(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+        """Summed pairwise loss over the B pairs of a [2B, L] batch (chosen rows first), padded or packed."""
+        scores = batch_scores(model, batch)
         chosen, rejected = scores.chunk(2)
         loss = pairwise_loss(chosen, rejected, margin, score_reg)
         metrics = {"accuracy": pair_accuracy(chosen, rejected), "chosen_score": chosen.mean(),
@@ -51,30 +74,34 @@ def make_loss(margin: float, score_reg: float):
 
 
 @torch.no_grad()
-def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size: int) -> list[tuple[int, float, float]]:
+def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size: int,
+                pack_length: int | None = None) -> list[tuple[int, float, float]]:
     """(index, chosen score, rejected score) of every feature, computed on the gathered model with
-    the rows split over the ranks, then all-gathered (in feature order)."""
+    the rows split over the ranks, then all-gathered (in feature order); packed when `pack_length`
+    is not None (rlhf/data/packing.py)."""
     info = engine.info
+    collate = pair_collate(pad_id, pack_length)
     mine = feats[info.rank :: info.world_size]
     out = []
     with engine.gathered_parameters():
         engine.unwrapped.eval()
         for i in range(0, len(mine), batch_size):
             chunk = mine[i : i + batch_size]
-            b = collate_pairs(chunk, pad_id)
-            mask = b["attention_mask"].to(info.device)
-            scores = sequence_scores(engine.unwrapped(b["input_ids"].to(info.device), mask), mask)
+            b = collate(chunk)
+            b = {k: v.to(info.device) if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+            scores = batch_scores(engine.unwrapped, b)
             c, r = scores.chunk(2)
             out += [(f["index"], float(x), float(y)) for f, x, y in zip(chunk, c.tolist(), r.tolist())]
         engine.unwrapped.train()
     return sorted(x for part in all_gather(out) for x in part)
 
 
-def evaluate(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int, batch_size: int) -> dict[str, Any]:
+def evaluate(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int, batch_size: int,
+             pack_length: int | None = None) -> dict[str, Any]:
     """Held-out accuracy and mean scores; agreement with / AUC against the gold judge where it applies."""
     if not feats:
         return {}
-    return pair_metrics(score_pairs(engine, feats, pad_id, batch_size), examples)
+    return pair_metrics(score_pairs(engine, feats, pad_id, batch_size, pack_length), examples)
 
 
 def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict[str, Any]:
@@ -123,17 +150,19 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     # ---- model + engine
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=cfg.reward.head_init_std))
     check_context(model, cfg.data.max_len, "data.max_len")
+    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+    collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto")
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
-                                              cfg.train.micro_batch_size), _eval_line, memory=engine)
+                                              cfg.train.micro_batch_size, pack_len), _eval_line, memory=engine)
 
     # ---- train
     loss_fn = make_loss(cfg.reward.margin, cfg.reward.score_reg)
     meter, last = Throughput(), {}
     for step in run.steps():
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [collate_pairs([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
-        meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
+        batches = [collate([train_feats[i] for i in rows]) for rows in idx]
+        meter.add(sum(batch_tokens(b) for b in batches))
         out = engine.train_step(batches, loss_fn)
         run.check(out)
         if run.logs(step):

@@ -21,7 +21,20 @@ from torch import nn
 
 from engine import ModuleView, hf_base_model
 from rlhf import ppo_math
+from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES, block_causal_mask
 from rlhf.data.tokenize import IGNORE_INDEX
+
+
+def _mask(module: nn.Module, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+    """The attention mask to hand the model. A packed batch (rlhf/data/packing.py: no mask, per-row
+    position ids) keeps None where transformers builds the block-diagonal mask from the position ids,
+    and gets it explicitly for families that do not (OPT)."""
+    if attention_mask is not None or position_ids is None:
+        return attention_mask
+    config = hf_base_model(module).config
+    if config.model_type not in EXPLICIT_MASK_MODEL_TYPES:
+        return None
+    return block_causal_mask(position_ids, config._attn_implementation)
 
 
 class Policy(ModuleView):
@@ -45,6 +58,7 @@ class Policy(ModuleView):
                 *, targets: torch.Tensor, start: int = 0, temperature: float = 1.0, with_entropy: bool = False,
                 reduction: str = "none"):
         T = targets.shape[1]
+        attention_mask = _mask(self, attention_mask, position_ids)
         if self.fused:
             return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
                                reduction)
@@ -90,8 +104,8 @@ class ValueModel(ModuleView):
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
+                          position_ids=position_ids, use_cache=False).last_hidden_state
         # NOTE: a new tensor, never a view: `.squeeze(-1).float()` is a view of the head's [B, L, 1]
         # output in fp32, and FSDP2 warns when a module returns a view (an in-place op on it would skip
         # the pre-backward hook). One [B, L] copy in every dtype (bf16 already paid it in `.float()`).

@@ -23,19 +23,77 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+class Repacked:
+    """A padded rollout batch's real tokens packed without padding (rlhf/data/packing.py layout), and
+    the way back: `unpack(x [P', T'])` -> [B, L], each real position's value, 0 on padding.
+
+    Rows are [left pad, prompt, response, right pad]: the real tokens of a row are contiguous, and
+    their position ids (0, 1, ...) are `position_ids_from_mask`'s, so a packed forward sees each row
+    exactly as the padded one does."""
+
+    def __init__(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_length: int):
+        from rlhf.data.packing import _packed
+
+        B, L = sequences.shape
+        mask = attention_mask.bool()
+        dev = sequences.device
+        # NOTE: the packing is decided on the host: one copy of the micro-batch's ids per forward
+        rows = [r[m].tolist() for r, m in zip(sequences.cpu(), mask.cpu())]
+        pk = _packed(rows, 0, pack_length)
+        P, T = pk["input_ids"].shape
+        start = (pk["row_pack"] * T + pk["row_end"] + 1 - mask.sum(1).cpu()).to(dev)  # flat start of each row
+        first = mask.long().argmax(1)  # column of each row's first real token
+        col = torch.arange(L, device=dev)[None, :]
+        # flat index into [P, T] of every padded position (real ones; padding points at 0 and is masked)
+        self.index = torch.where(mask, start[:, None] + col - first[:, None], 0)
+        self.mask, self.shape = mask, (P, T)
+        self.input_ids = pk["input_ids"].to(dev)
+        self.position_ids = pk["position_ids"].to(dev)
+        self.row_id = pk["row_id"].to(dev)
+
+    def next_targets(self) -> torch.Tensor:
+        """[P, T-1]: the next token where it belongs to the same row, else IGNORE_INDEX."""
+        from rlhf.data.tokenize import IGNORE_INDEX
+
+        same = (self.row_id[:, 1:] == self.row_id[:, :-1]) & (self.row_id[:, 1:] >= 0)
+        return self.input_ids[:, 1:].masked_fill(~same, IGNORE_INDEX)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[P, T'] (T' <= T: missing trailing columns read as 0) -> [B, L] at each real position, 0 elsewhere."""
+        if x.shape[1] < self.shape[1]:
+            x = torch.nn.functional.pad(x, (0, self.shape[1] - x.shape[1]))
+        return x.reshape(-1)[self.index].masked_fill(~self.mask, 0)
+
+
 def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False):
-    """log p(response token) under a `Policy` role (logits / temperature): [B, T] (and entropy [B, T])."""
+    """log p(response token) under a `Policy` role (logits / temperature): [B, T] (and entropy [B, T]).
+    With batch["pack_length"] (data.packing) the forward runs on the packed real tokens (`Repacked`)."""
     seqs, P = batch["sequences"], batch["prompt_len"]
-    logp, entropy = policy(seqs, batch["attention_mask"], batch["position_ids"], targets=seqs[:, P:], start=P - 1,
-                           temperature=temperature, with_entropy=with_entropy)
+    if batch.get("pack_length") is not None:
+        rp = Repacked(seqs, batch["attention_mask"], batch["pack_length"])
+        logp, entropy = policy(rp.input_ids, None, rp.position_ids, targets=rp.next_targets(),
+                               temperature=temperature, with_entropy=with_entropy)
+        T = seqs.shape[1] - P
+        logp = rp.unpack(logp)[:, P - 1 : P - 1 + T]  # position P-1+t predicts response token t
+        entropy = None if entropy is None else rp.unpack(entropy)[:, P - 1 : P - 1 + T]
+    else:
+        logp, entropy = policy(seqs, batch["attention_mask"], batch["position_ids"], targets=seqs[:, P:], start=P - 1,
+                               temperature=temperature, with_entropy=with_entropy)
     return (logp, entropy) if with_entropy else logp
+
+
+def _values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """A `ValueModel`'s [B, L] values of a rollout batch, packed when batch["pack_length"] is set."""
+    if batch.get("pack_length") is not None:
+        rp = Repacked(batch["sequences"], batch["attention_mask"], batch["pack_length"])
+        return rp.unpack(model(rp.input_ids, None, rp.position_ids))
+    return model(batch["sequences"], batch["attention_mask"], batch["position_ids"])
 
 
 def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
     """A `ValueModel` critic's values of the states before each response token: [B, T]."""
     seqs, P = batch["sequences"], batch["prompt_len"]
-    values = critic(seqs, batch["attention_mask"], batch["position_ids"])
-    return values[:, P - 1 : seqs.shape[1] - 1].float()
+    return _values(critic, batch)[:, P - 1 : seqs.shape[1] - 1].float()
 
 
 @torch.no_grad()
@@ -51,13 +109,15 @@ def score_rollout(
     reward: torch.nn.Module | None,
     micro_batch_size: int,
     temperature: float,
+    pack_length: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Old log-probs, reference log-probs, values (without a critic: none) and reward scores, in micro-batches.
 
     Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
+    `pack_length` (not None): each forward runs on the micro-batch's real tokens packed (`Repacked`).
     """
     base = {"sequences": sequences, "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len}
+            "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len, "pack_length": pack_length}
     parts: dict[str, list[torch.Tensor]] = {"logp_old": [], "logp_ref": [], "values": [], "score": []}
     B = sequences.shape[0]
     for s in range(0, B, micro_batch_size):
@@ -68,7 +128,7 @@ def score_rollout(
             parts["values"].append(token_values(critic, mb))
         if reward is None:  # scored elsewhere (rlhf/experience.py reward sources)
             continue
-        rm_values = reward(mb["sequences"], mb["attention_mask"], mb["position_ids"])
+        rm_values = _values(reward, mb)
         parts["score"].append(sequence_scores(rm_values.float(), mb["attention_mask"]))
     out = {k: torch.cat(v) for k, v in parts.items() if v}
     out["position_ids"] = base["position_ids"]

@@ -6,7 +6,8 @@
 
 Choices: the loss is the token-level cross-entropy on response tokens only (prompt and padding
 are -100), averaged over all response tokens of the global batch (not per sequence), as
-DeepSpeed-Chat. Global batch = micro batch x accumulation x world size; rows are read in a
+DeepSpeed-Chat. With `data.packing` (auto: where the model supports it) a micro-batch's rows are
+packed end to end without padding (rlhf/data/packing.py); the loss and its normalisation are the same. Global batch = micro batch x accumulation x world size; rows are read in a
 seeded per-epoch order (rlhf/data/stage.py), so a resumed run sees exactly the rows it would have.
 Evaluation before training, every `train.eval_every` steps and at the end: perplexity on the
 held-out rows and the gold score of greedy generations on `data.eval_prompts_path`.
@@ -23,10 +24,11 @@ from engine import TrainEngine
 from rlhf.app import Throughput, stage_main
 from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft, parse_sft, tokenize_sft
+from rlhf.data.packing import batch_tokens, pack_length_of, pack_sft, packing_saves
 from rlhf.data.stage import StepOrder, stage_rows
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluate import gold_eval, gold_line, gold_summary, load_eval_prompts, perplexity
-from rlhf.models import check_context, export_model, load_causal_lm, load_tokenizer
+from rlhf.models import check_context, export_model, load_causal_lm, load_tokenizer, use_packing
 from rlhf.roles import Policy
 from rlhf.stage import Run
 
@@ -37,7 +39,9 @@ def sft_loss(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.
     """Summed next-token cross-entropy over response tokens under a `Policy` role, and their count
     (the engine's weight). With engine.kernels the log-probs come from hidden states."""
     labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
-    loss_sum = policy(batch["input_ids"], batch["attention_mask"], targets=labels, reduction="sum")
+    # A packed batch (rlhf/data/packing.py) has no attention mask and per-row position ids.
+    loss_sum = policy(batch["input_ids"], batch["attention_mask"], batch.get("position_ids"), targets=labels,
+                      reduction="sum")
     return loss_sum, (labels != IGNORE_INDEX).sum(), {}
 
 
@@ -76,15 +80,22 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     # ---- model + engine
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
     check_context(model, cfg.data.max_len, "data.max_len")
+    packed, pack_len = use_packing(d.packing, model), pack_length_of(d)
+    only_if_saves = d.packing == "auto"
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
     run.begin(engine, total, lambda: evaluate(engine, cfg, tok, eval_feats, prompts), _eval_line, memory=engine)
+
+    def collate(rows: list[dict]) -> dict:
+        if packed and (not only_if_saves or packing_saves([len(r["input_ids"]) for r in rows], pack_len)):
+            return pack_sft(rows, tok.pad_token_id, pack_len)
+        return collate_sft(rows, tok.pad_token_id)
 
     # ---- train
     meter, last = Throughput(), {}
     for step in run.steps():
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [collate_sft([train_feats[i] for i in rows], tok.pad_token_id) for rows in idx]
-        meter.add(sum(int(b["attention_mask"].sum()) for b in batches))
+        batches = [collate([train_feats[i] for i in rows]) for rows in idx]
+        meter.add(sum(batch_tokens(b) for b in batches))
         out = engine.train_step(batches, sft_loss)
         run.check(out)
         if run.logs(step):

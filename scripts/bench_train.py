@@ -1,0 +1,256 @@
+"""Training throughput with padded vs packed (padding-free) micro-batches, measured in one run.
+
+    PYTHONPATH=. python scripts/bench_train.py                       # tiny default + 25M Llama, CPU
+    PYTHONPATH=. python scripts/bench_train.py --models 25m --reps 5 --device cuda
+
+For each model and each kind of step, the same micro-batches run padded and packed in turn
+(interleaved, `--reps` rounds, median reported), so machine load hits both alike:
+    sft     TrainEngine.train_step with rlhf.sft.sft_loss (forward + backward + AdamW), a Policy
+    reward  TrainEngine.train_step with rlhf.reward's pairwise loss (chosen + rejected rows), a ValueModel
+    score   the RL stage's scoring pass: no-grad log-probs of every row's tokens under the Policy
+            (what rlhf/experience.py computes; that stage itself still runs padded batches)
+Columns: real tokens/s (`--clock cpu`: per CPU-second of this process), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
+CPU: bytes of tensors saved for backward, deduplicated by storage, the activation memory that
+padding inflates; '-' for the no-grad pass), and the ratio of tokens/s to the padded run's.
+
+Models and data:
+    tiny  the embedded default (conf/model/tiny.yaml, ~1.3M params) on the shipped data
+          (data/default), micro-batch 32 rows (SFT) / 32 pairs (reward), as the stages' defaults
+    25m   a Llama with hidden 512, 6 layers, 8 heads, intermediate 1408, vocab 8000, tied
+          embeddings (~23M params), random tokens; row lengths long-tailed over 16..1024:
+          round(exp(N(ln 128, 0.9))) clipped to [16, 1024] (median 128, mean ~190, ~1% at 1024);
+          SFT rows: prompt = the first 30% (no loss); pairs: a shared prompt of 30% of the chosen
+          length + two responses drawn independently; micro-batch `--micro` rows (default 8)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+from engine import EngineConfig, OptimConfig, TrainEngine  # noqa: E402
+from rlhf.data import collate_pairs, collate_sft  # noqa: E402
+from rlhf.data.packing import batch_tokens, pack_pairs, pack_sft  # noqa: E402
+from rlhf.data.tokenize import IGNORE_INDEX  # noqa: E402
+from rlhf.reward import make_loss  # noqa: E402
+from rlhf.roles import Policy, ValueModel  # noqa: E402
+from rlhf.sft import sft_loss  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def long_tail_lengths(n: int, g: torch.Generator, lo: int = 16, hi: int = 1024) -> list[int]:
+    x = torch.exp(math.log(128) + 0.9 * torch.randn(n, generator=g))
+    return x.round().clamp(lo, hi).long().tolist()
+
+
+def synthetic(n_rows: int, vocab: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    sft = []
+    for n in long_tail_lengths(n_rows, g):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        p = max(1, int(0.3 * n))
+        sft.append({"input_ids": ids, "labels": [IGNORE_INDEX] * p + ids[p:]})
+    pairs = []
+    for i, (a, b) in enumerate(zip(long_tail_lengths(n_rows, g), long_tail_lengths(n_rows, g))):
+        p = max(1, int(0.3 * a))
+        prompt = torch.randint(3, vocab, (p,), generator=g).tolist()
+        c = prompt + torch.randint(3, vocab, (max(1, a - p),), generator=g).tolist()
+        r = prompt + torch.randint(3, vocab, (max(1, min(b, 1024) - p),), generator=g).tolist()
+        pairs.append({"chosen_ids": c[:1024], "rejected_ids": r[:1024], "prompt_len": p, "index": i})
+    return sft, pairs
+
+
+def default_data() -> tuple[object, list[dict], list[dict]]:
+    """The tiny model's config, tokenizer and the shipped SFT rows / reward pairs, as the stages read them."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rlhf.config import RewardConfig, SFTConfig
+    from rlhf.data import parse_pairs, parse_sft, tokenize_pairs, tokenize_sft
+    from rlhf.data.stage import stage_rows
+    from rlhf.models import load_tokenizer
+
+    conf = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "conf"))
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        s = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SFTConfig), compose("sft")))
+        r = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RewardConfig), compose("reward")))
+    tok = load_tokenizer(s.model)
+    d = s.data
+    sft, _ = tokenize_sft(parse_sft(stage_rows(d, stage=0)[0], tok), tok, d.max_len, d.max_prompt_len)
+    d = r.data
+    pairs, _ = tokenize_pairs(parse_pairs(stage_rows(d, stage=1)[0], tok), tok, d.max_len, d.max_prompt_len)
+    return (s.model, tok), sft, pairs
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def build(which: str, head: str, model_cfg=None, tok=None) -> torch.nn.Module:
+    if which == "tiny":
+        from rlhf.models import load_causal_lm, load_value_model
+
+        return (load_causal_lm if head == "lm" else load_value_model)(model_cfg, tok, seed=0)
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
+                                   tie_word_embeddings=True, pad_token_id=0, num_labels=1)
+    torch.manual_seed(0)
+    cls = transformers.LlamaForCausalLM if head == "lm" else transformers.LlamaForSequenceClassification
+    return cls(cfg)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class SavedBytes:
+    """Bytes of the tensors autograd saves for backward (unique storages): CPU's activation memory."""
+
+    def __enter__(self):
+        self.seen: dict[int, int] = {}
+
+        def pack(t):
+            try:
+                s = t.untyped_storage()
+                self.seen[s.data_ptr()] = s.nbytes()
+            except (RuntimeError, NotImplementedError):
+                pass
+            return t
+
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        self.bytes = sum(self.seen.values())
+
+
+def timed(fn, device: torch.device, clock) -> tuple[float, float | None]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2**20
+    with SavedBytes() as sb:
+        t0 = clock()
+        fn()
+        dt = clock() - t0
+    return dt, sb.bytes / 2**20 if sb.bytes else None
+
+
+def bench_model(which: str, args, device: torch.device) -> list[dict]:
+    if which == "tiny":
+        (model_cfg, tok), sft, pairs = default_data()
+        pad, micro, max_len = tok.pad_token_id, 32, 64
+    else:
+        model_cfg = tok = None
+        sft, pairs = synthetic(args.micro * args.batches, 8000)
+        pad, micro, max_len = 0, args.micro, 1024
+    g = torch.Generator().manual_seed(1)
+    pick = lambda rows: [[rows[i] for i in torch.randperm(len(rows), generator=g)[:micro].tolist()]  # noqa: E731
+                         for _ in range(args.batches)]
+    sft_mbs, pair_mbs = pick(sft), pick(pairs)
+    layouts = {"padded": None}
+    for L in args.pack_lengths.split(","):
+        L = max_len if L == "max" else int(L)
+        layouts["packed 1 row" if L == 0 else f"packed {L}"] = L
+    ecfg = EngineConfig(stage=0, precision="bf16" if device.type == "cuda" else "fp32", kernels=args.kernels)
+    optim = OptimConfig(lr=1e-5)
+    policy = TrainEngine(Policy(build(which, "lm", model_cfg, tok), fused=args.kernels), ecfg, optim, total_steps=10**6)
+    critic = TrainEngine(ValueModel(build(which, "value", model_cfg, tok)), ecfg, optim, total_steps=10**6)
+    reward_loss = make_loss(0.0, 0.0)
+
+    def collate_s(rows, L):
+        return collate_sft(rows, pad) if L is None else pack_sft(rows, pad, L)
+
+    def collate_p(rows, L):
+        return collate_pairs(rows, pad) if L is None else pack_pairs(rows, pad, L)
+
+    def score(batch):
+        with torch.no_grad():
+            policy.model(batch["input_ids"].to(device), None if batch["attention_mask"] is None else
+                         batch["attention_mask"].to(device),
+                         None if batch.get("position_ids") is None else batch["position_ids"].to(device),
+                         targets=batch["labels"][:, 1:].to(device))
+
+    steps = {
+        "sft": (sft_mbs, collate_s, lambda b: policy.train_step([b], sft_loss)),
+        "reward": (pair_mbs, collate_p, lambda b: critic.train_step([b], reward_loss)),
+        "score": (sft_mbs, collate_s, score),
+    }
+    rows = []
+    for step, (mbs, collate, fn) in steps.items():
+        batches = {name: [collate(mb, L) for mb in mbs] for name, L in layouts.items()}
+        fn(batches["padded"][0])  # warm-up
+        times = {name: [] for name in layouts}
+        mem = {name: 0.0 for name in layouts}
+        for _ in range(args.reps):
+            for name in layouts:  # interleaved: padded, packed, padded, packed, ...
+                dt_total = 0.0
+                for b in batches[name]:
+                    dt, m = timed(lambda: fn(b), device, args.clock_fn)
+                    dt_total += dt
+                    mem[name] = max(mem[name], m or 0.0) if step != "score" or device.type == "cuda" else 0.0
+                times[name].append(dt_total)
+        real = sum(batch_tokens(b) for b in batches["padded"])
+        for name in layouts:
+            slots = sum(b["input_ids"].numel() for b in batches[name])
+            t = statistics.median(times[name])
+            rows.append(dict(model=which, step=step, layout=name, tokens_s=real / t, pad=1 - real / slots,
+                             mem=mem[name], time=t))
+        base = next(r for r in rows if r["model"] == which and r["step"] == step and r["layout"] == "padded")
+        for r in rows:
+            if r["model"] == which and r["step"] == step:
+                r["ratio"] = r["tokens_s"] / base["tokens_s"]
+                print(f"{which:5} {step:7} {r['layout']:13} {r['tokens_s']:10,.0f} tok/s  pad {r['pad']:5.1%}  "
+                      f"mem {r['mem']:8.1f} MiB  {r['ratio']:.2f}x", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny,25m")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (median reported)")
+    ap.add_argument("--batches", type=int, default=4, help="micro-batches per round")
+    ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the 25m model")
+    ap.add_argument("--pack-lengths", default="max",
+                    help="data.pack_length values to run: max (= the model's data.max_len, the stages' default), "
+                         "N >= max_len, 0 (the micro-batch in one row [1, sum(len)]); comma-separated")
+    ap.add_argument("--kernels", action="store_true", help="engine.kernels (fused log-probs from hidden states)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="CPU only: cpu = this process's CPU time (with --threads 1: the work done, nearly blind "
+                         "to other processes on a loaded machine, where wall time swung 2x between identical runs)")
+    args = ap.parse_args()
+    args.clock_fn = time.process_time if args.clock == "cpu" and args.device == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    rows = []
+    for which in args.models.split(","):
+        rows += bench_model(which, args, device)
+    mem_label = "peak MiB" if device.type == "cuda" else "saved-for-backward MiB"
+    print(f"\n| model | step | layout | tokens/s | padding | {mem_label} | vs padded |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        mem = "-" if not r["mem"] else f"{r['mem']:.1f}"
+        print(f"| {r['model']} | {r['step']} | {r['layout']} | {r['tokens_s']:,.0f} | {r['pad']:.1%} | {mem} | "
+              f"{r['ratio']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
