@@ -30,6 +30,7 @@ from conftest import ROOT, SMALL_MODEL, cli_env, run_stage, summary
 
 pytestmark = pytest.mark.slow
 
+OWN_MODEL = "tests/test_user_model.py::test_readme_own_model_commands_run runs the block in order, checking each output"
 # Commands shown but not run here, and why.
 NOT_RUN = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e \".[test]\" "
@@ -44,6 +45,14 @@ NOT_RUN = {
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",
     "PRESET=smoke bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke",
     "FORCE=1 bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_skips_finished_stages_and_resumes_interrupted_ones",
+    # README's "Your own model" block: one flow, each command reading the last one's output
+    "python -m rlhf.sft model.name_or_path=/models/my-model data.path=my_sft.jsonl output_dir=runs/sft": OWN_MODEL,
+    "python -m rlhf.reward model.name_or_path=runs/sft data.path=my_pairs.jsonl output_dir=runs/rm": OWN_MODEL,
+    "python -m rlhf.sft model.name_or_path=/models/my-model model.lora.r=8 model.lora.merge_on_save=false output_dir=runs/sft_lora": OWN_MODEL,
+    "python -m rlhf.reward model.name_or_path=runs/sft_lora model.lora.r=8 model.lora.merge_on_save=false output_dir=runs/rm_lora": OWN_MODEL,
+    "python -m rlhf.ppo actor.model=runs/sft_lora critic.model=runs/rm_lora model.lora.r=8 model.lora.merge_on_save=false output_dir=runs/ppo_lora": OWN_MODEL,
+    "python -m rlhf.evaluate model.name_or_path=runs/ppo_lora output_dir=runs/eval_ppo": OWN_MODEL,
+    "python -m rlhf.evaluate model.name_or_path=runs/rm_lora output_dir=runs/eval_rm": OWN_MODEL,
     'SEEDS="1234 1 2" bash scripts/run_all.sh': "tests/test_ppo.py::test_run_all_seed_sweep (SEEDS=\"3 4\")",
 }
 

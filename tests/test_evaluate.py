@@ -75,7 +75,7 @@ def test_sft_output_reproduces_its_gold_score_and_held_out_loss(stages, sft_eval
     assert got["stage"] == "evaluate" and got["mode"] == "policy"  # mode auto: a causal LM
     assert 0 < want["gold_score_after"] < 100
     assert got["gold_score"] == want["gold_score_after"]
-    tasks = {k[: -len("_after")] for k in want if k.startswith("gold_score/")}
+    tasks = {k[: -len("_after")] for k in want if k.startswith("gold_score/") and k.endswith("_after")}
     assert tasks and {k for k in got if k.startswith("gold_score/")} == tasks
     for k in tasks:
         assert got[k] == want[f"{k}_after"], k
