@@ -33,7 +33,7 @@ SMALL = {
     "llama-small": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
     "opt-small": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-                      vocab_size=300, word_embed_proj_dim=64, max_position_embeddings=256),
+                      vocab_size=300, word_embed_proj_dim=64, max_position_embeddings=1024),  # >= prompt + new tokens
 }
 
 

@@ -38,6 +38,9 @@ NOT_RUN = {
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
+    "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
+    "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "
+                                                 "form (the tiny default) is run",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
                                            "reproduces them",
     "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; SEEDS= is run (test_ppo.py)",
@@ -111,10 +114,10 @@ def header_commands() -> list[str]:
             out.append(line)
     for path in sorted((ROOT / "scripts").glob("*.py")):
         doc = path.read_text().split('"""')[1]
-        for line in doc.splitlines():
+        for line in doc.replace("\\\n", " ").splitlines():
             if line.strip().startswith("python scripts/"):
                 line = re.sub(r"\s*\[.*?\]", "", _strip_comment(line)).replace(" ...", "")
-                out.append(line)
+                out.append(re.sub(r"\s+", " ", line))
     return out
 
 
@@ -293,7 +296,7 @@ def test_documented_command_runs(command, workspace, tmp_path):
     elif "report.py" in argv[1]:
         assert os.path.isfile(os.path.join(workspace["W"], "outputs", "report.md"))
     elif "compare_rl.py" in argv[1]:
-        assert "| PPO |" in proc.stdout
+        assert "| ppo | reward model |" in proc.stdout  # the row it was asked for
     elif planner:
         assert "plan: stage" in proc.stdout and "cheapest change that fits:" in proc.stdout, proc.stdout
         assert proc.stdout.strip().splitlines()[-1].strip() in (ROOT / "README.md").read_text()  # as the README shows
