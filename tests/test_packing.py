@@ -71,6 +71,13 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def loss_and_grads(loss_fn, model: torch.nn.Module, batch: dict) -> tuple:
+    """`loss_fn(model, batch)` = (loss, weight, metrics), its backward, and the gradients it left."""
+    loss, n, metrics = loss_fn(model, batch)
+    loss.backward()
+    return loss, n, metrics, grads(model)
+
+
 def assert_grads_close(a: dict, b: dict, dtype: torch.dtype) -> None:
     """fp32: the whole gradient within 1e-5 (relative norm), each parameter's within 1e-4 (summation
     order differs between the [B, L] and [P, T] shapes: measured up to 2e-5 on one OPT layer norm's bias);
@@ -132,12 +139,8 @@ def test_sft_loss_and_grads_equal_padded(family, pack_length, fused, dtype):
     padded = collate_sft(rows, PAD)
     packed = pack_sft(rows, PAD, pack_length)
     assert packed["input_ids"].numel() < padded["input_ids"].numel()
-    loss_a, n_a, _ = sft_loss(policy, padded)
-    loss_a.backward()
-    g_a = grads(policy)
-    loss_b, n_b, _ = sft_loss(policy, packed)
-    loss_b.backward()
-    g_b = grads(policy)
+    loss_a, n_a, _, g_a = loss_and_grads(sft_loss, policy, padded)
+    loss_b, n_b, _, g_b = loss_and_grads(sft_loss, policy, packed)
     assert int(n_a) == int(n_b) == sum(sum(t != IGNORE_INDEX for t in r["labels"][1:]) for r in rows)
     assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-5)
     assert_grads_close(g_b, g_a, dtype)
@@ -155,12 +158,8 @@ def test_reward_scores_loss_and_grads_equal_padded(family, pack_length, dtype):
         s_a, s_b = batch_scores(model, padded), batch_scores(model, packed)
     assert s_a.shape == (2 * len(rows),) and s_a.abs().min() > 0
     torch.testing.assert_close(s_b, s_a, rtol=1e-5, atol=1e-6)
-    loss_a, n_a, m_a = loss_fn(model, padded)
-    loss_a.backward()
-    g_a = grads(model)
-    loss_b, n_b, m_b = loss_fn(model, packed)
-    loss_b.backward()
-    g_b = grads(model)
+    loss_a, n_a, m_a, g_a = loss_and_grads(loss_fn, model, padded)
+    loss_b, n_b, m_b, g_b = loss_and_grads(loss_fn, model, packed)
     assert n_a == n_b == len(rows)
     assert loss_b.item() == pytest.approx(loss_a.item(), rel=1e-5)
     assert m_b["accuracy"].item() == m_a["accuracy"].item()
