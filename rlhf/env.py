@@ -192,6 +192,11 @@ def describe(args: list[str]) -> list[str]:
             lines.append(f"device cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability "
                          f"{p.major}.{p.minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
     lines.append(f"device for a run: {device} (CPU threads: {torch.get_num_threads()})")
+    from engine.config import cpu_has_bf16, resolve_precision
+
+    resolved = resolve_precision(cfg.engine, device).precision
+    native = f"; this CPU {'has' if cpu_has_bf16() else 'has no'} native bf16 (AVX512-BF16/AMX)" if device.type == "cpu" else ""
+    lines.append(f"precision: engine.precision={cfg.engine.precision} -> {resolved}{native}")
     lines.append("distributed back-ends: " + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in backends().items()))
     models, _, _ = roles(stage, cfg, world)
     model = next(m for m in models if m.trained and m.logits) if stage != "reward" else models[0]

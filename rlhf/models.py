@@ -216,6 +216,10 @@ def _merge_adapter(model: nn.Module, path: str) -> nn.Module:
     return merged
 
 
+def _attn(cfg: ModelConfig) -> dict[str, Any]:
+    return {} if cfg.attn_implementation is None else {"attn_implementation": cfg.attn_implementation}
+
+
 def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key: str, seed: int) -> nn.Module:
     """Load `cfg.name_or_path` (adapter dirs merged onto their base) or build from `cfg.config`."""
     from transformers import AutoConfig
@@ -234,7 +238,7 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
         except (KeyError, ValueError) as e:
             raise ConfigError(f"{key}.config: unknown or invalid model_type {model_type!r} ({e})") from None
         torch.manual_seed(seed)  # the random init is part of the run's reproducibility
-        model = auto_cls.from_config(hf_cfg, trust_remote_code=cfg.trust_remote_code)
+        model = auto_cls.from_config(hf_cfg, trust_remote_code=cfg.trust_remote_code, **_attn(cfg))
         logger.info("built %s from %s.config with random weights (%s params)",
                     type(model).__name__, key, f"{sum(p.numel() for p in model.parameters()):,}")
         check_tokenizer_fits(model, tok, key)
@@ -249,7 +253,8 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
     torch.manual_seed(seed)  # heads that the checkpoint lacks (e.g. a new value head) init reproducibly
     ensure_hub(source, f"{key}.name_or_path")  # a hub name without a reachable hub: fails in seconds
     try:
-        model = auto_cls.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra)
+        model = auto_cls.from_pretrained(source, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **extra,
+                                         **_attn(cfg))
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{key}.name_or_path={source!r}: cannot load a model ({type(e).__name__}: {e})") from None
     for adapter in adapters:

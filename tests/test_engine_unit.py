@@ -99,6 +99,21 @@ def test_bad_optim_config(cfg, key):
 # ---------------------------------------------------------------- optimizer
 
 
+def test_precision_auto_follows_the_device(monkeypatch):
+    from engine.config import cpu_has_bf16, resolve_precision
+
+    auto = EngineConfig(precision="auto")
+    assert resolve_precision(auto, torch.device("cuda")).precision == "bf16"
+    assert resolve_precision(EngineConfig(precision="fp32"), torch.device("cuda")).precision == "fp32"  # as written
+    assert resolve_precision(auto, torch.device("cpu")).precision == ("bf16" if cpu_has_bf16() else "fp32")
+    # a CPU without native bf16 dot products (bf16 emulated, slower than fp32) gets fp32
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not cpu_has_bf16() and resolve_precision(auto, torch.device("cpu")).precision == "fp32"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert resolve_precision(auto, torch.device("cpu")).precision == "bf16"
+
+
 def test_weight_decay_groups():
     assert is_decayed("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 4))
     assert is_decayed("model.embed_tokens.weight", torch.zeros(4, 4))

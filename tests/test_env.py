@@ -31,6 +31,10 @@ def test_report_and_check_on_cpu():
     for name in ("python", "torch", "transformers", "peft", "datasets", "hydra-core", "triton", "wandb", "CUDA"):
         assert f"{name} " in out.splitlines()[0]
     assert "device for a run: cpu" in out and "gloo yes" in out
+    from engine.config import cpu_has_bf16
+
+    want = "bf16; this CPU has native" if cpu_has_bf16() else "fp32; this CPU has no native"
+    assert f"precision: engine.precision=auto -> {want} bf16" in out
     assert "generation path (sft, model: llama): hf (engine.generation=auto runs transformers generate off CUDA" in out
     assert "on cpu each op runs: PyTorch reference" in out
     skips = lines_of(out, "SKIP")
