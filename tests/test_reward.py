@@ -95,6 +95,30 @@ def _value_model(seed: int = 0):
     return ValueModel(load_value_model(cfg, tok, seed=seed)).eval(), tok
 
 
+def test_value_head_runs_in_its_weights_dtype_under_bf16_autocast():
+    """Under bf16 autocast (engine.precision=bf16 at stage 0/1) the backbone computes in bf16 but the
+    head does not: values = fp32 head(hidden states as fp32), not bf16-rounded scores
+    (which made close pairs ties and left the default reward model at 0.66 accuracy)."""
+    import torch.nn.functional as F
+
+    from engine import hf_base_model
+
+    model, tok = _value_model()
+    base = hf_base_model(model)
+    with torch.no_grad():
+        base.score.weight.normal_(0, 1.0)
+    ids = torch.tensor([tok("Human: Sort 3 1 2.")["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        values = model(ids, mask)
+        hidden = getattr(base, base.base_model_prefix)(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert values.dtype == torch.float32  # (Llama's final norm already returns fp32 hidden states)
+    want = F.linear(hidden.float(), base.score.weight)[..., 0]  # the head in fp32, as without autocast
+    torch.testing.assert_close(values, want, rtol=1e-6, atol=1e-6)
+    rounded = want.to(torch.bfloat16).float()
+    assert (values - rounded).abs().max() > 1e-4  # what a bf16 head would have returned differs
+
+
 def test_head_init_std_sets_a_fresh_head_and_keeps_a_trained_one(tmp_path):
     """reward.head_init_std: 0 = a zero head (every score 0, so the first steps train the head alone:
     the backbone's gradient is zero), > 0 = normal(0, std) drawn from the seed; a head that a
