@@ -524,7 +524,7 @@ def test_run_all_skips_finished_stages_and_resumes_interrupted_ones(tmp_path):
 
     changed = run_all(root, "ppo:ppo.kl_coef=0.2")  # only PPO's config changed
     assert "skipped" in changed[0] and "skipped" in changed[1], changed
-    assert changed[2].startswith("== PPO: running (config changed: ppo.kl_coef: 0.3 -> 0.2)"), changed
+    assert changed[2].startswith("== PPO: running (config changed: ppo.kl_coef: 0.8 -> 0.2)"), changed
     now = mtimes(root)
     assert now["sft"] == done["sft"] and now["reward"] == done["reward"] and now["ppo"] != done["ppo"]
     assert summary(root / "ppo")["kl_coef_final"] == pytest.approx(0.2)
