@@ -106,6 +106,7 @@ def test_the_yaml_holds_only_what_differs_from_the_schema():
     ("model.lora.r=-1", "model.lora.r"),
     ("model.lora.r=4 model.lora.merge_on_save=false", "model.lora.merge_on_save"),
     ("model.dtype=int8", "model.dtype"),
+    ("model.attn_implementation=fastest", "model.attn_implementation"),
     ("logger.mode=sometimes", "logger.mode"),
     ("eval.top_p=0", "eval.top_p"),
 ])
@@ -135,6 +136,23 @@ def test_model_config_needs_a_source():
     with pytest.raises(ConfigError, match="model_type"):
         validate_model(ModelConfig(config={"hidden_size": 8}, tokenizer="t"))
     validate_model(ModelConfig(name_or_path="x", lora=LoraConfig(r=4, merge_on_save=False)))  # fine
+
+
+def test_attn_implementation_reaches_the_model_built_and_the_model_loaded(tmp_path):
+    """model.attn_implementation reaches a model built from `config` (the tiny default: eager) and one
+    loaded from a directory (transformers' own choice, sdpa, unless set)."""
+    from rlhf.models import load_causal_lm, load_tokenizer
+
+    cfg = sft_config().model
+    assert cfg.attn_implementation == "eager"  # conf/model/tiny.yaml
+    tok = load_tokenizer(cfg)
+    built = load_causal_lm(cfg, tok, seed=0)
+    assert built.config._attn_implementation == "eager"
+    built.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    for attn, want in ((None, "sdpa"), ("eager", "eager")):
+        loaded = load_causal_lm(ModelConfig(name_or_path=str(tmp_path / "m"), attn_implementation=attn), tok, seed=0)
+        assert loaded.config._attn_implementation == want, attn
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path):
