@@ -216,7 +216,7 @@ class RewardLossConfig:
 @dataclass(kw_only=True)
 class RewardConfig(StageConfig):
     output_dir: str = "outputs/reward"
-    # max_steps=1250: 5 passes over the 8,000 shipped pairs (~185 s in bf16 on 2 CPU cores). At 625 steps
+    # max_steps=1250: 5 passes over the 8,000 shipped pairs (178-209 s in bf16 on 2 CPU cores). At 625 steps
     # (2.5 passes) the held-out accuracy was still rising and ended at 0.88-0.91 by seed; at 1000 the
     # pipeline's seeds 1234 / 1 / 2 gave 0.930 / 0.900 / 0.947, seed 1 flat at 0.90 from step 750; at
     # 1250 seed 1 reached 0.935 (lr 5e-4 instead: 0.79; 2e-4: no better than 3e-4), issue #18
