@@ -17,7 +17,7 @@ _WHERE = {
     "shutdown_distributed": "distributed",
     "DynamicLossScaler": "loss_scale", "format_memory_report": "memory", "validate_optim_config": "optim",
     "TORCH_DTYPES": "parallelize", "ModuleView": "parallelize", "hf_base_model": "parallelize",
-    "inner_module": "parallelize", "parallelize": "parallelize",
+    "inner_module": "parallelize", "parallelize": "parallelize", "compile_seconds": "parallelize",
     "FrozenEngine": "train_engine", "TrainEngine": "train_engine",
 }
 
@@ -43,6 +43,7 @@ __all__ = [
     "TrainEngine",
     "atomic_directory",
     "atomic_directories",
+    "compile_seconds",
     "exit_process",
     "format_memory_report",
     "hf_base_model",

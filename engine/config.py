@@ -41,6 +41,11 @@ class EngineConfig:
     # other CPUs: `resolve_precision` makes it concrete before the config reaches TrainEngine / FrozenEngine.
     precision: str = "fp32"  # fp32 | bf16 | fp16 (dynamic loss scaling, CUDA only) | auto (bf16 on CUDA and bf16-capable CPUs, else fp32)
     activation_checkpointing: bool = False  # recompute each transformer block in backward (less memory)
+    # torch.compile each transformer block in place (nn.Module.compile: state-dict names unchanged),
+    # before DDP / fully_shard wrap it, as torchtitan does; the model's other parts and generation
+    # (compiler stance force_eager) stay eager. The first steps pay the compilation, reported apart
+    # (`compile_seconds`, summary.json compile_s). Needs a C++ compiler on CPU (inductor).
+    compile: bool = False  # torch.compile each transformer block (compile time reported apart in summary.json)
     initial_loss_scale: float = 65536.0  # fp16 only: the first loss scale
     loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
     min_loss_scale: float = 1.0  # fp16: the scale never goes below this

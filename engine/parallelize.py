@@ -120,6 +120,25 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
     return sorted(wrapped, key=lambda m: -order[id(m)])
 
 
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """torch.compile each block in place (`nn.Module.compile`): the module tree and the parameter
+    names do not change (no `_orig_mod.`), so sharding, checkpoints and exports are as without it.
+    One compiled region per block type is reused by every block; sequence lengths that vary between
+    batches become dynamic after the first recompilation (torch.compile's default)."""
+    for block in blocks:
+        block.compile()
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far (torch._dynamo's forward + backward graph
+    compilation), 0.0 when nothing was compiled."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+    except ImportError:  # pragma: no cover - a torch without dynamo
+        return 0.0
+    return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
 def autocast_forward(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Run `module.forward` under torch.autocast (stage 0/1 mixed precision; params stay fp32).
 
@@ -162,7 +181,9 @@ def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: 
         else:
             model.to(info.device)
         if cfg.activation_checkpointing and not frozen:
-            apply_activation_checkpointing(model, blocks)
+            blocks = apply_activation_checkpointing(model, blocks)
+        if cfg.compile:
+            compile_blocks(blocks)
         if dtype != torch.float32:
             autocast_forward(model, info.device, dtype)
         if frozen:
@@ -205,11 +226,14 @@ def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: 
     #    which FSDP2 sees as already unsharded: same single all-gather; equal losses are tested).
     if cfg.activation_checkpointing and not frozen:
         blocks = apply_activation_checkpointing(model, blocks)
-    # 2. One FSDP unit per block (innermost first): one all-gather per block, overlapped with the
+    # 2. torch.compile per block before fully_shard (the unit's hooks stay outside the compiled code).
+    if cfg.compile:
+        compile_blocks(blocks)
+    # 3. One FSDP unit per block (innermost first): one all-gather per block, overlapped with the
     #    previous block's compute, and only one block's full params alive at a time (stage 3).
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_blocks, **kwargs)
-    # 3. The root last: it takes the remaining params and drives lazy init and the streams.
+    # 4. The root last: it takes the remaining params and drives lazy init and the streams.
     fully_shard(model, reshard_after_forward=reshard_root, **kwargs)
     # NOTE: FSDP2 makes the first unit to run forward the root (lazily). A ModuleView's inner model
     # can run before the view does (generation mode calls `generate` on it), which would make a block

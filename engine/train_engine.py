@@ -441,7 +441,10 @@ class TrainEngine(_ShardedModule):
                     model.release()
                     self._inference = None
         else:
-            with self.gathered_parameters():
+            # NOTE: engine.compile compiles the blocks for training; decoding through them would
+            # recompile for every cache shape, so generate runs them eagerly.
+            stance = torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext()
+            with self.gathered_parameters(), stance:
                 was_training = self.unwrapped.training
                 self.unwrapped.eval()
                 try:

@@ -209,7 +209,8 @@ def describe(args: list[str]) -> list[str]:
                  f"interpreter {'on' if kernels.dispatch.interpret_mode() else 'off'}; on {device} each op runs: {triton}")
     used = "used by this run" if cfg.engine.kernels else "not used (engine.kernels=false)"
     lines.append(f"  model kernels (rms_norm, layer_norm, silu_mul, apply_rotary, fused_logprobs_entropy): {used}")
-    lines.append("  sample: not yet called by the injected decoder (engine/inference/sampling.py)")
+    lines.append("  injected decoder (generation mode): rms_norm/layer_norm (residual add fused), apply_rotary, silu_mul, "
+                 "sample, whenever that path runs (engine/inference/ops.py)")
     return lines
 
 

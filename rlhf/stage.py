@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from engine import format_memory_report, init_distributed, prune_checkpoints
+from engine import compile_seconds, format_memory_report, init_distributed, prune_checkpoints
 from engine.checkpoint import remove_leftovers
 from rlhf.app import (
     TrainingError, checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything,
@@ -250,7 +250,8 @@ class Run:
         return self._evaluate(self.total)
 
     def finish(self, summary: dict[str, Any], model_dir: str, plot: Plot, samples: Sequence[dict] = ()) -> dict:
-        """(main rank) `<name>.png`, summary.json = stage, time_s, steps, `summary`, model_dir; the
+        """(main rank) `<name>.png`, summary.json = stage, time_s, compile_s (with engine.compile), steps,
+        `summary`, model_dir; the
         samples and the summary printed last. Returns the summary (empty on other ranks)."""
         out: dict[str, Any] = {}
         if self.info.is_main:
@@ -259,8 +260,10 @@ class Run:
             plot_series(os.path.join(self.out_dir, f"{self.name}.png"), self.title,
                         [(ylabel, [(label, *series(rows[kind], key)) for label, kind, key in lines])
                          for ylabel, lines in plot])
-            out = {"stage": self.name, "time_s": round(time.time() - self.t_start, 1), "steps": self.total,
-                   **summary, "model_dir": model_dir}
+            out = {"stage": self.name, "time_s": round(time.time() - self.t_start, 1)}
+            if self.cfg.engine.compile:  # spent within time_s, reported apart
+                out["compile_s"] = round(compile_seconds(), 1)
+            out.update(steps=self.total, **summary, model_dir=model_dir)
             write_summary(self.out_dir, out)
             for s in samples:
                 print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['score']})")

@@ -1,7 +1,14 @@
-"""Training throughput with padded vs packed (padding-free) micro-batches, measured in one run.
+"""Training throughput with padded vs packed (padding-free) micro-batches and engine.compile off/on,
+measured in one run.
 
     PYTHONPATH=. python scripts/bench_train.py                       # tiny default + 25M Llama, CPU
     PYTHONPATH=. python scripts/bench_train.py --models 25m --reps 5 --device cuda
+    PYTHONPATH=. python scripts/bench_train.py --models tiny --compile off   # packing only
+
+Precision: `--precision auto` (default) resolves as the stages do (bf16 on CUDA and on a CPU with
+native bf16, else fp32). With `--compile off,on` (default) each variant is also run with every
+transformer block torch.compiled (engine.compile=true); its warm-up pass over all batches builds the
+graphs, and that compile time is reported in its own column, not in tokens/s.
 
 For each model and each kind of step, the same micro-batches run padded and packed in turn
 (interleaved, `--reps` rounds, median reported), so machine load hits both alike:
@@ -11,7 +18,8 @@ For each model and each kind of step, the same micro-batches run padded and pack
             (what rlhf/experience.py computes; that stage itself still runs padded batches)
 Columns: real tokens/s (`--clock cpu`: per CPU-second of this process), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
 CPU: bytes of tensors saved for backward, deduplicated by storage, the activation memory that
-padding inflates; '-' for the no-grad pass), and the ratio of tokens/s to the padded run's.
+padding inflates; '-' for the no-grad pass), the ratio of tokens/s to the padded, uncompiled run's,
+and the compile time (torch._dynamo's, during the warm-up).
 
 Models and data:
     tiny  the embedded default (conf/model/tiny.yaml, ~1.3M params) on the shipped data
@@ -35,7 +43,8 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
-from engine import EngineConfig, OptimConfig, TrainEngine  # noqa: E402
+from engine import EngineConfig, OptimConfig, TrainEngine, compile_seconds  # noqa: E402
+from engine.config import resolve_precision  # noqa: E402
 from rlhf.data import collate_pairs, collate_sft  # noqa: E402
 from rlhf.data.packing import batch_tokens, pack_pairs, pack_sft  # noqa: E402
 from rlhf.data.tokenize import IGNORE_INDEX  # noqa: E402
@@ -166,11 +175,14 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
     for L in args.pack_lengths.split(","):
         L = max_len if L == "max" else int(L)
         layouts["packed 1 row" if L == 0 else f"packed {L}"] = L
-    ecfg = EngineConfig(stage=0, precision="bf16" if device.type == "cuda" else "fp32", kernels=args.kernels)
+    compiles = [c == "on" for c in args.compile.split(",")]
     optim = OptimConfig(lr=1e-5)
-    policy = TrainEngine(Policy(build(which, "lm", model_cfg, tok), fused=args.kernels), ecfg, optim, total_steps=10**6)
-    critic = TrainEngine(ValueModel(build(which, "value", model_cfg, tok)), ecfg, optim, total_steps=10**6)
     reward_loss = make_loss(0.0, 0.0)
+    engines = {}  # compile flag -> (policy, critic): both alive, so their runs interleave
+    for comp in compiles:
+        ecfg = resolve_precision(EngineConfig(stage=0, precision=args.precision, kernels=args.kernels, compile=comp), device)
+        engines[comp] = (TrainEngine(Policy(build(which, "lm", model_cfg, tok), fused=args.kernels), ecfg, optim, total_steps=10**6),
+                         TrainEngine(ValueModel(build(which, "value", model_cfg, tok)), ecfg, optim, total_steps=10**6))
 
     def collate_s(rows, L):
         return collate_sft(rows, pad) if L is None else pack_sft(rows, pad, L)
@@ -178,7 +190,7 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
     def collate_p(rows, L):
         return collate_pairs(rows, pad) if L is None else pack_pairs(rows, pad, L)
 
-    def score(batch):
+    def score(policy, batch):
         with torch.no_grad():
             policy.model(batch["input_ids"].to(device), None if batch["attention_mask"] is None else
                          batch["attention_mask"].to(device),
@@ -186,36 +198,44 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
                          targets=batch["labels"][:, 1:].to(device))
 
     steps = {
-        "sft": (sft_mbs, collate_s, lambda b: policy.train_step([b], sft_loss)),
-        "reward": (pair_mbs, collate_p, lambda b: critic.train_step([b], reward_loss)),
-        "score": (sft_mbs, collate_s, score),
+        "sft": (sft_mbs, collate_s, lambda comp, b: engines[comp][0].train_step([b], sft_loss)),
+        "reward": (pair_mbs, collate_p, lambda comp, b: engines[comp][1].train_step([b], reward_loss)),
+        "score": (sft_mbs, collate_s, lambda comp, b: score(engines[comp][0], b)),
     }
+    variants = [(comp, name) for comp in compiles for name in layouts]
     rows = []
     for step, (mbs, collate, fn) in steps.items():
         batches = {name: [collate(mb, L) for mb in mbs] for name, L in layouts.items()}
-        fn(batches["padded"][0])  # warm-up
-        times = {name: [] for name in layouts}
-        mem = {name: 0.0 for name in layouts}
-        for _ in range(args.reps):
-            for name in layouts:  # interleaved: padded, packed, padded, packed, ...
-                dt_total = 0.0
+        compile_s = {}
+        for comp in compiles:
+            # warm-up: every batch of every layout once (with compile: its graphs, dynamic shapes included)
+            c0, t0 = compile_seconds(), time.perf_counter()
+            for name in layouts:
                 for b in batches[name]:
-                    dt, m = timed(lambda: fn(b), device, args.clock_fn)
+                    fn(comp, b)
+            compile_s[comp] = (compile_seconds() - c0, time.perf_counter() - t0)
+        times = {v: [] for v in variants}
+        mem = {v: 0.0 for v in variants}
+        for _ in range(args.reps):
+            for v in variants:  # interleaved: padded, packed, (compiled) padded, packed, padded, ...
+                dt_total = 0.0
+                for b in batches[v[1]]:
+                    dt, m = timed(lambda: fn(v[0], b), device, args.clock_fn)
                     dt_total += dt
-                    mem[name] = max(mem[name], m or 0.0) if step != "score" or device.type == "cuda" else 0.0
-                times[name].append(dt_total)
+                    mem[v] = max(mem[v], m or 0.0) if step != "score" or device.type == "cuda" else 0.0
+                times[v].append(dt_total)
         real = sum(batch_tokens(b) for b in batches["padded"])
-        for name in layouts:
+        base = statistics.median(times[(compiles[0], "padded")])
+        for comp, name in variants:
             slots = sum(b["input_ids"].numel() for b in batches[name])
-            t = statistics.median(times[name])
-            rows.append(dict(model=which, step=step, layout=name, tokens_s=real / t, pad=1 - real / slots,
-                             mem=mem[name], time=t))
-        base = next(r for r in rows if r["model"] == which and r["step"] == step and r["layout"] == "padded")
-        for r in rows:
-            if r["model"] == which and r["step"] == step:
-                r["ratio"] = r["tokens_s"] / base["tokens_s"]
-                print(f"{which:5} {step:7} {r['layout']:13} {r['tokens_s']:10,.0f} tok/s  pad {r['pad']:5.1%}  "
-                      f"mem {r['mem']:8.1f} MiB  {r['ratio']:.2f}x", flush=True)
+            t = statistics.median(times[(comp, name)])
+            r = dict(model=which, step=step, layout=name, compile="on" if comp else "off", tokens_s=real / t,
+                     pad=1 - real / slots, mem=mem[(comp, name)], time=t, ratio=base / t,
+                     compile_s=compile_s[comp][0] if comp else None, warmup_s=compile_s[comp][1])
+            rows.append(r)
+            extra = f"  (compile {r['compile_s']:.1f} s of a {r['warmup_s']:.1f} s warm-up)" if comp else ""
+            print(f"{which:5} {step:7} {name:13} compile {r['compile']:3} {r['tokens_s']:10,.0f} tok/s  pad {r['pad']:5.1%}  "
+                  f"mem {r['mem']:8.1f} MiB  {r['ratio']:.2f}x{extra}", flush=True)
     return rows
 
 
@@ -228,6 +248,10 @@ def main() -> None:
     ap.add_argument("--pack-lengths", default="max",
                     help="data.pack_length values to run: max (= the model's data.max_len, the stages' default), "
                          "N >= max_len, 0 (the micro-batch in one row [1, sum(len)]); comma-separated")
+    ap.add_argument("--compile", default="off,on",
+                    help="engine.compile values to run, comma-separated (off, on): each compiled variant's graphs are "
+                         "built in its warm-up, whose compile time is reported apart from the timed rounds")
+    ap.add_argument("--precision", default="auto", help="engine.precision (auto: as the stages resolve it)")
     ap.add_argument("--kernels", action="store_true", help="engine.kernels (fused log-probs from hidden states)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -239,17 +263,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
+    precision = resolve_precision(EngineConfig(precision=args.precision), device).precision
+    print(f"device {device}, {precision}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     rows = []
     for which in args.models.split(","):
         rows += bench_model(which, args, device)
     mem_label = "peak MiB" if device.type == "cuda" else "saved-for-backward MiB"
-    print(f"\n| model | step | layout | tokens/s | padding | {mem_label} | vs padded |\n|---|---|---|---|---|---|---|")
+    print(f"\n| model | step | layout | compile | tokens/s | padding | {mem_label} | vs padded, no compile | compile time (s) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         mem = "-" if not r["mem"] else f"{r['mem']:.1f}"
-        print(f"| {r['model']} | {r['step']} | {r['layout']} | {r['tokens_s']:,.0f} | {r['pad']:.1%} | {mem} | "
-              f"{r['ratio']:.2f}x |")
+        comp = "-" if r["compile_s"] is None else f"{r['compile_s']:.1f}"
+        print(f"| {r['model']} | {r['step']} | {r['layout']} | {r['compile']} | {r['tokens_s']:,.0f} | {r['pad']:.1%} | {mem} | "
+              f"{r['ratio']:.2f}x | {comp} |")
 
 
 if __name__ == "__main__":

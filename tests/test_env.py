@@ -71,7 +71,16 @@ def test_forced_failures_are_reported(monkeypatch, capsys):
     monkeypatch.setattr(InferenceModel, "forward", lambda self, *a, **k: forward(self, *a, **k).flip(-1))
     # one kernel whose Triton path is wrong by +1 (the case's reference is the real reference)
     x = torch.randn(4, 8)
-    monkeypatch.setattr(dispatch, "use_triton", lambda *t: True)
+    # "Triton is usable" for the kernel checks only: the injected decoder calls kernels/ ops too, and
+    # there a faked Triton would launch real kernels on the CPU
+    check_kernels = env.check_kernels
+
+    def check_kernels_with_triton(*args, **kwargs):
+        with monkeypatch.context() as m:
+            m.setattr(dispatch, "use_triton", lambda *t: True)
+            return check_kernels(*args, **kwargs)
+
+    monkeypatch.setattr(env, "check_kernels", check_kernels_with_triton)
     monkeypatch.setattr(env, "kernel_cases", lambda device, dtype, small: {
         "rms_norm": (lambda impl: torch.nn.functional.rms_norm(x, (8,)) + (impl == "triton"), ("y",))})
     assert env.main(["--check"]) == 1

@@ -409,6 +409,39 @@ def test_generate_sampling_is_seeded_and_masks_logprobs():
     assert torch.allclose(a.logprobs, lp, atol=1e-4)
 
 
+@pytest.mark.parametrize("factory,norm", [(llama_untied_gqa, "rms_norm"), (opt_pre_ln, "layer_norm"),
+                                          (opt_post_ln, "layer_norm")])
+def test_decoder_computes_through_the_kernels_ops(monkeypatch, factory, norm):
+    """The injected decoder's norms (residual add fused), rotary, SwiGLU and sampling are the kernels/
+    ops (Triton on CUDA), not copies: each is called, and the greedy tokens still equal transformers'."""
+    import kernels
+
+    calls = {}
+    for name in (norm, "apply_rotary", "silu_mul", "sample"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.setdefault(_name, []).append(kwargs.get("residual") is not None)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, spy)
+    hf = hf_model(factory)
+    ids, mask = ragged_batch()
+    eos = never_emitted(hf, ids, mask)
+    out = injected(hf).generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
+    assert torch.equal(out.sequences, hf_greedy(hf, ids, mask, eos))
+    layers, steps = hf.config.num_hidden_layers, NEW  # forwards: one prefill + NEW - 1 decode steps
+    assert len(calls["sample"]) == steps
+    fused = sum(calls[norm])  # norms that took the residual add in (all but the first block's first)
+    if factory is llama_untied_gqa:
+        assert len(calls["apply_rotary"]) == len(calls["silu_mul"]) == layers * steps
+        assert len(calls[norm]) == (2 * layers + 1) * steps and fused == 2 * layers * steps
+    else:
+        assert "apply_rotary" not in calls and "silu_mul" not in calls
+        assert len(calls[norm]) == (2 * layers + (factory is opt_pre_ln)) * steps
+        assert fused == 2 * layers * steps  # every norm but the first block's input norm (pre-LN) takes the add
+
+
 # ---------------------------------------------------------------- supports
 
 

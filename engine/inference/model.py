@@ -295,20 +295,24 @@ class InferenceModel:
         T = c.max_seq_len if kv_len is None else kv_len
         masks = self._masks(input_pos, B, T)
 
-        x = F.embedding(tokens, self.embed)
+        # NOTE: each block returns the residual stream x and its last branch's output `delta`, not
+        # their sum: the next norm adds them in its kernel (the add that precedes every norm).
+        x, delta = F.embedding(tokens, self.embed), None
         if a.arch == "llama":
             cos, sin = rotary_cos_sin(position_ids, self.inv_freq, x.dtype)
             for i, lw in enumerate(self.layers):
-                x = self._llama_block(i, lw, x, input_pos, masks[a.sliding_windows[i]], T, cos, sin)
-            x = rms_norm(x, self.norm, a.norm_eps)
+                x, delta = self._llama_block(i, lw, x, delta, input_pos, masks[a.sliding_windows[i]], T, cos, sin)
+            x = _add_norm(lambda t, r=None: rms_norm(t, self.norm, a.norm_eps, r), x, delta)[0]
         else:
             if self.project_in is not None:
                 x = F.linear(x, self.project_in)
             x = x + F.embedding(position_ids + 2, self.pos_embed)
             for i, lw in enumerate(self.layers):
-                x = self._opt_block(i, lw, x, input_pos, masks[None], T)
+                x, delta = self._opt_block(i, lw, x, delta, input_pos, masks[None], T)
             if a.final_norm:
-                x = layer_norm(x, self.norm, self.norm_b, a.norm_eps)
+                x = _add_norm(lambda t, r=None: layer_norm(t, self.norm, self.norm_b, a.norm_eps, r), x, delta)[0]
+            elif delta is not None:
+                x = x + delta
             if self.project_out is not None:
                 x = F.linear(x, self.project_out)
         if last_only:
@@ -336,41 +340,52 @@ class InferenceModel:
         q = q.view(B, S, a.n_heads, a.head_dim)
         k = k.view(B, S, a.n_kv_heads, a.head_dim)
         v = v.view(B, S, a.n_kv_heads, a.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         if cos is not None:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, k, cos, sin)
         k_cache, v_cache = self.cache.k[i, :B], self.cache.v[i, :B]  # [B, Hkv, Tmax, D] views
-        k_cache.index_copy_(2, input_pos, k.transpose(1, 2))
-        v_cache.index_copy_(2, input_pos, v.transpose(1, 2))
-        y = attention(q.transpose(1, 2), k_cache[:, :, :T], v_cache[:, :, :T], mask)  # [B, H, S, D]
+        k_cache.index_copy_(2, input_pos, k)
+        v_cache.index_copy_(2, input_pos, v)
+        y = attention(q, k_cache[:, :, :T], v_cache[:, :, :T], mask)  # [B, H, S, D]
         return F.linear(y.transpose(1, 2).reshape(B, S, -1), lw.wo, lw.bo)
 
-    def _llama_block(self, i, lw, x, input_pos, mask, T, cos, sin) -> torch.Tensor:
+    def _llama_block(self, i, lw, x, delta, input_pos, mask, T, cos, sin):
+        """(x, delta) -> (x + delta + attn, mlp): the residual stream and the MLP's output, still apart."""
         eps = self.args.norm_eps
-        x = x + self._attention(i, lw, rms_norm(x, lw.attn_norm, eps), input_pos, mask, T, cos, sin)
-        return x + F.linear(swiglu(F.linear(rms_norm(x, lw.mlp_norm, eps), lw.w1, lw.b1)), lw.w2, lw.b2)
+        h, x = _add_norm(lambda t, r=None: rms_norm(t, lw.attn_norm, eps, r), x, delta)
+        h, x = rms_norm(self._attention(i, lw, h, input_pos, mask, T, cos, sin), lw.mlp_norm, eps, x)
+        return x, F.linear(swiglu(F.linear(h, lw.w1, lw.b1)), lw.w2, lw.b2)
 
-    def _opt_block(self, i, lw, x, input_pos, mask, T) -> torch.Tensor:
+    def _opt_block(self, i, lw, x, delta, input_pos, mask, T):
         a = self.args
 
-        def ln1(t):
-            return layer_norm(t, lw.attn_norm, lw.attn_norm_b, a.norm_eps)
+        def ln1(t, r=None):
+            return layer_norm(t, lw.attn_norm, lw.attn_norm_b, a.norm_eps, r)
 
-        def ln2(t):
-            return layer_norm(t, lw.mlp_norm, lw.mlp_norm_b, a.norm_eps)
+        def ln2(t, r=None):
+            return layer_norm(t, lw.mlp_norm, lw.mlp_norm_b, a.norm_eps, r)
 
-        # pre-LN (most OPT sizes): x + f(ln(x)); post-LN (opt-350m): ln(x + f(x))
-        x = x + self._attention(i, lw, ln1(x) if a.norm_before else x, input_pos, mask, T)
-        if not a.norm_before:
-            x = ln1(x)
-        h = ln2(x) if a.norm_before else x
-        x = x + F.linear(activation(F.linear(h, lw.w1, lw.b1), a.activation), lw.w2, lw.b2)
-        return x if a.norm_before else ln2(x)
+        def mlp(h):
+            return F.linear(activation(F.linear(h, lw.w1, lw.b1), a.activation), lw.w2, lw.b2)
+
+        if a.norm_before:  # pre-LN (most OPT sizes): x + f(ln(x)), as Llama
+            h, x = _add_norm(ln1, x, delta)
+            h, x = ln2(self._attention(i, lw, h, input_pos, mask, T), x)
+            return x, mlp(h)
+        # post-LN (opt-350m): ln(x + f(x)); nothing left pending
+        x = ln1(self._attention(i, lw, x, input_pos, mask, T), x)[0]
+        return ln2(mlp(x), x)[0], None
 
     # ------------------------------------------------------------ generation
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, **kwargs):
         """See `engine.inference.generate.generate`."""
         return generate(self, prompt_ids, prompt_mask, max_new_tokens, **kwargs)
+
+
+def _add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + delta), x + delta) through the norm's fused residual add; (norm(x), x) without delta."""
+    return (norm(x), x) if delta is None else norm(delta, x)
 
 
 def _rows(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
-"""The per-token math of the inference model as small plain-PyTorch functions.
+"""The per-token math of the inference model as small functions over `kernels/` ops.
 
-Each function is a swap point for a `kernels/` op (Triton on CUDA, this code as the reference
-elsewhere); the numerics follow transformers exactly (e.g. RMSNorm in fp32, cast back before the
-weight), so the CPU parity tests pin the references down. Shapes: B batch, S new tokens,
+Norms (with the residual add fused), rotary (q and k in one launch) and SwiGLU go to `kernels/`:
+Triton on CUDA, checked against its reference on first use (kernels.dispatch.guarded), and the
+PyTorch reference elsewhere, whose numerics follow transformers (e.g. RMSNorm in fp32, cast back
+before the weight), so the CPU parity tests pin them down. Shapes: B batch, S new tokens,
 T cache slots attended, H / Hkv query / key-value heads, D head dim.
 """
 from __future__ import annotations
@@ -10,17 +11,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm. TODO(kernels): kernels.rms_norm (fused with the residual add before it)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+import kernels
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """nn.LayerNorm (OPT). TODO(kernels): kernels.layer_norm (fused with the residual add)."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """LlamaRMSNorm (kernels.rms_norm): y, or with `residual` the fused add before it, (norm(x + residual),
+    x + residual), the sum rounded to x's dtype as the model's `residual + hidden_states` is."""
+    return kernels.rms_norm(x, weight, eps, residual=residual)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None = None):
+    """nn.LayerNorm (OPT; kernels.layer_norm): y, or (norm(x + residual), x + residual)."""
+    if weight is None:  # elementwise_affine=False: no kernel needed
+        s = x if residual is None else x + residual
+        y = F.layer_norm(s, (s.shape[-1],), None, bias, eps)
+        return y if residual is None else (y, s)
+    return kernels.layer_norm(x, weight, bias, eps, residual=residual)
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -32,22 +39,16 @@ def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] rotated by cos/sin [B, S, D] (rotate-half convention of HF Llama checkpoints).
-    TODO(kernels): kernels.rotary (q and k in one launch)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [B, H, S, D] and k [B, Hkv, S, D] (strided views are fine) rotated by cos/sin [B, S, D] in one
+    call (kernels.apply_rotary, rotate-half convention of HF Llama checkpoints)."""
+    return kernels.apply_rotary(q, k, cos, sin)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up from the fused [..., 2 * ffn] projection. TODO(kernels): kernels.swiglu."""
+    """silu(gate) * up from the fused [..., 2 * ffn] projection (kernels.silu_mul on its two halves)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return kernels.silu_mul(gate, up)
 
 
 def activation(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -3,19 +3,21 @@
 `SamplingParams` states the sampling convention, once, for every sampler in the project. `sample`
 follows transformers' warpers for top-k (keep every token whose logit is >= the k-th largest, ties
 included) and top-p (drop the low tokens whose cumulative probability stays <= 1 - top_p, always
-keeping the most likely). The draw is exponential-race sampling, `argmax(p / E)` with E ~ Exp(1),
-which picks token i with probability p_i and needs no `torch.multinomial` (whose CUDA version syncs).
+keeping the most likely; kernels.sample keeps every token tied at the top-p threshold, where
+transformers, and `filter_logits` here, break the tie by sort order). The draw is kernels.sample's Gumbel-max over uniform noise, which picks
+token i with probability p_i and needs no `torch.multinomial` (whose CUDA version syncs); on CUDA
+one Triton pass scales, filters and draws without the full-vocabulary sort.
 
 The log-prob returned for a chosen token is a by-product, not the PPO "old" log-prob, which scoring
 recomputes under the training forward.
-
-TODO(kernels): kernels.sampling fuses scale, filter and draw without the full-vocab sort.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
+
+import kernels
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,13 +76,8 @@ def filter_logits(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32). No host sync."""
-    logits = logits.float()
+    """logits [B, V] -> (tokens [B] int64, logprobs [B] fp32), through kernels.sample (one fused
+    Triton pass on CUDA, its sort-based reference elsewhere). No host sync."""
     if params.greedy:
-        tokens = logits.argmax(dim=-1)
-        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    scaled = logits / params.temperature
-    probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_min_(1e-30)
-    tokens = (probs / race).argmax(dim=-1)
-    return tokens, torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        return kernels.sample(logits, temperature=0.0)
+    return kernels.sample(logits, params.temperature, params.top_k, params.top_p, generator=generator)

@@ -178,7 +178,34 @@ def phase_resume_back(out_dir: str) -> dict:
             for s in (0, 2, 3)}
 
 
-PHASES = {"dist": phase_dist, "single": phase_single, "resume": phase_resume, "resume_single": phase_resume_single,
+def phase_compile(out_dir: str) -> dict:
+    """engine.compile on 2 ranks: ZeRO-3 and stage 0 (DDP) against the same runs eager, then
+    generation mode (transformers generate, run eagerly) on the compiled stage-3 model."""
+    from engine import compile_seconds
+
+    res = {"s3_eager": run("s3_eager", out_dir, stage=3, steps=5, save_state=True)[0]}
+    res["compile_s_before"] = compile_seconds()
+    res["s3_compile"], engine = run("s3_compile", out_dir, stage=3, steps=5, save_state=True, compile=True)
+    res["compile_s"] = compile_seconds()
+    prompt = rows(DATA, 0, 2)["input_ids"][:, :5]
+    with engine.generation() as gen:
+        generated = gen.module.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    res["compile_s_after_generate"] = compile_seconds()
+    full = engine.full_state_dict()
+    if full is not None:
+        plain = tiny_llama()
+        plain.load_state_dict(full)
+        plain.eval()
+        res["generate_equal"] = torch.equal(generated, plain.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0))
+        eager = torch.load(os.path.join(out_dir, "s3_eager_state.pt"))
+        res["state_rel_diff"] = max(((full[k] - eager[k]).norm() / eager[k].norm().clamp_min(1e-12)).item() for k in eager)
+    del engine
+    res["s0_compile"] = run("s0_compile", out_dir, stage=0, steps=5, compile=True)[0]
+    res["s0_eager"] = run("s0_eager", out_dir, stage=0, steps=5)[0]
+    return res
+
+
+PHASES = {"compile": phase_compile, "dist": phase_dist, "single": phase_single, "resume": phase_resume, "resume_single": phase_resume_single,
           "resume_back": phase_resume_back}
 
 if __name__ == "__main__":
