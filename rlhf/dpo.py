@@ -59,13 +59,11 @@ def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tens
     lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
     if pack_length is not None and (not only_if_saves or packing_saves(lengths, pack_length)):
         b = pack_pairs(rows, pad_id, pack_length, labels=True)
-        if table is not None:
-            b["ref"] = torch.cat([table[idx, 0], table[idx, 1]])
-        return b
-    b = collate_pairs(rows, pad_id)
-    b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, IGNORE_INDEX)
-    for i, f in enumerate(rows + rows):
-        b["labels"][i, : f["prompt_len"]] = IGNORE_INDEX
+    else:
+        b = collate_pairs(rows, pad_id)
+        b["labels"] = b["input_ids"].masked_fill(b["attention_mask"] == 0, IGNORE_INDEX)
+        for i, f in enumerate(rows + rows):
+            b["labels"][i, : f["prompt_len"]] = IGNORE_INDEX
     if table is not None:
         b["ref"] = torch.cat([table[idx, 0], table[idx, 1]])
     return b
@@ -107,6 +105,10 @@ def table_of(engine: TrainEngine | FrozenEngine, feats: list[dict], pad_id: int,
     return table
 
 
+def loss_settings(p: DPOAlgoConfig) -> dict:
+    return dict(loss_type=p.loss_type, beta=p.beta, label_smoothing=p.label_smoothing, gamma=p.gamma, sft_coef=p.sft_coef)
+
+
 def make_loss(p: DPOAlgoConfig, reference):
     """The engine's loss: summed `dpo_loss` over the B pairs of a batch. The reference log-probs are
     the batch's "ref" (precomputed), else `reference(batch)` [2B] (online), else none (simpo)."""
@@ -118,8 +120,7 @@ def make_loss(p: DPOAlgoConfig, reference):
         logps, lens = response_logps(model, batch)
         (pc, pr), (nc, nr) = logps.chunk(2), lens.chunk(2)
         rc, rr = ref.chunk(2) if ref is not None else (None, None)
-        losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, nc, nr, loss_type=p.loss_type, beta=p.beta,
-                                            label_smoothing=p.label_smoothing, gamma=p.gamma, sft_coef=p.sft_coef)
+        losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, nc, nr, **loss_settings(p))
         return losses.sum(), pc.shape[0], pair_stats(chosen, rejected)
 
     return dpo_step_loss
@@ -147,14 +148,13 @@ class PolicyState:
 def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DPOConfig) -> dict[str, Any]:
     """Held-out loss, implicit rewards, margin and accuracy (`ref_of(feats)`: their reference table or
     None); the gold score of greedy generations."""
-    info, p, out = engine.info, cfg.dpo, {}
+    info, out = engine.info, {}
     if feats:
         pol, ref = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size), ref_of(feats)
         lens = torch.tensor([[len(f["chosen_ids"]) - f["prompt_len"], len(f["rejected_ids"]) - f["prompt_len"]]
                              for f in feats], dtype=torch.float32)
-        losses, c, r = dpo_loss(pol[:, 0], pol[:, 1], None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
-                                lens[:, 0], lens[:, 1], loss_type=p.loss_type, beta=p.beta,
-                                label_smoothing=p.label_smoothing, gamma=p.gamma, sft_coef=p.sft_coef)
+        rc, rr = (None, None) if ref is None else ref.unbind(1)
+        losses, c, r = dpo_loss(pol[:, 0], pol[:, 1], rc, rr, lens[:, 0], lens[:, 1], **loss_settings(cfg.dpo))
         out.update({"loss": losses.mean().item(), **{k: v.item() for k, v in pair_stats(c, r).items()}})
     if prompts:
         with engine.generation() as generator:
