@@ -79,7 +79,8 @@ UNSUPPORTED = {
     "elasticity": "elastic training is not available: a run resumes from its checkpoint at another world size instead",
     "amp": "Apex AMP is not available: use the bf16 or fp16 block (engine.precision)",
     "torch_autocast": "DeepSpeed's torch_autocast mode is not available: use the bf16 or fp16 block (engine.precision)",
-    "compile": "compiling the engine is not available; remove the block",
+    "compile": "DeepSpeed's compile block (DeepCompile passes) is not available; remove it (engine.compile=true "
+               "torch.compiles each transformer block instead, as DeepSpeed's engine.compile() does)",
     "compression_training": "DeepSpeed Compression is not available; remove the block",
     "data_efficiency": "DeepSpeed's data efficiency library is not available; remove the block",
     "curriculum_learning": "curriculum learning is not available; remove the block",

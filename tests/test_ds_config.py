@@ -410,6 +410,7 @@ def test_activation_checkpointing_wandb_and_logging():
     ({"amp": {"enabled": True, "opt_level": "O1"}}, "amp: Apex AMP is not available: use the bf16 or fp16 block"),
     ({"elasticity": {"enabled": True, "max_train_batch_size": 2000}}, "elasticity: elastic training is not available"),
     ({"compression_training": {"layer_reduction": {"enabled": True}}}, "compression_training: DeepSpeed Compression"),
+    ({"compile": {"deepcompile": True}}, "(engine.compile=true torch.compiles each transformer block instead"),
     ({"gradient_clippng": 1.0}, "gradient_clippng is not a DeepSpeed key this mapping knows"),
     ({"fp16": {"enabled": True, "loss_scale_windw": 10}}, "fp16.loss_scale_windw is not a DeepSpeed key"),
 ])
