@@ -40,7 +40,7 @@ from rlhf.models import (
 )
 from rlhf.roles import Policy, ValueModel
 from rlhf.reward_math import sequence_scores
-from rlhf.rollout import position_ids_from_mask, score_rollout
+from rlhf.rollout import position_ids_from_mask, row_values, score_rollout
 
 logger = logging.getLogger("rlhf.ppo")
 
@@ -218,10 +218,11 @@ class RewardSource(Protocol):
 
 
 class RewardModelScore:
-    """The frozen reward model's value at the last real token of prompt + response (rlhf/reward_math.py)."""
+    """The frozen reward model's value at the last real token of prompt + response (rlhf/reward_math.py),
+    its forwards packed as the other RL passes are when `pack_length` is set (data.packing=true)."""
 
-    def __init__(self, engine: FrozenEngine, micro_batch_size: int):
-        self.engine, self.micro_batch_size = engine, micro_batch_size
+    def __init__(self, engine: FrozenEngine, micro_batch_size: int, pack_length: int | None = None):
+        self.engine, self.micro_batch_size, self.pack_length = engine, micro_batch_size, pack_length
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> torch.Tensor:
@@ -230,7 +231,8 @@ class RewardModelScore:
         parts = []
         for s in range(0, ids.shape[0], self.micro_batch_size):  # the same forwards on every rank
             sl = slice(s, s + self.micro_batch_size)
-            values = self.engine.model(ids[sl], mask[sl], positions[sl])
+            values = row_values(self.engine.model, {"sequences": ids[sl], "attention_mask": mask[sl],
+                                                    "position_ids": positions[sl], "pack_length": self.pack_length})
             parts.append(sequence_scores(values.float(), mask[sl]))
         return torch.cat(parts)
 
@@ -275,7 +277,8 @@ class Models:
                                              info=info)
         self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=cfg.reference.offload), info)
         self.reward = rm and FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
-        self.reward_source = reward_source or RewardModelScore(self.reward, cfg.rollout.micro_batch_size)
+        self.reward_source = reward_source or RewardModelScore(self.reward, cfg.rollout.micro_batch_size,
+                                                               self.pack_length)
         self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
         for e in (self.actor, self.critic, self.reference, self.reward):
             if e is not None:

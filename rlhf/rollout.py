@@ -82,7 +82,7 @@ def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, wit
     return (logp, entropy) if with_entropy else logp
 
 
-def _values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+def row_values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """A `ValueModel`'s [B, L] values of a rollout batch, packed when batch["pack_length"] is set."""
     if batch.get("pack_length") is not None:
         rp = Repacked(batch["sequences"], batch["attention_mask"], batch["pack_length"])
@@ -93,7 +93,7 @@ def _values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
     """A `ValueModel` critic's values of the states before each response token: [B, T]."""
     seqs, P = batch["sequences"], batch["prompt_len"]
-    return _values(critic, batch)[:, P - 1 : seqs.shape[1] - 1].float()
+    return row_values(critic, batch)[:, P - 1 : seqs.shape[1] - 1].float()
 
 
 @torch.no_grad()
@@ -128,7 +128,7 @@ def score_rollout(
             parts["values"].append(token_values(critic, mb))
         if reward is None:  # scored elsewhere (rlhf/experience.py reward sources)
             continue
-        rm_values = _values(reward, mb)
+        rm_values = row_values(reward, mb)
         parts["score"].append(sequence_scores(rm_values.float(), mb["attention_mask"]))
     out = {k: torch.cat(v) for k, v in parts.items() if v}
     out["position_ids"] = base["position_ids"]

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -258,7 +259,8 @@ def test_rollout_logprobs_values_scores_equal_padded(family, pack_length):
     """A rollout batch (prompts left-padded, responses right-padded): log-probs (and entropy, and their
     gradients), critic values and reward scores on the repacked real tokens equal the padded ones."""
     from rlhf.reward_math import sequence_scores
-    from rlhf.rollout import Repacked, _values, position_ids_from_mask, token_logprobs, token_values
+    from rlhf.experience import RewardModelScore
+    from rlhf.rollout import Repacked, position_ids_from_mask, row_values, token_logprobs, token_values
 
     g = torch.Generator().manual_seed(4)
     B, P, T = 5, 7, 9
@@ -285,9 +287,18 @@ def test_rollout_logprobs_values_scores_equal_padded(family, pack_length):
         va, vb = token_values(critic, base), token_values(critic, packed)
         vmask = rmask.bool()
         torch.testing.assert_close(vb[vmask], va[vmask], rtol=1e-5, atol=1e-6)
-        sa = sequence_scores(_values(critic, base), mask)
-        sb = sequence_scores(_values(critic, packed), mask)
+        sa = sequence_scores(row_values(critic, base), mask)
+        sb = sequence_scores(row_values(critic, packed), mask)
         torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-6)
+    # the PPO reward source (the frozen reward model) packs its forwards too, with the same scores
+    rollout, engine, packed_calls = SimpleNamespace(sequences=seqs, attention_mask=mask), SimpleNamespace(model=critic), []
+    hook = critic.register_forward_pre_hook(lambda m, args: packed_calls.append(args[1] is None))
+    padded_scores = RewardModelScore(engine, 2).score(rollout)
+    packed_scores = RewardModelScore(engine, 2, pack_length).score(rollout)
+    hook.remove()
+    assert packed_calls == [False] * 3 + [True] * 3  # 5 rows in micro-batches of 2: padded, then packed
+    torch.testing.assert_close(packed_scores, padded_scores, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded_scores, sa, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
