@@ -4,9 +4,10 @@
 follows transformers' warpers for top-k (keep every token whose logit is >= the k-th largest, ties
 included) and top-p (drop the low tokens whose cumulative probability stays <= 1 - top_p, always
 keeping the most likely; kernels.sample keeps every token tied at the top-p threshold, where
-transformers, and `filter_logits` here, break the tie by sort order). The draw is kernels.sample's Gumbel-max over uniform noise, which picks
-token i with probability p_i and needs no `torch.multinomial` (whose CUDA version syncs); on CUDA
-one Triton pass scales, filters and draws without the full-vocabulary sort.
+transformers, and `filter_logits` here, break the tie by sort order). The draw is kernels.sample's
+Gumbel-max over uniform noise, which picks token i with probability p_i and needs no
+`torch.multinomial` (whose CUDA version syncs); on CUDA one Triton pass scales, filters and draws
+without the full-vocabulary sort.
 
 The log-prob returned for a chosen token is a by-product, not the PPO "old" log-prob, which scoring
 recomputes under the training forward.
