@@ -158,8 +158,12 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     # ---- train
     loss_fn = make_loss(cfg.reward.margin, cfg.reward.score_reg)
-    meter, last = Throughput(), {}
+    meter, last, head_only = Throughput(), {}, round(cfg.reward.head_only_fraction * total)
+    if head_only:
+        logger.info("steps 1-%d train the score head alone (reward.head_only_fraction=%s), then the whole model",
+                    head_only, cfg.reward.head_only_fraction)
     for step in run.steps():
+        engine.unwrapped.backbone_grad = 0.0 if step < head_only else 1.0
         idx = order.rank_rows(step, info.rank, info.world_size, accum)
         batches = [collate([train_feats[i] for i in rows]) for rows in idx]
         meter.add(sum(batch_tokens(b) for b in batches))

@@ -91,6 +91,20 @@ class Policy(ModuleView):
         return logp.clone(), None if entropy is None else entropy.detach().clone()
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`. Every parameter keeps its
+    place in the graph (DDP and FSDP2 see all their gradients, zeros included)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class ValueModel(ModuleView):
     """Backbone + scalar head (an `AutoModelForSequenceClassification` with num_labels=1, peft-wrapped
     or not) as per-token values: forward(input_ids, attention_mask, position_ids=None) -> [B, L] float32.
@@ -100,12 +114,18 @@ class ValueModel(ModuleView):
     own pooling (the last token that is not `pad_token_id`) is not used: it is wrong when pad == eos.
     """
 
+    # The gradient that reaches the backbone is scaled by this: 0 trains the head alone (the
+    # backbone's gradients are exact zeros, so AdamW leaves it as it is; reward.head_only_fraction).
+    backbone_grad: float = 1.0
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
                           position_ids=position_ids, use_cache=False).last_hidden_state
+        if self.backbone_grad != 1.0 and torch.is_grad_enabled():
+            hidden = _ScaleGrad.apply(hidden, self.backbone_grad)
         # The head runs outside autocast, in its parameters' dtype (fp32 masters at stage 0/1): under
         # bf16 autocast a score has ~3 significant digits, chosen/rejected scores of similar rows
         # round to ties: on the embedded default (bf16, 625 steps) the reward model reached 0.66 held-out

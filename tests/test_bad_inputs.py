@@ -38,6 +38,7 @@ CONFIG_CASES = [
     ("reward", ["train.micro_batch_size=-1"], "train.micro_batch_size"),
     ("reward", ["reward.score_reg=-1"], "reward.score_reg"),
     ("reward", ["reward.head_init_std=-0.02"], "reward.head_init_std must be >= 0"),
+    ("reward", ["reward.head_only_fraction=1.0"], "reward.head_only_fraction must be in [0, 1)"),
     ("reward", ["seed=-3"], "seed must be >= 0"),
     ("dpo", ["dpo.loss_type=kto"], "dpo.loss_type"),
     ("dpo", ["dpo.beta=0"], "dpo.beta"),

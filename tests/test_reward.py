@@ -119,6 +119,39 @@ def test_value_head_runs_in_its_weights_dtype_under_bf16_autocast():
     assert (values - rounded).abs().max() > 1e-4  # what a bf16 head would have returned differs
 
 
+def test_head_only_phase_leaves_the_backbone_unchanged():
+    """backbone_grad=0 (the first reward.head_only_fraction of the steps): the head trains, every backbone weight stays
+    bit for bit (its gradients are exact zeros, AdamW moves nothing), the values are the model's own;
+    backbone_grad=1 then trains everything."""
+    from engine import EngineConfig, OptimConfig, TrainEngine, hf_base_model
+    from rlhf.reward import make_loss
+
+    model, tok = _value_model()
+    model.train()
+    with torch.no_grad():
+        hf_base_model(model).score.weight.normal_(0, 0.1)
+    engine = TrainEngine(model, EngineConfig(stage=0), OptimConfig(lr=1e-2, weight_decay=0.0), total_steps=10)
+    rows = [tok(t)["input_ids"] for t in ("Human: Sort 3 1 2. Assistant: 1 2 3", "Human: Upper ab. Assistant: AB",
+                                         "Human: Sort 3 1 2. Assistant: 3 1 2", "Human: Upper ab. Assistant: ab")]
+    L = max(map(len, rows))
+    batch = {"input_ids": torch.tensor([r + [tok.pad_token_id] * (L - len(r)) for r in rows]),  # chosen rows first
+             "attention_mask": torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows])}
+    named = lambda: {k: v.detach().clone() for k, v in model.named_parameters()}  # noqa: E731
+    start = named()
+    model.backbone_grad = 0.0
+    with torch.no_grad():
+        plain = model(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(model(batch["input_ids"], batch["attention_mask"]).detach(), plain, rtol=0, atol=0)
+    for _ in range(3):
+        out = engine.train_step([batch], make_loss(0.0, 0.0))
+    after = named()
+    moved = {k for k in start if not torch.equal(start[k], after[k])}
+    assert moved and all("score" in k for k in moved) and out["grad_norm"] > 0
+    model.backbone_grad = 1.0
+    engine.train_step([batch], make_loss(0.0, 0.0))
+    assert any(not torch.equal(after[k], v) for k, v in named().items() if "score" not in k)
+
+
 def test_head_init_std_sets_a_fresh_head_and_keeps_a_trained_one(tmp_path):
     """reward.head_init_std: 0 = a zero head (every score 0, so the first steps train the head alone:
     the backbone's gradient is zero), > 0 = normal(0, std) drawn from the seed; a head that a
