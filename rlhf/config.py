@@ -226,10 +226,10 @@ class RewardConfig(StageConfig):
     # (2.5 passes) the held-out accuracy was still rising and ended at 0.88-0.91 by seed; at 1000 the
     # pipeline's seeds 1234 / 1 / 2 gave 0.930 / 0.900 / 0.947, seed 1 flat at 0.90 from step 750; at
     # 1250 seed 1 reached 0.935 (lr 5e-4 instead: 0.79; 2e-4: no better than 3e-4), issue #18.
-    # The outcome is fragile (issue #18, open): from one SFT output (seed 1234) runs that differ only in
-    # rounding (threads, micro-batch 16 x 2 vs 32, fp32, two ranks) ended at 0.962 / 0.935 / 0.898 /
-    # 0.943 / 0.905; warmup_steps=100 gave 0.930-0.938 over four such runs but 0.785 on seed 1
-    # (reverse and upper-case never learnt), so it was not adopted.
+    # Runs that differ only in rounding (threads, micro-batch 16 x 2 vs 32, fp32, two ranks) ended at
+    # 0.962 / 0.935 / 0.898 / 0.943 / 0.905 from one SFT output (seed 1234); warmup_steps=100 gave
+    # 0.930-0.938 over four such runs but 0.785 on seed 1, so it was not adopted; what holds it is
+    # RewardLossConfig.head_only_fraction (issue #18).
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         epochs=5, max_steps=1250, lr=3e-4, warmup_steps=20, eval_every=125, save_every=125,
     ))  # optimizer, schedule, logging and checkpoints

@@ -7,7 +7,8 @@
 Choices: the model is the backbone of a causal LM with a fresh scalar head
 (`AutoModelForSequenceClassification`, num_labels=1), zero-initialised by default
 (`reward.head_init_std=0`: less seed variance, see RewardLossConfig); an existing reward checkpoint
-keeps its head.
+keeps its head. The first `reward.head_only_fraction` of the steps (0.2) trains the head alone, the
+backbone's gradient zero (LP-FT: a run no longer stalls on what the head cannot yet read).
 A sequence's score is the head's value at its last real token, found from the attention mask
 (rlhf/reward_math.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
 regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass,

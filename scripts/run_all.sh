@@ -46,9 +46,9 @@ esac
 SFT=() RM=() PPO=() DPO=()
 # The embedded default's one deviation from the stage defaults: a stronger KL penalty than
 # DeepSpeed-Chat's ppo.kl_coef=0.1, because a ~1M-parameter reward model is easy to over-optimise.
-# Measured on 2 CPU cores, shipped data, seeds 1234 / 1 / 2 (their SFT and reward outputs): with
-# 0.3 the gold gain was +25.5 / +16.0 / +26.0 (seed 1 peaked at +18.5 on step 10, then the policy
-# hacked the reward model: training reward up, gold down, KL 1.37); with 0.8, +28.0 / +22.0 / +25.0
+# Measured on 2 CPU cores, shipped data, seeds 1234 / 1 / 2 (their SFT and reward outputs, reward
+# models trained before reward.head_only_fraction existed): with 0.3 the gold gain was
+# +25.5 / +16.0 / +26.0 (seed 1 peaked at +18.5 on step 10, then the policy hacked the reward model: training reward up, gold down, KL 1.37); with 0.8, +28.0 / +22.0 / +25.0
 # at KL 0.21 / 0.63 / 0.50 (0.5: seed 1 +21.0). Any ppo:ppo.kl_coef=... argument overrides it. ALGO picks the RL stage's
 # algorithm (python -m rlhf.ppo algorithm=$ALGO); the critic-free ones keep their own KL settings.
 ALGO="${ALGO:-ppo}"
