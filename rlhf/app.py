@@ -231,25 +231,3 @@ def replace_previous_run(output_dir: str, overwrite: bool, is_main: bool) -> Non
 def progress(total: int, initial: int, desc: str, is_main: bool) -> tqdm:
     return tqdm(total=total, initial=initial, desc=desc, disable=not is_main, dynamic_ncols=True,
                 file=sys.stdout, mininterval=1.0)
-
-
-class Throughput:
-    """Tokens per second over the whole world since the last `rate()` call (a collective)."""
-
-    def __init__(self) -> None:
-        import time
-
-        self._time = time.time
-        self.tokens, self.t0 = 0, self._time()
-
-    def add(self, n: int) -> None:
-        self.tokens += n
-
-    def rate(self) -> float:
-        from engine.distributed import all_reduce_sum
-
-        total = all_reduce_sum(torch.tensor(float(self.tokens))).item()
-        now = self._time()
-        rate = total / max(now - self.t0, 1e-9)
-        self.tokens, self.t0 = 0, now
-        return rate

@@ -33,14 +33,14 @@ import torch
 
 from engine import FrozenEngine, TrainEngine
 from engine.checkpoint import published, read_meta
-from rlhf.app import Throughput, stage_main
+from rlhf.app import stage_main
 from rlhf.config import ConfigError, DPOAlgoConfig, DPOConfig, engine_config, optim_config, validate_dpo
-from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
-from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_row_sums, packing_saves
-from rlhf.data.stage import StepOrder, stage_rows
+from rlhf.data import collate_pairs
+from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, packs
+from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
-from rlhf.evaluate import all_gather, gold_eval, gold_line, gold_summary, load_eval_prompts
+from rlhf.evaluate import all_gather, eval_line, gold_eval, gold_summary, load_eval_prompts
 from rlhf.models import check_context, disable_dropout, export_model, load_causal_lm, load_tokenizer, use_packing
 from rlhf.roles import Policy
 from rlhf.stage import Run
@@ -56,8 +56,7 @@ def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tens
     `pack_length` (not None) the rows are packed instead (rlhf/data/packing.py); with `only_if_saves`
     (data.packing=auto) only where that computes fewer slots."""
     rows = [feats[i] for i in idx]
-    lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
-    if pack_length is not None and (not only_if_saves or packing_saves(lengths, pack_length)):
+    if packs([len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows], pack_length, only_if_saves):
         b = pack_pairs(rows, pad_id, pack_length, labels=True)
     else:
         b = collate_pairs(rows, pad_id)
@@ -148,7 +147,7 @@ class PolicyState:
 def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DPOConfig) -> dict[str, Any]:
     """Held-out loss, implicit rewards, margin and accuracy (`ref_of(feats)`: their reference table or
     None); the gold score of greedy generations."""
-    info, out = engine.info, {}
+    out = {}
     if feats:
         pol, ref = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size), ref_of(feats)
         lens = torch.tensor([[len(f["chosen_ids"]) - f["prompt_len"], len(f["rejected_ids"]) - f["prompt_len"]]
@@ -158,27 +157,17 @@ def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DP
         out.update({"loss": losses.mean().item(), **{k: v.item() for k, v in pair_stats(c, r).items()}})
     if prompts:
         with engine.generation() as generator:
-            out.update(gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
-                                 device=info.device))
+            out.update(gold_eval(generator, prompts, tok, cfg.eval, engine.info))
     return out
 
 
 def run(cfg: DPOConfig) -> dict[str, Any]:
     run, accum = Run.open("dpo", "DPO", cfg, cfg.train, validate_dpo)
-    info, p = run.info, cfg.dpo
-
-    # ---- data (the reward stage's pairs and its data_split share)
+    info, p, d = run.info, cfg.dpo, cfg.data
     tok = load_tokenizer(cfg.model)
-    d, pad, mb = cfg.data, tok.pad_token_id, cfg.train.micro_batch_size
-    train_rows, eval_rows = stage_rows(d, stage=1)
-    train_feats, stats = tokenize_pairs(parse_pairs(train_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
-    eval_feats, _ = tokenize_pairs(parse_pairs(eval_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    pad, mb = tok.pad_token_id, cfg.train.micro_batch_size
+    data = stage_data(d, cfg.train, cfg.seed, tok, 1, "DPO")  # the reward stage's pairs and data_split share
     prompts = load_eval_prompts(d, tok)
-    order = StepOrder(len(train_feats), cfg.train.global_batch_size, cfg.seed)
-    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
-    logger.info("DPO data: %d train pairs (%s), %d held-out pairs, %d eval prompts; %d steps of %d pairs (%d per epoch)",
-                len(train_feats), stats, len(eval_feats), len(prompts), total, cfg.train.global_batch_size,
-                order.steps_per_epoch)
 
     # ---- policy (+ reference) and engines
     model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels)
@@ -186,7 +175,8 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     # the training batches are packed (data.packing); the reference tables and held-out figures are
     # computed on padded batches (equal to rounding: tests/test_packing.py)
     pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
-    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
+    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=data.total,
+                         info=info)
     state, lora = PolicyState(engine), cfg.model.lora.r > 0
     needs_ref, online = NEEDS_REFERENCE[p.loss_type], p.reference == "online"
     ref_engine = None
@@ -195,17 +185,18 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
             Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed, key="model", lora=False)),
                    fused=cfg.engine.kernels), engine_config(cfg.engine, info, frozen=True), info)
     elif needs_ref and run.resume_path is None:  # the untrained policy is the reference, on the pairs the run reads
-        used = sorted({i for s in range(total) for i in order.global_rows(s)})
-        state.tables = {"train": table_of(engine, train_feats, pad, mb, base=lora, rows=used),
-                        "eval": table_of(engine, eval_feats, pad, mb, base=lora)}
-        logger.info("reference log-probs precomputed for %d train + %d held-out pairs", len(used), len(eval_feats))
+        used = sorted({i for s in range(data.total) for i in data.order.global_rows(s)})
+        state.tables = {"train": table_of(engine, data.train, pad, mb, base=lora, rows=used),
+                        "eval": table_of(engine, data.eval, pad, mb, base=lora)}
+        logger.info("reference log-probs precomputed for %d train + %d held-out pairs", len(used), len(data.eval))
 
     def ref_of(feats: list[dict]) -> torch.Tensor | None:
         if ref_engine is not None:
             return table_of(ref_engine, feats, pad, mb, base=lora)
         return state.tables["eval"] if needs_ref else None
 
-    run.begin(state, total, lambda: evaluate(engine, ref_of, eval_feats, prompts, tok, cfg), _eval_line, memory=engine)
+    run.begin(state, data.total, lambda: evaluate(engine, ref_of, data.eval, prompts, tok, cfg), _eval_line,
+              memory=engine)
     if needs_ref and not online and "train" not in state.tables:
         raise ConfigError(f"{run.resume_path} holds no precomputed reference log-probs (written with "
                           "dpo.reference=online or dpo.loss_type=simpo?): resume with the same dpo.* settings")
@@ -215,28 +206,18 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         with adapters_off(ref_engine, lora):
             return response_logps(ref_engine.unwrapped, batch)[0]
 
-    loss_fn, table = make_loss(p, reference if ref_engine is not None else None), state.tables.get("train")
-    meter, last = Throughput(), {}
-    for step in run.steps():
-        idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [pair_batch(train_feats, rows, pad, table, pack_len, d.packing == "auto") for rows in idx]
-        meter.add(sum(batch_tokens(b) for b in batches))
-        out = engine.train_step(batches, loss_fn)
-        run.check(out)
-        if run.logs(step):
-            last = {k: out[k] for k in ("loss", "reward_chosen", "reward_rejected", "margin", "accuracy", "lr", "grad_norm")}
-            run.log_train(step, {**last, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps},
-                          dict(loss=f"{out['loss']:.3f}", acc=f"{out['accuracy']:.2f}", margin=f"{out['margin']:.2f}"))
+    table, auto = state.tables.get("train"), d.packing == "auto"
+    last = run.loop(engine, data.order, accum, lambda idx: pair_batch(data.train, idx, pad, table, pack_len, auto),
+                    make_loss(p, reference if ref_engine is not None else None),
+                    ("loss", "reward_chosen", "reward_rejected", "margin", "accuracy", "lr", "grad_norm"),
+                    {"loss": ("loss", ".3f"), "acc": ("accuracy", ".2f"), "margin": ("margin", ".2f")})
 
-    # ---- final evaluation, export, summary
-    after = run.evaluate_after()
-    model_dir = export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=d.add_bos)
-    before = run.before
+    before, after = run.before, run.evaluate_after()
     return run.finish({
         "loss_type": p.loss_type,
         "reference": "none" if not needs_ref else p.reference,
-        "train_pairs": len(train_feats),
-        "eval_pairs": len(eval_feats),
+        "train_pairs": len(data.train),
+        "eval_pairs": len(data.eval),
         "final_train_loss": last.get("loss"),
         "final_train_accuracy": last.get("accuracy"),
         **{f"eval_{k}_{when}": ev.get(k) for k in ("loss", "accuracy", "margin") for when, ev in
@@ -246,7 +227,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         **gold_summary(before, after),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # rank 0, Linux KiB
         "skipped_steps": engine.skipped_steps,
-    }, model_dir, PLOT, after.get("samples", []))
+    }, export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=d.add_bos), PLOT, after.get("samples", []))
 
 
 PLOT = [
@@ -259,12 +240,9 @@ PLOT = [
 
 
 def _eval_line(ev: dict) -> str:
-    parts = []
-    if ev.get("loss") is not None:
-        parts.append(f"held-out loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.3f}")
-    if gold := gold_line(ev):
-        parts.append(gold)
-    return ", ".join(parts) or "no held-out pairs or prompts"
+    own = (f"held-out loss {ev['loss']:.4f}, accuracy {ev['accuracy']:.3f}, margin {ev['margin']:.3f}"
+           if ev.get("loss") is not None else None)
+    return eval_line(own, ev, "no held-out pairs or prompts")
 
 
 def main() -> None:

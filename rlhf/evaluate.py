@@ -110,13 +110,12 @@ def gold_eval(
     prompts: Sequence[EvalPrompt],
     tokenizer: Any,
     g: GenerationConfig,
+    info: Any,
     *,
-    rank: int,
-    world: int,
-    device: torch.device,
     n_samples: int = 3,
 ) -> dict[str, Any]:
-    """Generate for every prompt (rank r takes prompts[r::world]) and score with the gold judge.
+    """Generate for every prompt (rank r takes prompts[r::world]; `info`: the engine's DistInfo) and
+    score with the gold judge.
 
     `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
     gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
@@ -130,7 +129,7 @@ def gold_eval(
         out = generator.generate(ids, mask, params, eos_token_id=eos, pad_token_id=pad)
         return out.responses.masked_fill(out.response_mask == 0, pad)
 
-    idx = list(range(rank, len(prompts), world))
+    idx, device = list(range(info.rank, len(prompts), info.world_size)), info.device
     mine = [prompts[i] for i in idx]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
@@ -160,6 +159,12 @@ def gold_line(ev: dict[str, Any]) -> str | None:
         return None
     tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
     return f"gold score {ev['gold_score']:.1f} ({tasks})"
+
+
+def eval_line(own: str | None, ev: dict[str, Any], empty: str) -> str:
+    """A stage's progress line for an evaluation: its own figures (`own`, None: none), then the gold
+    score's; `empty` when there is neither."""
+    return ", ".join(part for part in (own, gold_line(ev)) if part) or empty
 
 
 @torch.no_grad()
@@ -263,8 +268,7 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
         out.update(eval_loss=ppl["loss"], perplexity=ppl["perplexity"])
     if prompts:
         with engine.generation() as generator:
-            ev = gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
-                           device=info.device, n_samples=len(prompts))
+            ev = gold_eval(generator, prompts, tok, cfg.eval, info, n_samples=len(prompts))
         samples = [{**s, "answer": p.answer, "task": p.task} for s, p in zip(ev.pop("samples"), prompts)]
         out.update(ev)
         out["generation_path"] = engine.generation_path

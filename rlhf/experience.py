@@ -299,9 +299,8 @@ class Models:
 
     def score(self, rollout, cfg: PPOConfig) -> dict[str, torch.Tensor]:
         """The "score" step: old and reference log-probs, critic values, and the reward source's scores."""
-        scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
-                               actor=self.actor.model, reference=self.reference.model,
-                               critic=self.critic.model if self.critic else None, reward=None,
+        scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.prompt_len, actor=self.actor.model,
+                               reference=self.reference.model, critic=self.critic.model if self.critic else None,
                                micro_batch_size=cfg.rollout.micro_batch_size, temperature=cfg.rollout.temperature,
                                pack_length=self.pack_length)
         scored["score"] = self.reward_source.score(rollout)

@@ -36,7 +36,7 @@ from rlhf.app import ConfigError, stage_main
 from rlhf.config import PPOConfig, rollout_rows, validate_ppo
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
-from rlhf.evaluate import gold_eval, gold_line, gold_summary, load_eval_prompts
+from rlhf.evaluate import eval_line, gold_eval, gold_summary, load_eval_prompts
 from rlhf.experience import (
     Models, build_experience, drop_uniform_groups, generate, mask_nonfinite, model_cfg, nonfinite_rows, ptx_batches,
     step_metrics, update,
@@ -73,7 +73,7 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
     batch = collate_prompts([{"input_ids": p.ids} for p in mine], tok.pad_token_id)
     ids, mask = batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device)
     with models.actor.generation() as gen:
-        out = gold_eval(gen, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size, device=info.device)
+        out = gold_eval(gen, prompts, tok, cfg.eval, info)
         with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
             torch.manual_seed(cfg.seed + 1)
             g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -216,12 +216,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
 
 def _eval_line(ev: dict) -> str:
-    parts = []
-    if gold := gold_line(ev):
-        parts.append(gold)
-    if "kl" in ev:
-        parts.append(f"KL {ev['kl']:.3f}, reward {ev['reward']:.3f}")
-    return ", ".join(parts) or "no eval prompts"
+    return eval_line(f"KL {ev['kl']:.3f}, reward {ev['reward']:.3f}" if "kl" in ev else None, ev, "no eval prompts")
 
 
 def plot(kl_estimator: str) -> list:

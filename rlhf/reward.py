@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from engine import TrainEngine
-from rlhf.app import Throughput, stage_main
+from rlhf.app import stage_main
 from rlhf.config import RewardConfig, engine_config, optim_config, validate_reward
-from rlhf.data import collate_pairs, parse_pairs, tokenize_pairs
-from rlhf.data.packing import batch_tokens, is_packed, pack_length_of, pack_pairs, packed_scores, packing_saves
-from rlhf.data.stage import StepOrder, stage_rows
+from rlhf.data import collate_pairs
+from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_scores, packs
+from rlhf.data.stage import stage_data
 from rlhf.evaluate import all_gather
 from rlhf.models import check_context, export_model, load_tokenizer, load_value_model, use_packing
 from rlhf.roles import ValueModel
@@ -54,9 +54,9 @@ def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = Fal
     `only_if_saves`, data.packing=auto: only where packing computes fewer slots)."""
     def collate(rows: list[dict]) -> dict:
         lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
-        if pack_length is None or (only_if_saves and not packing_saves(lengths, pack_length)):
-            return collate_pairs(rows, pad_id)
-        return pack_pairs(rows, pad_id, pack_length)
+        if packs(lengths, pack_length, only_if_saves):
+            return pack_pairs(rows, pad_id, pack_length)
+        return collate_pairs(rows, pad_id)
 
     return collate
 
@@ -134,58 +134,40 @@ def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict
 
 def run(cfg: RewardConfig) -> dict[str, Any]:
     run, accum = Run.open("reward", "Reward model", cfg, cfg.train, validate_reward)
-    info = run.info
+    tok, d, r = load_tokenizer(cfg.model), cfg.data, cfg.reward
+    data = stage_data(d, cfg.train, cfg.seed, tok, 1, "reward")
 
-    # ---- data
-    tok = load_tokenizer(cfg.model)
-    d = cfg.data
-    train_rows, eval_rows = stage_rows(d, stage=1)
-    train_feats, stats = tokenize_pairs(parse_pairs(train_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
-    eval_examples = parse_pairs(eval_rows, tok)
-    eval_feats, _ = tokenize_pairs(eval_examples, tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
-    order = StepOrder(len(train_feats), cfg.train.global_batch_size, cfg.seed)
-    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
-    logger.info("reward data: %d train pairs (%s), %d held-out pairs; %d steps of %d pairs (%d per epoch)",
-                len(train_feats), stats, len(eval_feats), total, cfg.train.global_batch_size, order.steps_per_epoch)
-
-    # ---- model + engine
-    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=cfg.reward.head_init_std))
-    check_context(model, cfg.data.max_len, "data.max_len")
+    model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=r.head_init_std))
+    check_context(model, d.max_len, "data.max_len")
     pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
     collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto")
-    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
-    run.begin(engine, total, lambda: evaluate(engine, eval_feats, eval_examples, tok.pad_token_id,
-                                              cfg.train.micro_batch_size, pack_len), _eval_line, memory=engine)
+    engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
+                         info=run.info)
+    run.begin(engine, data.total, lambda: evaluate(engine, data.eval, data.eval_examples, tok.pad_token_id,
+                                                   cfg.train.micro_batch_size, pack_len), _eval_line, memory=engine)
 
-    # ---- train
-    loss_fn = make_loss(cfg.reward.margin, cfg.reward.score_reg)
-    meter, last, head_only = Throughput(), {}, round(cfg.reward.head_only_fraction * total)
+    head_only = round(r.head_only_fraction * data.total)
     if head_only:
         logger.info("steps 1-%d train the score head alone (reward.head_only_fraction=%s), then the whole model",
-                    head_only, cfg.reward.head_only_fraction)
-    for step in run.steps():
-        engine.unwrapped.backbone_grad = 0.0 if step < head_only else 1.0
-        idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [collate([train_feats[i] for i in rows]) for rows in idx]
-        meter.add(sum(batch_tokens(b) for b in batches))
-        out = engine.train_step(batches, loss_fn)
-        run.check(out)
-        if run.logs(step):
-            last = {k: out[k] for k in ("loss", "accuracy", "chosen_score", "rejected_score", "lr", "grad_norm")}
-            run.log_train(step, {**last, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps},
-                          dict(loss=f"{out['loss']:.3f}", acc=f"{out['accuracy']:.2f}", lr=f"{out['lr']:.2e}"))
+                    head_only, r.head_only_fraction)
 
-    # ---- final evaluation, export, summary
+    def head_phase(step: int) -> None:
+        engine.unwrapped.backbone_grad = 0.0 if step < head_only else 1.0
+
+    keys = ("loss", "accuracy", "chosen_score", "rejected_score", "lr", "grad_norm")
+    last = run.loop(engine, data.order, accum, lambda idx: collate([data.train[i] for i in idx]),
+                    make_loss(r.margin, r.score_reg), keys,
+                    {"loss": ("loss", ".3f"), "acc": ("accuracy", ".2f"), "lr": ("lr", ".2e")}, before_step=head_phase)
+
     after = run.evaluate_after()
-    model_dir = export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=cfg.data.add_bos)
     return run.finish({
-        "train_pairs": len(train_feats),
-        "eval_pairs": len(eval_feats),
+        "train_pairs": len(data.train),
+        "eval_pairs": len(data.eval),
         "final_train_loss": last.get("loss"),
         "final_train_accuracy": last.get("accuracy"),
         **held_out_summary(after),
         "skipped_steps": engine.skipped_steps,
-    }, model_dir, PLOT)
+    }, export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=d.add_bos), PLOT)
 
 
 PLOT = [

@@ -5,7 +5,8 @@ Layout of one rank's experience (P = prompt width, T = response width):
     sequences, attention_mask, position_ids   [B, P+T]  prompts LEFT-padded, responses right-padded
     response_mask, logp_old, logp_ref, values,
     rewards, kl, advantages, returns          [B, T]    column t = response token t
-    score                                     [B]       reward model's value at the last real token
+    score                                     [B]       the reward source's (e.g. the reward model's value
+                                                        at the last real token: rlhf/experience.py)
 Position ids come from the attention mask (cumsum - 1), exactly as `generate` numbers positions,
 for every model's forward: otherwise the left padding shifts every position and the PPO ratio is
 computed against log-probs of a different model input than the one that was sampled.
@@ -13,9 +14,6 @@ computed against log-probs of a different model input than the one that was samp
 from __future__ import annotations
 
 import torch
-
-from rlhf.reward_math import sequence_scores
-
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L] -> [B, L]: 0, 1, 2, ... over real tokens (as `generate` numbers them; pad positions get
@@ -97,39 +95,24 @@ def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_rollout(
-    sequences: torch.Tensor,
-    attention_mask: torch.Tensor,
-    response_mask: torch.Tensor,
-    prompt_len: int,
-    *,
-    actor: torch.nn.Module,
-    reference: torch.nn.Module,
-    critic: torch.nn.Module | None,
-    reward: torch.nn.Module | None,
-    micro_batch_size: int,
-    temperature: float,
-    pack_length: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Old log-probs, reference log-probs, values (without a critic: none) and reward scores, in micro-batches.
+def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *, actor: torch.nn.Module,
+                  reference: torch.nn.Module, critic: torch.nn.Module | None, micro_batch_size: int,
+                  temperature: float, pack_length: int | None = None) -> dict[str, torch.Tensor]:
+    """Old log-probs, reference log-probs and values (without a critic: none), in micro-batches, and
+    the position ids they used; the scores come from a reward source (rlhf/experience.py).
 
     Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
     `pack_length` (not None): each forward runs on the micro-batch's real tokens packed (`Repacked`).
     """
     base = {"sequences": sequences, "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len, "pack_length": pack_length}
-    parts: dict[str, list[torch.Tensor]] = {"logp_old": [], "logp_ref": [], "values": [], "score": []}
-    B = sequences.shape[0]
-    for s in range(0, B, micro_batch_size):
+    parts: dict[str, list[torch.Tensor]] = {"logp_old": [], "logp_ref": [], "values": []}
+    for s in range(0, sequences.shape[0], micro_batch_size):
         mb = {k: (v[s : s + micro_batch_size] if torch.is_tensor(v) else v) for k, v in base.items()}
         parts["logp_old"].append(token_logprobs(actor, mb, temperature))
         parts["logp_ref"].append(token_logprobs(reference, mb, temperature))
         if critic is not None:
             parts["values"].append(token_values(critic, mb))
-        if reward is None:  # scored elsewhere (rlhf/experience.py reward sources)
-            continue
-        rm_values = row_values(reward, mb)
-        parts["score"].append(sequence_scores(rm_values.float(), mb["attention_mask"]))
     out = {k: torch.cat(v) for k, v in parts.items() if v}
     out["position_ids"] = base["position_ids"]
     return out

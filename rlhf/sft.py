@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from engine import TrainEngine
-from rlhf.app import Throughput, stage_main
+from rlhf.app import stage_main
 from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
-from rlhf.data import collate_sft, parse_sft, tokenize_sft
-from rlhf.data.packing import batch_tokens, pack_length_of, pack_sft, packing_saves
-from rlhf.data.stage import StepOrder, stage_rows
+from rlhf.data import collate_sft
+from rlhf.data.packing import pack_length_of, pack_sft, packs
+from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.evaluate import gold_eval, gold_line, gold_summary, load_eval_prompts, perplexity
+from rlhf.evaluate import eval_line, gold_eval, gold_summary, load_eval_prompts, perplexity
 from rlhf.models import check_context, export_model, load_causal_lm, load_tokenizer, use_packing
 from rlhf.roles import Policy
 from rlhf.stage import Run
@@ -46,8 +46,7 @@ def sft_loss(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.
 
 
 def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, prompts: list) -> dict[str, Any]:
-    info = engine.info
-    out: dict[str, Any] = {}
+    info, out = engine.info, {}
     if eval_feats:
         # NOTE: on the gathered training module, not the generator: the injected generator has no module
         with engine.gathered_parameters():
@@ -55,68 +54,42 @@ def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, pr
                                   rank=info.rank, world=info.world_size, device=info.device))
     if prompts:
         with engine.generation() as generator:
-            out.update(gold_eval(generator, prompts, tok, cfg.eval, rank=info.rank, world=info.world_size,
-                                 device=info.device))
+            out.update(gold_eval(generator, prompts, tok, cfg.eval, info))
     return out
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
     run, accum = Run.open("sft", "SFT", cfg, cfg.train, validate_sft)
-    info = run.info
+    tok, d = load_tokenizer(cfg.model), cfg.data
+    data, prompts = stage_data(d, cfg.train, cfg.seed, tok, 0, "SFT"), load_eval_prompts(d, tok)
 
-    # ---- data
-    tok = load_tokenizer(cfg.model)
-    d = cfg.data
-    train_rows, eval_rows = stage_rows(d, stage=0)
-    train_feats, stats = tokenize_sft(parse_sft(train_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
-    eval_feats, _ = tokenize_sft(parse_sft(eval_rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
-    prompts = load_eval_prompts(d, tok)
-    order = StepOrder(len(train_feats), cfg.train.global_batch_size, cfg.seed)
-    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
-    logger.info("SFT data: %d train rows (%s), %d held-out rows, %d eval prompts; %d steps of %d rows (%d per epoch)",
-                len(train_feats), stats, len(eval_feats), len(prompts), total, cfg.train.global_batch_size,
-                order.steps_per_epoch)
-
-    # ---- model + engine
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
-    check_context(model, cfg.data.max_len, "data.max_len")
-    packed, pack_len = use_packing(d.packing, model), pack_length_of(d)
-    only_if_saves = d.packing == "auto"
-    engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=total, info=info)
-    run.begin(engine, total, lambda: evaluate(engine, cfg, tok, eval_feats, prompts), _eval_line, memory=engine)
+    check_context(model, d.max_len, "data.max_len")
+    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+    engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
+                         info=run.info)
+    run.begin(engine, data.total, lambda: evaluate(engine, cfg, tok, data.eval, prompts), _eval_line, memory=engine)
 
-    def collate(rows: list[dict]) -> dict:
-        if packed and (not only_if_saves or packing_saves([len(r["input_ids"]) for r in rows], pack_len)):
+    def batch(idx: list[int]) -> dict:
+        rows = [data.train[i] for i in idx]
+        if packs([len(r["input_ids"]) for r in rows], pack_len, d.packing == "auto"):
             return pack_sft(rows, tok.pad_token_id, pack_len)
         return collate_sft(rows, tok.pad_token_id)
 
-    # ---- train
-    meter, last = Throughput(), {}
-    for step in run.steps():
-        idx = order.rank_rows(step, info.rank, info.world_size, accum)
-        batches = [collate([train_feats[i] for i in rows]) for rows in idx]
-        meter.add(sum(batch_tokens(b) for b in batches))
-        out = engine.train_step(batches, sft_loss)
-        run.check(out)
-        if run.logs(step):
-            tps = meter.rate()
-            last = dict(loss=out["loss"], lr=out["lr"], grad_norm=out["grad_norm"], tokens_per_s=tps,
-                        skipped_steps=engine.skipped_steps, loss_scale=out["loss_scale"], epoch=step / order.steps_per_epoch)
-            run.log_train(step, last, dict(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}", tok_s=f"{tps:,.0f}"))
+    last = run.loop(engine, data.order, accum, batch, sft_loss, ("loss", "lr", "grad_norm", "loss_scale"),
+                    {"loss": ("loss", ".3f"), "lr": ("lr", ".2e"), "tok_s": ("tokens_per_s", ",.0f")},
+                    extra=lambda step: {"epoch": step / data.order.steps_per_epoch})
 
-    # ---- final evaluation, export, summary
-    after = run.evaluate_after()
-    model_dir = export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=cfg.data.add_bos)
-    before = run.before
+    before, after = run.before, run.evaluate_after()
     return run.finish({
-        "train_rows": len(train_feats),
+        "train_rows": len(data.train),
         "final_train_loss": last.get("loss"),
         "eval_loss_before": before.get("loss"),
         "eval_loss_after": after.get("loss"),
         "perplexity_after": after.get("perplexity"),
         **gold_summary(before, after),
         "skipped_steps": engine.skipped_steps,
-    }, model_dir, PLOT, after.get("samples", []))
+    }, export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=d.add_bos), PLOT, after.get("samples", []))
 
 
 PLOT = [
@@ -126,12 +99,8 @@ PLOT = [
 
 
 def _eval_line(ev: dict) -> str:
-    parts = []
-    if ev.get("loss") is not None:
-        parts.append(f"eval loss {ev['loss']:.4f} (ppl {ev['perplexity']:.3f})")
-    if gold := gold_line(ev):
-        parts.append(gold)
-    return ", ".join(parts) or "no eval data"
+    own = f"eval loss {ev['loss']:.4f} (ppl {ev['perplexity']:.3f})" if ev.get("loss") is not None else None
+    return eval_line(own, ev, "no eval data")
 
 
 def main() -> None:

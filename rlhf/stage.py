@@ -9,7 +9,10 @@
         if run.logs(step):
             run.log_train(step, {...}, postfix={...})
     after = run.evaluate_after()
-    run.finish(summary={...}, export=lambda: ...)            # HF export, plot, summary.json, the last lines
+    run.finish(summary={...}, model_dir, plot)               # plot, summary.json, the last lines
+
+A stage that trains one engine on rows (SFT, reward, DPO) runs the whole loop as
+`run.loop(engine, order, accum, batch, loss, keys, postfix)`; PPO writes its own loop on `steps()`.
 
 What a stage says is only its own: data, its step, its evaluation, its summary figures. What
 every stage gets the same way:
@@ -35,6 +38,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
+
+import torch
 
 from engine import compile_seconds, format_memory_report, init_distributed, prune_checkpoints
 from engine.checkpoint import remove_leftovers
@@ -115,6 +120,25 @@ def agree(resume_path: str | None, cfg: Any) -> None:
         what = "checkpoint to resume from" if any(e[0] != every[0][0] for e in every) else "configuration"
         raise ConfigError(f"the ranks disagree on the {what}: " + "; ".join(
             f"rank {r}: {p or 'none'} (config {h})" for r, (p, h) in enumerate(every)))
+
+
+class Throughput:
+    """Tokens per second over the whole world since the last `rate()` call (a collective)."""
+
+    def __init__(self) -> None:
+        self.tokens, self.t0 = 0, time.time()
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+
+    def rate(self) -> float:
+        from engine.distributed import all_reduce_sum
+
+        total = all_reduce_sum(torch.tensor(float(self.tokens))).item()
+        now = time.time()
+        rate = total / max(now - self.t0, 1e-9)
+        self.tokens, self.t0 = 0, now
+        return rate
 
 
 class Run:
@@ -213,6 +237,32 @@ class Run:
                 break
         self.bar.close()
 
+    def loop(self, engine: Any, order: Any, accum: int, batch: Callable[[list[int]], dict], loss: Callable,
+              keys: Sequence[str], postfix: dict[str, tuple[str, str]], *,
+              before_step: Callable[[int], None] | None = None,
+              extra: Callable[[int], dict] | None = None) -> dict[str, Any]:
+        """The loop of a stage that trains one engine on rows (SFT, reward, DPO): each step, this rank's
+        `accum` micro-batches of `order`'s rows (`batch(row indices)`), one `engine.train_step` with
+        `loss`, the skip check; every log step a train record: `out[k]` for `keys`, tokens_per_s (the
+        world's, since the last record), skipped_steps and `extra(step)`; the bar shows `postfix`
+        ({name: (record key, format spec)}). `before_step(step)` runs first (reward's head-only phase).
+        Returns the last record."""
+        from rlhf.data.packing import batch_tokens
+
+        meter, last = Throughput(), {}
+        for step in self.steps():
+            if before_step is not None:
+                before_step(step)
+            batches = [batch(rows) for rows in order.rank_rows(step, self.info.rank, self.info.world_size, accum)]
+            meter.add(sum(batch_tokens(b) for b in batches))
+            out = engine.train_step(batches, loss)
+            self.check(out)
+            if self.logs(step):
+                last = {**{k: out[k] for k in keys}, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps,
+                        **(extra(step) if extra else {})}
+                self.log_train(step, last, {name: format(last[k], spec) for name, (k, spec) in postfix.items()})
+        return last
+
     def stop(self, reason: str) -> None:
         """End the loop cleanly after the current step (called from the loop body or an evaluation):
         a checkpoint, then the final evaluation, export and summary as after the last step. Every rank
@@ -251,8 +301,8 @@ class Run:
 
     def finish(self, summary: dict[str, Any], model_dir: str, plot: Plot, samples: Sequence[dict] = ()) -> dict:
         """(main rank) `<name>.png`, summary.json = stage, time_s, compile_s (with engine.compile), steps,
-        `summary`, model_dir; the
-        samples and the summary printed last. Returns the summary (empty on other ranks)."""
+        `summary`, model_dir; the samples and the summary printed last. Returns the summary (empty on
+        other ranks)."""
         out: dict[str, Any] = {}
         if self.info.is_main:
             train, ev = read_metrics(self.out_dir, "train"), read_metrics(self.out_dir, "eval")

@@ -53,8 +53,8 @@ def test_scores_and_rewards_on_left_padded_ragged_batch():
     assert resp_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
     g = torch.Generator().manual_seed(0)
     actor_t, ref_t = torch.randn(V, V, generator=g), torch.randn(V, V, generator=g)
-    scored = score_rollout(seqs, attn, resp_mask, 3, actor=Policy(FixedLM(actor_t)), reference=Policy(FixedLM(ref_t)),
-                           critic=PositionValue(), reward=PositionValue(), micro_batch_size=1, temperature=1.0)
+    scored = score_rollout(seqs, attn, 3, actor=Policy(FixedLM(actor_t)), reference=Policy(FixedLM(ref_t)),
+                           critic=PositionValue(), micro_batch_size=1, temperature=1.0)
     assert scored["position_ids"].tolist() == [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5]]  # pads: never attended
     # response token t is predicted by the logits at column P-1+t (its predecessor)
     la, lr = torch.log_softmax(actor_t, -1), torch.log_softmax(ref_t, -1)
@@ -64,15 +64,15 @@ def test_scores_and_rewards_on_left_padded_ragged_batch():
     torch.testing.assert_close(scored["logp_ref"], want_ref)
     # critic: the value of the state before each response token (columns P-1 .. P+T-2)
     assert scored["values"].tolist() == [[106, 201, 307], [206, 302, 403]]
-    # reward: the value at the last real token -- the EOS (position 3) / the last token (position 5)
-    assert scored["score"].tolist() == [307, 501]
-    # the reward model as a reward source (what PPO uses) reads the same positions
+    # the reward model as a reward source: the value at the last real token -- the EOS (position 3) /
+    # the last token (position 5)
     from types import SimpleNamespace
 
     from rlhf.experience import RewardModelScore
 
     rollout = SimpleNamespace(sequences=seqs, attention_mask=attn)
-    assert RewardModelScore(SimpleNamespace(model=PositionValue()), micro_batch_size=1).score(rollout).tolist() == [307, 501]
+    scored["score"] = RewardModelScore(SimpleNamespace(model=PositionValue()), micro_batch_size=1).score(rollout)
+    assert scored["score"].tolist() == [307, 501]
     exp = build_experience(seqs, attn, resp_mask, 3, scored, kl_coef=0.1, kl_estimator="k1",
                            clip_reward_value=5.0, gamma=1.0, lam=0.95)
     kl = (want_old - want_ref) * resp_mask

@@ -77,6 +77,12 @@ def packing_saves(lengths: Sequence[int], pack_length: int) -> bool:
     return len(bins) * max(sum(lengths[i] for i in b) for b in bins) < len(lengths) * max(lengths)
 
 
+def packs(lengths: Sequence[int], pack_length: int | None, only_if_saves: bool) -> bool:
+    """Whether a micro-batch of rows of `lengths` is packed: packing is on (`pack_length` not None)
+    and, with `only_if_saves` (data.packing=auto), it computes fewer token slots than padding."""
+    return pack_length is not None and (not only_if_saves or packing_saves(lengths, pack_length))
+
+
 def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
             labels: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     bins = pack_bins([len(r) for r in rows], pack_length)

@@ -4,6 +4,7 @@ deterministic order in which optimizer steps read them.
     train_rows, eval_rows = stage_rows(cfg.data, stage=0)      # 0 sft, 1 reward, 2 ppo
     order = StepOrder(len(features), global_batch=32, seed=1234)
     order.steps_per_epoch; order.rank_rows(step, rank, world, accum) -> accum lists of indices
+    data = stage_data(cfg.data, cfg.train, cfg.seed, tok, 1, "reward")  # tokenized; SFT, reward, DPO
 
 The order is a pure function of (step, seed): epoch e = step // steps_per_epoch reads the rows in
 `torch.randperm(n, generator=seed + e)` order, global batch after global batch (the last partial
@@ -13,10 +14,12 @@ cuts it into `accum` micro-batches. Resuming at step s therefore needs nothing b
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from rlhf.config import ConfigError, DataConfig
+from rlhf.config import ConfigError, DataConfig, TrainConfig
 from rlhf.data.records import Row
 from rlhf.data.sources import load_rows
 from rlhf.data.split import STAGES, take_split
@@ -67,3 +70,33 @@ class StepOrder:
         mine = rows[rank * per_rank : (rank + 1) * per_rank]
         m = per_rank // accum
         return [mine[i * m : (i + 1) * m] for i in range(accum)]
+
+
+@dataclass
+class StageData:
+    """A row-trained stage's data (`stage_data`): features as rlhf/data/tokenize.py makes them."""
+
+    train: list[dict]
+    eval: list[dict]
+    eval_examples: list  # the held-out examples before tokenizing (a feature's "index" points here)
+    order: StepOrder
+    total: int  # optimizer steps: train.max_steps, else train.epochs x steps per epoch
+
+
+def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, name: str) -> StageData:
+    """(`name`: the log line's) `stage_rows` parsed and tokenized as demonstrations (stage 0: SFT) or preference pairs (1:
+    reward, DPO) under the over-long rule, and the order the run's `total` steps read them in."""
+    from rlhf.data.records import parse_pairs, parse_sft
+    from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
+
+    parse, tokenize, unit = (parse_sft, tokenize_sft, "rows") if stage == 0 else (parse_pairs, tokenize_pairs, "pairs")
+    train_rows, eval_rows = stage_rows(d, stage)
+    rule = (tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    train, stats = tokenize(parse(train_rows, tok), *rule)
+    eval_examples = parse(eval_rows, tok)
+    held_out, _ = tokenize(eval_examples, *rule)
+    order = StepOrder(len(train), t.global_batch_size, seed)
+    total = t.max_steps or t.epochs * order.steps_per_epoch
+    logger.info("%s data: %d train %s (%s), %d held-out %s; %d steps of %d %s (%d per epoch)", name,
+                len(train), unit, stats, len(held_out), unit, total, t.global_batch_size, unit, order.steps_per_epoch)
+    return StageData(train, held_out, eval_examples, order, total)
