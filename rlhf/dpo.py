@@ -40,7 +40,7 @@ from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
-from rlhf.evaluate import all_gather, eval_line, gold_eval, gold_summary, load_eval_prompts
+from rlhf.evaluate import all_gather, eval_line, gold_of, gold_summary, load_eval_prompts
 from rlhf.models import check_context, disable_dropout, export_model, load_causal_lm, load_tokenizer, use_packing
 from rlhf.roles import Policy
 from rlhf.stage import Run
@@ -155,10 +155,7 @@ def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DP
         rc, rr = (None, None) if ref is None else ref.unbind(1)
         losses, c, r = dpo_loss(pol[:, 0], pol[:, 1], rc, rr, lens[:, 0], lens[:, 1], **loss_settings(cfg.dpo))
         out.update({"loss": losses.mean().item(), **{k: v.item() for k, v in pair_stats(c, r).items()}})
-    if prompts:
-        with engine.generation() as generator:
-            out.update(gold_eval(generator, prompts, tok, cfg.eval, engine.info))
-    return out
+    return {**out, **gold_of(engine, prompts, tok, cfg.eval)}
 
 
 def run(cfg: DPOConfig) -> dict[str, Any]:

@@ -145,6 +145,14 @@ def gold_eval(
     return result
 
 
+def gold_of(engine: Any, prompts: Sequence[EvalPrompt], tokenizer: Any, g: GenerationConfig) -> dict[str, Any]:
+    """`gold_eval` in `engine`'s generation mode ({} without prompts): a stage's gold figures."""
+    if not prompts:
+        return {}
+    with engine.generation() as generator:
+        return gold_eval(generator, prompts, tokenizer, g, engine.info)
+
+
 def gold_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The gold figures of two evaluations under their summary.json names: gold_score_before/after
     and gold_score/<task>_before/after."""

@@ -27,7 +27,7 @@ from rlhf.data import collate_sft
 from rlhf.data.packing import pack_length_of, pack_sft, packs
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.evaluate import eval_line, gold_eval, gold_summary, load_eval_prompts, perplexity
+from rlhf.evaluate import eval_line, gold_of, gold_summary, load_eval_prompts, perplexity
 from rlhf.models import check_context, export_model, load_causal_lm, load_tokenizer, use_packing
 from rlhf.roles import Policy
 from rlhf.stage import Run
@@ -52,10 +52,7 @@ def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, pr
         with engine.gathered_parameters():
             out.update(perplexity(engine.unwrapped, eval_feats, tok.pad_token_id, cfg.train.micro_batch_size,
                                   rank=info.rank, world=info.world_size, device=info.device))
-    if prompts:
-        with engine.generation() as generator:
-            out.update(gold_eval(generator, prompts, tok, cfg.eval, info))
-    return out
+    return {**out, **gold_of(engine, prompts, tok, cfg.eval)}
 
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
