@@ -578,10 +578,20 @@ def fit_micro(micro: int, batch: int, world: int, key: str, batch_key: str) -> i
     return micro
 
 
-def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> int:
-    """Check ranges and global = micro x accumulation x world; returns the accumulation steps."""
+def validate_cadence(t: TrainConfig | PPOTrainConfig, prefix: str = "train") -> None:
+    """The keys every stage's train group has: its length, log / eval / save cadence, skips, resume."""
     _need(t.epochs >= 1 or t.max_steps > 0, f"{prefix}.epochs must be >= 1 (or set {prefix}.max_steps), got {t.epochs}")
     _need(t.max_steps >= 0, f"{prefix}.max_steps must be >= 0 (0 = run all epochs), got {t.max_steps}")
+    for key in ("eval_every", "save_every", "keep_last_n"):
+        _need(getattr(t, key) >= 0, f"{prefix}.{key} must be >= 0, got {getattr(t, key)}")
+    _need(t.log_every >= 1, f"{prefix}.log_every must be >= 1, got {t.log_every}")
+    _need(t.max_consecutive_skips >= 1, f"{prefix}.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
+    _need(isinstance(t.resume, (bool, str)), f"{prefix}.resume must be true, false or a checkpoint path, got {t.resume!r}")
+
+
+def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> int:
+    """Check ranges and global = micro x accumulation x world; returns the accumulation steps."""
+    validate_cadence(t, prefix)
     _need(t.micro_batch_size >= 1, f"{prefix}.micro_batch_size must be >= 1, got {t.micro_batch_size}")
     t.micro_batch_size = fit_micro(t.micro_batch_size, t.global_batch_size, world_size, f"{prefix}.micro_batch_size",
                                    f"{prefix}.global_batch_size")
@@ -591,11 +601,7 @@ def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> in
         f"{prefix}.global_batch_size ({t.global_batch_size}) must be a multiple of {prefix}.micro_batch_size "
         f"({t.micro_batch_size}) x world size ({world_size}) = {per_step}",
     )
-    for key in ("log_every", "eval_every", "save_every", "keep_last_n", "warmup_steps"):
-        _need(getattr(t, key) >= 0, f"{prefix}.{key} must be >= 0, got {getattr(t, key)}")
-    _need(t.log_every >= 1, f"{prefix}.log_every must be >= 1, got {t.log_every}")
-    _need(t.max_consecutive_skips >= 1, f"{prefix}.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
-    _need(isinstance(t.resume, (bool, str)), f"{prefix}.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    _need(t.warmup_steps >= 0, f"{prefix}.warmup_steps must be >= 0, got {t.warmup_steps}")
     return t.global_batch_size // per_step
 
 
@@ -750,13 +756,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
             f"({r.prompts_per_step} x {r.n_samples_per_prompt} = {rows}),")
     _need(rows % r.mini_batch_size == 0,
           f"{what} must be a multiple of rollout.mini_batch_size ({r.mini_batch_size}, rows)")
-    t = cfg.train
-    _need(t.epochs >= 1 or t.max_steps > 0, f"train.epochs must be >= 1 (or set train.max_steps), got {t.epochs}")
-    for key in ("max_steps", "eval_every", "save_every", "keep_last_n"):
-        _need(getattr(t, key) >= 0, f"train.{key} must be >= 0, got {getattr(t, key)}")
-    _need(t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}")
-    _need(t.max_consecutive_skips >= 1, f"train.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
-    _need(isinstance(t.resume, (bool, str)), f"train.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    validate_cadence(cfg.train)
     validate_reward_sources(cfg.reward)
     validate_alarms(cfg.alarms)
     engine_config(cfg.engine, info)
