@@ -178,3 +178,43 @@ def test_stop_saves_a_checkpoint_then_finishes_as_after_the_last_step(tmp_path, 
     assert [name for name, _ in state.saved] == saved
     assert [r["step"] for r in read_metrics(str(tmp_path), "eval")] == evals_at and ev["score"] == len(evals_at)
     assert run.finish({}, "model/", [])["steps"] == stop_at
+
+
+class FakeEngine(FakeState):
+    """A TrainEngine stand-in for `Run.loop`: records each step's micro-batches, returns fixed figures."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[list[dict]] = []
+        self.skipped_steps = 0
+
+    def train_step(self, batches: list[dict], loss) -> dict:
+        self.steps.append(batches)
+        return {"skipped": False, "loss": loss(batches), "lr": 1e-3 * len(self.steps), "unlogged": 7.0}
+
+
+def test_loop_reads_the_order_rows_and_logs_the_named_figures(tmp_path):
+    """`Run.loop`: each step gets `order.rank_rows(step, rank, world, accum)` as micro-batches through
+    `batch`, `before_step` runs first, every log step writes `keys` + tokens_per_s + skipped_steps +
+    `extra`, and the last record comes back."""
+    from rlhf.data.stage import StepOrder
+
+    run, engine = make_run(tmp_path), FakeEngine()
+    order, seen = StepOrder(20, global_batch=4, seed=3), []
+    run.begin(engine, 5, lambda: {"score": 0.0}, lambda ev: "")
+
+    def batch(rows: list[int]) -> dict:
+        ids = torch.ones(len(rows), 3, dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "rows": rows}
+
+    last = run.loop(engine, order, 2, batch, lambda bs: float(sum(sum(b["rows"]) for b in bs)), ("loss", "lr"),
+                    {"loss": ("loss", ".1f")}, before_step=seen.append, extra=lambda step: {"epoch": step / 5})
+    assert seen == [0, 1, 2, 3, 4]
+    assert [[b["rows"] for b in bs] for bs in engine.steps] == [order.rank_rows(s, 0, 1, 2) for s in range(5)]
+    train = read_metrics(str(tmp_path), "train")
+    assert [r["step"] for r in train] == [2, 4, 5]
+    for r in train:
+        want = float(sum(order.global_rows(r["step"] - 1)))
+        assert r["loss"] == want and r["lr"] == pytest.approx(1e-3 * r["step"]) and r["epoch"] == (r["step"] - 1) / 5
+        assert r["skipped_steps"] == 0 and r["tokens_per_s"] > 0 and "unlogged" not in r
+    assert last == {k: v for k, v in train[-1].items() if k not in ("step", "kind")}
