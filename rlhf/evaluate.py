@@ -70,6 +70,7 @@ def load_eval_prompts(d: DataConfig, tokenizer: Any) -> list[EvalPrompt]:
     if d.num_eval_prompts:
         examples = examples[: d.num_eval_prompts]
     feats, _ = tokenize_prompts(examples, tokenizer, d.max_prompt_len, d.overlong, d.add_bos)
+    logger.info("%d eval prompts from %s", len(feats), d.eval_prompts_path)
     return [EvalPrompt(f["prompt"], f["input_ids"], f["answer"], f["meta"].get("task")) for f in feats]
 
 

@@ -126,8 +126,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         ptx_feats, _ = tokenize_sft(parse_sft(load_rows(cfg.ptx_path), tok), tok, d.max_len, d.max_prompt_len,
                                     d.overlong, d.add_bos)
         ptx_order = StepOrder(len(ptx_feats), r.micro_batch_size * info.world_size, cfg.seed + 1, key="ptx_path")
-    logger.info("%s: %d prompts (%s), %d eval prompts; %d steps of %d prompts x %d samples, %d actor%s updates",
-                p.advantage_estimator, len(feats), stats, len(eval_prompts), total, r.prompts_per_step,
+    logger.info("%s: %d prompts (%s); %d steps of %d prompts x %d samples, %d actor%s updates",
+                p.advantage_estimator, len(feats), stats, total, r.prompts_per_step,
                 r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
 
     # ---- reward source (rlhf/rewards.py): prompt rows of training, then of evaluation (group offset)

@@ -84,8 +84,9 @@ class StageData:
 
 
 def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, name: str) -> StageData:
-    """(`name`: the log line's) `stage_rows` parsed and tokenized as demonstrations (stage 0: SFT) or preference pairs (1:
-    reward, DPO) under the over-long rule, and the order the run's `total` steps read them in."""
+    """`stage_rows` parsed and tokenized as demonstrations (stage 0: SFT) or preference pairs (1: reward,
+    DPO) under the over-long rule, and the order the run's `total` steps read them in; one log line
+    (`name` starts it) with the counts."""
     from rlhf.data.records import parse_pairs, parse_sft
     from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
 
