@@ -9,7 +9,7 @@
         if run.logs(step):
             run.log_train(step, {...}, postfix={...})
     after = run.evaluate_after()
-    run.finish(summary={...}, model_dir, plot)               # plot, summary.json, the last lines
+    run.finish({...}, model_dir, plot)                       # plot, summary.json, the last lines
 
 A stage that trains one engine on rows (SFT, reward, DPO) runs the whole loop as
 `run.loop(engine, order, accum, batch, loss, keys, postfix)`; PPO writes its own loop on `steps()`.
