@@ -1,8 +1,8 @@
 """The skeleton every stage app runs on: open the run, evaluate before, step with a cadence, finish.
 
-    run = Run.open("sft", cfg, cfg.train)                    # process group, logging, seed
+    run, accum = Run.open("sft", "SFT", cfg, cfg.train, validate_sft)  # process group, logging, checks, seed
     ... data, models, engines (the stage's own) ...
-    run.begin(engines, total, evaluate)                      # resume or start clean; "before" evaluation
+    run.begin(engines, total, evaluate, eval_line)           # resume or start clean; "before" evaluation
     for step in run.steps():                                 # log / eval / save cadence after each step
         out = engine.train_step(batches, loss)
         run.check(out)                                       # non-finite steps in a row -> TrainingError
