@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from .distributed import DistInfo
 
-# NOTE: no torch import at run time: the stage configs (rlhf/config.py) import this module, and
+# NOTE: no torch import at run time: the stage configs (rlhf/config/schema.py) import this module, and
 # scripts/stage_plan.py composes them in ~1 s without loading torch. The dtypes: parallelize.TORCH_DTYPES.
 PRECISIONS = ("fp32", "bf16", "fp16")
 GENERATION_PATHS = ("auto", "injected", "hf")
@@ -69,7 +69,7 @@ class EngineConfig:
     # reference on a small slice (engine/generation.py decoder_mismatch, kernels/dispatch.py guarded);
     # a mismatch or an exception: one warning line, and the reference path for the rest of the run.
     selfcheck: str = "auto"  # check the fast paths on first use: auto (on CUDA) | true | false
-    # Read by the stage apps' command line only (rlhf/ds_config.py), never by the engine: the file's
+    # Read by the stage apps' command line only (rlhf/config/ds_config.py), never by the engine: the file's
     # settings become overrides placed before the user's, so the command line wins.
     ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (README: Coming from DeepSpeed)
 

@@ -12,7 +12,7 @@ models in the process keep the plain transformers code):
   `kernels.apply_rotary` only while an injected attention module's forward is running (also in
   an activation-checkpointing recompute, which re-enters the module), and the original otherwise.
 Log-probs and entropy from hidden states (no [B, T, vocab] logits) are not an injection: the
-policy role computes them (rlhf/roles.py). Every op dispatches as `kernels/` does: Triton on
+policy role computes them (rlhf/modeling/roles.py). Every op dispatches as `kernels/` does: Triton on
 CUDA, the PyTorch reference elsewhere, so on CPU the results are the plain path's up to float
 rounding order.
 """

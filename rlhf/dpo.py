@@ -8,7 +8,7 @@ The alternative to reward model + PPO: the policy (from the SFT output) learns f
 directly. Data: every pair shape and the over-long rule of the reward stage (rlhf/data), its
 `data_split` share. A pair's log-prob is the sum over its response tokens (eos included) under a
 `Policy` role, so engine.kernels=true applies; chosen and rejected go through one [2B, L] forward.
-The loss is `rlhf.dpo_math.dpo_loss` (`dpo.*`), averaged over pairs.
+The loss is `rlhf.algos.preference.dpo_loss` (`dpo.*`), averaged over pairs.
 The reference is the starting model, scored without dropout (disabled in the policy):
   dpo.reference=precompute: one pass of the untrained policy (with LoRA: adapters disabled) over the
       train pairs the run will read and the held-out pairs, before the first step; the [N, 2] tables
@@ -33,17 +33,21 @@ import torch
 
 from engine import FrozenEngine, TrainEngine
 from engine.checkpoint import published, read_meta
-from rlhf.app import stage_main
-from rlhf.config import ConfigError, DPOAlgoConfig, DPOConfig, engine_config, optim_config, validate_dpo
+from engine.distributed import all_gather_object
+from rlhf.algos.preference import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
+from rlhf.config import DPOAlgoConfig, DPOConfig
+from rlhf.config.validate import engine_config, optim_config, validate_dpo
+from rlhf.core.errors import ConfigError
 from rlhf.data import collate_pairs
 from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, packs
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.dpo_math import NEEDS_REFERENCE, dpo_loss, pair_stats, sequence_logps
-from rlhf.evaluate import all_gather, eval_line, gold_of, gold_summary, load_eval_prompts
-from rlhf.models import check_context, disable_dropout, export_model, load_causal_lm, load_tokenizer, use_packing
-from rlhf.roles import Policy
-from rlhf.stage import Run
+from rlhf.evaluation.gold import eval_line, gold_of, gold_summary, load_eval_prompts
+from rlhf.modeling.export import export_model
+from rlhf.modeling.load import check_context, disable_dropout, load_causal_lm, load_tokenizer, use_packing
+from rlhf.modeling.roles import Policy
+from rlhf.run.app import stage_main
+from rlhf.run.stage import Run
 
 logger = logging.getLogger("rlhf.dpo")
 TABLES = "reference_logps.pt"  # in each checkpoint: {"train": [N, 2], "eval": [M, 2]} (chosen, rejected)
@@ -98,7 +102,7 @@ def table_of(engine: TrainEngine | FrozenEngine, feats: list[dict], pad_id: int,
             c, r = response_logps(engine.unwrapped, b)[0].cpu().chunk(2)
             out += zip(idx, c.tolist(), r.tolist())
     table = torch.full((len(feats), 2), float("nan"))
-    for part in all_gather(out):
+    for part in all_gather_object(out):
         for i, c, r in part:
             table[i] = torch.tensor([c, r])
     return table

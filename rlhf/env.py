@@ -7,7 +7,7 @@
 
 The paths come from the engine's own decisions: the device from `init_distributed`, the generation
 path from `engine.generation.choose_generation_path` (for the stage's model config, built on the meta
-device as rlhf/plan.py builds it) and each kernel's Triton-or-reference choice from
+device as rlhf/run/plan.py builds it) and each kernel's Triton-or-reference choice from
 `kernels.use_triton`. `--check` compares on this device, for a few shapes in fp32 and bf16: every
 kernel's Triton path with its PyTorch reference, and the injected decoder (Llama and OPT, random
 weights) with `transformers` greedy tokens and log-probs, through the same comparison as the
@@ -23,6 +23,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from engine import init_distributed
+from engine.config import cpu_has_bf16, resolve_precision
+from engine.generation import InjectedGenerator, choose_generation_path, decoder_mismatch, probe_prompts
+from engine.inference import InferenceModel
+import kernels
+from kernels import dispatch, testing
+from rlhf.run.app import user_errors
+from rlhf.run.plan import roles, stage_config
 
 PACKAGES = ("torch", "transformers", "peft", "datasets", "hydra-core", "triton", "wandb")
 
@@ -39,8 +49,6 @@ def versions() -> dict[str, str]:
 
 
 def backends() -> dict[str, bool]:
-    import torch.distributed as dist
-
     if not dist.is_available():
         return {"torch.distributed": False}
     return {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(), "mpi": dist.is_mpi_available()}
@@ -55,8 +63,6 @@ def _rand(*shape, dtype, device, seed=0):
 
 def kernel_cases(device, dtype, small: bool):
     """{name: (inputs, fast, reference, output names)}: each kernel at one shape (odd sizes when small)."""
-    import kernels
-
     n, d, v = (5, 37, 61) if small else (1024, 4096, 32000)
     b, hq, hk, t, hd = (2, 4, 2, 7, 16) if small else (8, 32, 8, 512, 128)
     x, res = _rand(n, d, dtype=dtype, device=device), _rand(n, d, dtype=dtype, device=device, seed=1)
@@ -99,19 +105,14 @@ def _timed(fn, device):
 
 
 def _error(out, ref) -> str:
-    from kernels.testing import rel_err
-
     outs, refs = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
-    errs = [rel_err(o, r) for o, r in zip(outs, refs) if o is not None and r is not None and r.is_floating_point()]
+    errs = [testing.rel_err(o, r) for o, r in zip(outs, refs) if o is not None and r is not None and r.is_floating_point()]
     return f"rel err {max(errs):.1e}" if errs else "equal"
 
 
 def check_kernels(device, dtypes) -> list[Result]:
-    from kernels.dispatch import interpret_mode, use_triton
-    from kernels.testing import mismatch
-
     results = []
-    if not use_triton(torch.zeros(1, device=device)):
+    if not dispatch.use_triton(torch.zeros(1, device=device)):
         why = ("Triton path not available here (triton not installed or kernels disabled)" if device.type == "cuda"
                else "Triton path not available here: no CUDA (TRITON_INTERPRET=1 runs it in Triton's CPU interpreter)")
         return [Result(name, "-", "skip", why) for name in KERNELS]
@@ -119,7 +120,7 @@ def check_kernels(device, dtypes) -> list[Result]:
         for small in (True, False) if device.type == "cuda" else (True,):
             for name, (op, names) in kernel_cases(device, dtype, small).items():
                 label = str(dtype).replace("torch.", "")
-                if interpret_mode() and dtype == torch.bfloat16 and name == "fused_logprobs_entropy":
+                if dispatch.interpret_mode() and dtype == torch.bfloat16 and name == "fused_logprobs_entropy":
                     results.append(Result(name, label, "skip", "Triton's CPU interpreter computes bf16 tl.dot "
                                           "wrongly (tests/test_kernels_logprobs.py): checked on CUDA only"))
                     continue
@@ -127,7 +128,7 @@ def check_kernels(device, dtypes) -> list[Result]:
                     ref = op("reference")
                     out, ms = _timed(lambda: op("triton"), device)
                     out, ms = _timed(lambda: op("triton"), device)  # the second call: compiled already
-                    why = mismatch(out, ref, dtype, names)
+                    why = testing.mismatch(out, ref, dtype, names)
                     results.append(Result(f"{name} ({'small' if small else 'large'})", label,
                                           "fail" if why else "pass", why or _error(out, ref), ms))
                 except Exception as e:  # noqa: BLE001 - reported as a failed check, the others still run
@@ -150,9 +151,6 @@ def tiny_lm(kind: str):
 
 
 def check_decoder(device, dtypes) -> list[Result]:
-    from engine.generation import InjectedGenerator, decoder_mismatch, probe_prompts
-    from engine.inference import InferenceModel
-
     results = []
     for kind in ("llama", "opt"):
         for dtype in dtypes:
@@ -177,11 +175,6 @@ def check_decoder(device, dtypes) -> list[Result]:
 
 def describe(args: list[str]) -> list[str]:
     """The environment lines, and the paths a run with these stage overrides would take."""
-    import kernels
-    from engine import init_distributed
-    from engine.generation import choose_generation_path
-    from rlhf.plan import roles, stage_config
-
     stage, cfg, keys = stage_config(args)
     world = keys["world_size"]
     device = init_distributed().device
@@ -192,8 +185,6 @@ def describe(args: list[str]) -> list[str]:
             lines.append(f"device cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability "
                          f"{p.major}.{p.minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
     lines.append(f"device for a run: {device} (CPU threads: {torch.get_num_threads()})")
-    from engine.config import cpu_has_bf16, resolve_precision
-
     resolved = resolve_precision(cfg.engine, device).precision
     native = f"; this CPU {'has' if cpu_has_bf16() else 'has no'} native bf16 (AVX512-BF16/AMX)" if device.type == "cpu" else ""
     lines.append(f"precision: engine.precision={cfg.engine.precision} -> {resolved}{native}")
@@ -215,8 +206,6 @@ def describe(args: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    from rlhf.app import user_errors
-
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
@@ -227,8 +216,6 @@ def main(argv: list[str]) -> int:
     print("\n".join(lines))
     if not check:
         return 0
-    from engine import init_distributed
-
     device = init_distributed().device
     dtypes = [torch.float32] + ([torch.bfloat16] if device.type != "cuda" or torch.cuda.is_bf16_supported() else [])
     results = check_kernels(device, dtypes) + check_decoder(device, dtypes)

@@ -1,13 +1,12 @@
-"""Held-out evaluation: the helpers the stages share, and the command that runs them on any model.
+"""`python -m rlhf.evaluate`: any model scored on held-out data exactly as the stages score theirs.
 
     python -m rlhf.evaluate model.name_or_path=outputs/sft             # gold score + held-out perplexity
     python -m rlhf.evaluate model.name_or_path=outputs/ppo data.eval_prompts_path=my_prompts.jsonl
     python -m rlhf.evaluate model.name_or_path=outputs/reward data.eval_path=pairs.jsonl   # mode auto -> reward
     torchrun --nproc_per_node 2 -m rlhf.evaluate engine=zero3 model.name_or_path=/models/opt-1.3b
 
-Helpers (the stages call them): `gold_eval` (generations scored by the gold judge) and `perplexity`. Both
-run on the gathered (unsharded) model and split their rows over the ranks, so ranks may take different
-numbers of decode steps without any collective in between; results are all-gathered.
+The figures come from rlhf/evaluation/ (`gold_eval`: generations scored by the gold judge,
+`perplexity`, `evaluate_pairs`), the same functions the stages call.
 
 The command loads the model into a `TrainEngine` whose optimizer never steps: the same wrappers,
 precision policy and `engine.generation()` path as the stage that trained it, so its figures are the
@@ -23,185 +22,30 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from engine import OptimConfig, TrainEngine, hf_base_model, init_distributed
-from engine.distributed import all_reduce_sum
-from engine.generation import SamplingParams
-from rlhf.app import save_config, seed_everything, setup_logging, stage_main
-from rlhf.config import (
-    ConfigError, DataConfig, EvaluateConfig, GenerationConfig, ModelConfig, engine_config, validate_evaluate,
-)
-from rlhf.data import (
-    collate_prompts, collate_sft, load_rows, parse_pairs, parse_prompts, parse_sft, tokenize_pairs, tokenize_prompts,
-    tokenize_sft,
-)
+from rlhf.config import DataConfig, EvaluateConfig, ModelConfig
+from rlhf.config.validate import engine_config, validate_evaluate
+from rlhf.core.errors import ConfigError
+from rlhf.core.hub import check_local
+from rlhf.core.task import judge
+from rlhf.data import load_rows, parse_pairs, parse_sft, tokenize_pairs, tokenize_sft
 from rlhf.data.stage import stage_rows
-from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.hub import check_local
-from rlhf.models import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path
-from rlhf.roles import Policy, ValueModel
-from rlhf.runlog import RunLog, format_summary, write_summary
-from rlhf.task import judge
+from rlhf.evaluation.gold import EvalPrompt, gold_eval, load_eval_prompts
+from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
+from rlhf.evaluation.perplexity import perplexity
+from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path
+from rlhf.modeling.roles import Policy, ValueModel
+from rlhf.run.app import save_config, seed_everything, setup_logging, stage_main
+from rlhf.run.runlog import RunLog, format_summary, write_summary
 
 logger = logging.getLogger("rlhf.evaluate")
-
-
-@dataclass(slots=True)
-class EvalPrompt:
-    text: str
-    ids: list[int]
-    answer: str | None
-    task: str | None
-
-
-def load_eval_prompts(d: DataConfig, tokenizer: Any) -> list[EvalPrompt]:
-    """The first `d.num_eval_prompts` of `d.eval_prompts_path` (none when it is null)."""
-    if not d.eval_prompts_path:
-        return []
-    examples = parse_prompts(load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir), tokenizer)
-    if d.num_eval_prompts:
-        examples = examples[: d.num_eval_prompts]
-    feats, _ = tokenize_prompts(examples, tokenizer, d.max_prompt_len, d.overlong, d.add_bos)
-    logger.info("%d eval prompts from %s", len(feats), d.eval_prompts_path)
-    return [EvalPrompt(f["prompt"], f["input_ids"], f["answer"], f["meta"].get("task")) for f in feats]
-
-
-def sampling_params(g: GenerationConfig) -> SamplingParams:
-    return SamplingParams(max_new_tokens=g.max_new_tokens, greedy=g.greedy, temperature=g.temperature,
-                          top_k=g.top_k, top_p=g.top_p)
-
-
-def all_gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def generate_texts(
-    generate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    prompts: Sequence[EvalPrompt],
-    tokenizer: Any,
-    batch_size: int,
-    device: torch.device,
-) -> list[str]:
-    """Decoded responses of this rank's prompts. `generate(ids, mask) -> response ids [B, T]`."""
-    texts: list[str] = []
-    for i in range(0, len(prompts), batch_size):
-        chunk = prompts[i : i + batch_size]
-        batch = collate_prompts([{"input_ids": p.ids} for p in chunk], tokenizer.pad_token_id)
-        responses = generate(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
-    return texts
-
-
-def gold_eval(
-    generator: Any,
-    prompts: Sequence[EvalPrompt],
-    tokenizer: Any,
-    g: GenerationConfig,
-    info: Any,
-    *,
-    n_samples: int = 3,
-) -> dict[str, Any]:
-    """Generate for every prompt (rank r takes prompts[r::world]; `info`: the engine's DistInfo) and
-    score with the gold judge.
-
-    `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
-    gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
-    characters) and `samples` (the first few prompt/response/score triples). Torch's RNG is left
-    as it was (sampled evaluation must not shift the training run's random stream).
-    """
-    params = sampling_params(g)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-
-    def gen(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = generator.generate(ids, mask, params, eos_token_id=eos, pad_token_id=pad)
-        return out.responses.masked_fill(out.response_mask == 0, pad)
-
-    idx, device = list(range(info.rank, len(prompts), info.world_size)), info.device
-    mine = [prompts[i] for i in idx]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
-    scored = [(i, p.text, t, judge(p.text, t, p.answer), p.task) for i, p, t in zip(idx, mine, texts)]
-    merged = sorted(x for part in all_gather(scored) for x in part)
-    result: dict[str, Any] = {"response_len": sum(len(x[2]) for x in merged) / max(1, len(merged))}
-    judged = [(s, task) for _, _, _, s, task in merged if s is not None]
-    result["gold_score"] = 100.0 * sum(s for s, _ in judged) / len(judged) if judged else None
-    for task in sorted({t for _, t in judged if t}):
-        vals = [s for s, t in judged if t == task]
-        result[f"gold_score/{task}"] = 100.0 * sum(vals) / len(vals)
-    result["samples"] = [{"prompt": p, "response": t, "score": s} for _, p, t, s, _ in merged[:n_samples]]
-    return result
-
-
-def gold_of(engine: Any, prompts: Sequence[EvalPrompt], tokenizer: Any, g: GenerationConfig) -> dict[str, Any]:
-    """`gold_eval` in `engine`'s generation mode ({} without prompts): a stage's gold figures."""
-    if not prompts:
-        return {}
-    with engine.generation() as generator:
-        return gold_eval(generator, prompts, tokenizer, g, engine.info)
-
-
-def gold_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The gold figures of two evaluations under their summary.json names: gold_score_before/after
-    and gold_score/<task>_before/after."""
-    return {"gold_score_before": before.get("gold_score"), "gold_score_after": after.get("gold_score"),
-            **{f"{k}_{when}": v for when, ev in (("before", before), ("after", after))
-               for k, v in ev.items() if k.startswith("gold_score/")}}
-
-
-def gold_line(ev: dict[str, Any]) -> str | None:
-    """"gold score 66.0 (add=90 reverse=40 ...)" for a progress line, None without a gold score."""
-    if ev.get("gold_score") is None:
-        return None
-    tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
-    return f"gold score {ev['gold_score']:.1f} ({tasks})"
-
-
-def eval_line(own: str | None, ev: dict[str, Any], empty: str) -> str:
-    """A stage's progress line for an evaluation: its own figures (`own`, None: none), then the gold
-    score's; `empty` when there is neither."""
-    return ", ".join(part for part in (own, gold_line(ev)) if part) or empty
-
-
-@torch.no_grad()
-def perplexity(
-    model: torch.nn.Module,
-    features: Sequence[dict[str, list[int]]],
-    pad_id: int,
-    batch_size: int,
-    *,
-    rank: int,
-    world: int,
-    device: torch.device,
-) -> dict[str, float]:
-    """Token-weighted loss and perplexity of a `Policy` role on SFT features (labels -100 outside responses)."""
-    mine = list(features[rank::world])
-    acc = torch.zeros(2, dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
-    for i in range(0, len(mine), batch_size):
-        b = collate_sft(mine[i : i + batch_size], pad_id)
-        labels = b["labels"][:, 1:].to(device)
-        acc[0] += model(b["input_ids"].to(device), b["attention_mask"].to(device), targets=labels,
-                        reduction="sum").double()
-        acc[1] += (labels != IGNORE_INDEX).sum()
-    model.train(was_training)
-    all_reduce_sum(acc)
-    loss = (acc[0] / acc[1]).item() if acc[1] > 0 else float("nan")
-    return {"loss": loss, "perplexity": math.exp(loss) if loss < 50 else float("inf")}
 
 
 # ----------------------------------------------------------------------------- the command
@@ -285,8 +129,6 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
 
 
 def evaluate_reward(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
-    from rlhf.reward import held_out_summary, pair_metrics, score_pairs  # (rlhf.reward imports this module)
-
     d = cfg.data
     path = d.eval_path or cfg.default_pairs_path
     if not path:

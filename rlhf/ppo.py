@@ -9,11 +9,11 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
 `rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old and reference
 log-probs, critic values, `reward.sources`: the reward model, the gold judge, an `answer` match, a user
-function or a weighted sum; rlhf/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
-on the last) -> advantages (`ppo.advantage_estimator`, a registry in rlhf/ppo_math.py: gae with the
+function or a weighted sum; rlhf/rl/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
+on the last) -> advantages (`ppo.advantage_estimator`, a registry in rlhf/rl_math.py: gae with the
 critic, or critic-free grpo / rloo / reinforce_pp; `algorithm=` sets it with its other keys) ->
-update (`ppo.ppo_epochs` passes of mini-batches; rlhf/losses.py) -> metrics and the reward-hacking
-alarms (rlhf/alarms.py; `train.stop_on_alarm`). Without a critic or the `model` reward source those
+update (`ppo.ppo_epochs` passes of mini-batches; rlhf/rl/update.py) -> metrics and the reward-hacking
+alarms (rlhf/rl/alarms.py; `train.stop_on_alarm`). Without a critic or the `model` reward source those
 models are not loaded.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
@@ -23,29 +23,30 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import fields
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
-from rlhf import alarms, ppo_math, rewards
-from rlhf.app import ConfigError, stage_main
-from rlhf.config import PPOConfig, rollout_rows, validate_ppo
+from rlhf.algos import rl as rl_math
+from rlhf.config import PPOConfig
+from rlhf.config.validate import rollout_rows, validate_ppo
+from rlhf.core.errors import ConfigError
+from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, stage_rows
-from rlhf.evaluate import eval_line, gold_eval, gold_summary, load_eval_prompts
-from rlhf.experience import (
-    Models, build_experience, drop_uniform_groups, generate, mask_nonfinite, model_cfg, nonfinite_rows, ptx_batches,
-    step_metrics, update,
-)
-from rlhf.hub import check_local
-from rlhf.losses import actor_loss, make_critic_loss
-from rlhf.models import load_tokenizer
-from rlhf.runlog import read_metrics
-from rlhf.stage import Run
+from rlhf.evaluation.gold import eval_line, gold_eval, gold_summary, load_eval_prompts
+from rlhf.modeling.load import load_tokenizer
+from rlhf.rl import alarms, rewards
+from rlhf.rl.experience import build_experience
+from rlhf.rl.metrics import step_metrics
+from rlhf.rl.models import Models, model_cfg
+from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows
+from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
+from rlhf.run.app import stage_main
+from rlhf.run.runlog import read_metrics
+from rlhf.run.stage import Run
 
 logger = logging.getLogger("rlhf.ppo")
 
@@ -78,11 +79,12 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
             torch.manual_seed(cfg.seed + 1)
             g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     group = group_offset + info.rank * n + torch.arange(n, device=info.device)
-    scored = models.score(SimpleNamespace(**{f.name: getattr(g, f.name) for f in fields(g)}, responses=g.responses,
-                                          group=group), cfg)
+    # every row scored, the empty ones too (the training step drops those from its update)
+    scored = models.score(Rollout.from_generation(g, group, tok.eos_token_id, cfg.rollout.max_new_tokens,
+                                                  drop_empty=False))
     kept = (~nonfinite_rows(scored, g.response_mask)[0]).double()  # a NaN/inf row is left out (counted)
     # the same estimator as the reward penalty (ppo.kl_estimator), so the reported KL names one thing
-    kl = ppo_math.masked_sum(ppo_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
+    kl = rl_math.masked_sum(rl_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
                              g.response_mask.float(), dim=1)
     sums = all_reduce_sum(torch.stack([kl.double() @ kept, scored["score"].double() @ kept, kept.sum(),
                                        (1 - kept).sum()]))
@@ -102,7 +104,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if cfg.model.name_or_path is not None:
         raise ConfigError("model.name_or_path is not used by PPO: set actor.model and critic.model "
                           "(reference.model / reward_model.model default to them)")
-    est = ppo_math.advantage_estimator(p.advantage_estimator)
+    est = rl_math.advantage_estimator(p.advantage_estimator)
     needs_rm = "model" in cfg.reward.sources
     # the critic's path is read only for a critic, or as the reward model's default source
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
@@ -130,7 +132,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 p.advantage_estimator, len(feats), stats, total, r.prompts_per_step,
                 r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
 
-    # ---- reward source (rlhf/rewards.py): prompt rows of training, then of evaluation (group offset)
+    # ---- reward source (rlhf/rl/rewards.py): prompt rows of training, then of evaluation (group offset)
     table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
     eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
     rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
@@ -142,7 +144,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     models = Models(cfg, tok, info, n_updates, reward_source=source)
     if needs_rm:  # the reward model's source, alone or inside a weighted sum
         models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
-    kl_ctl = ppo_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
+    kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
     monitor = alarms.Monitor(cfg.alarms)
 
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
@@ -169,7 +171,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad), torch.tensor(idx),
                            sampling(cfg), eos, pad)
         t1 = time.time()
-        scored = models.score(rollout, cfg)
+        scored = models.score(rollout)
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
@@ -187,7 +189,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             times[key].append(rec[key])
         kl_ctl.update(rec["kl"], rollout_rows(r))
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
-        rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/alarms.py)
+        rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/rl/alarms.py)
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:
             run.log_train(step, rec, dict(reward=f"{rec['reward']:.3f}", kl=f"{rec['kl']:.3f}",

@@ -18,31 +18,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from engine import TrainEngine
-from rlhf.app import stage_main
-from rlhf.config import SFTConfig, engine_config, optim_config, validate_sft
+from rlhf.config import SFTConfig
+from rlhf.config.validate import engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft
 from rlhf.data.packing import pack_length_of, pack_sft, packs
 from rlhf.data.stage import stage_data
-from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.evaluate import eval_line, gold_of, gold_summary, load_eval_prompts, perplexity
-from rlhf.models import check_context, export_model, load_causal_lm, load_tokenizer, use_packing
-from rlhf.roles import Policy
-from rlhf.stage import Run
+from rlhf.evaluation.gold import eval_line, gold_of, gold_summary, load_eval_prompts
+from rlhf.evaluation.perplexity import perplexity
+from rlhf.modeling.export import export_model
+from rlhf.modeling.forward import sft_loss
+from rlhf.modeling.load import check_context, load_causal_lm, load_tokenizer, use_packing
+from rlhf.modeling.roles import Policy
+from rlhf.run.app import stage_main
+from rlhf.run.stage import Run
 
 logger = logging.getLogger("rlhf.sft")
-
-
-def sft_loss(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Summed next-token cross-entropy over response tokens under a `Policy` role, and their count
-    (the engine's weight). With engine.kernels the log-probs come from hidden states."""
-    labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
-    # A packed batch (rlhf/data/packing.py) has no attention mask and per-row position ids.
-    loss_sum = policy(batch["input_ids"], batch["attention_mask"], batch.get("position_ids"), targets=labels,
-                      reduction="sum")
-    return loss_sum, (labels != IGNORE_INDEX).sum(), {}
 
 
 def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, prompts: list) -> dict[str, Any]:

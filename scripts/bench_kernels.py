@@ -100,8 +100,8 @@ def flops_per_token(model, s: dict) -> float:
 
 def bench_train_step(s: dict, device, kernels_on: bool, precision: str, peak_tflops: float, steps: int) -> dict:
     from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
-    from rlhf.sft import sft_loss
-    from rlhf.roles import Policy
+    from rlhf.modeling.forward import sft_loss
+    from rlhf.modeling.roles import Policy
 
     info = init_distributed()
     model = llama(s, torch.float32)
@@ -140,7 +140,7 @@ def bench_scoring(s: dict, device, kernels_on: bool, precision: str) -> dict:
 
     info = init_distributed()
     cfg = EngineConfig(stage=3, precision=precision, kernels=kernels_on)
-    from rlhf.roles import Policy, ValueModel
+    from rlhf.modeling.roles import Policy, ValueModel
 
     actor = FrozenEngine(Policy(llama(s, torch.float32), fused=kernels_on), cfg, info)
     ref = FrozenEngine(Policy(llama(s, torch.float32), fused=kernels_on), cfg, info)
@@ -149,7 +149,7 @@ def bench_scoring(s: dict, device, kernels_on: bool, precision: str) -> dict:
     critic = LlamaForSequenceClassification(lcfg)
     reward = LlamaForSequenceClassification(lcfg)
     critic, reward = FrozenEngine(ValueModel(critic), cfg, info), FrozenEngine(ValueModel(reward), cfg, info)
-    from rlhf.rollout import position_ids_from_mask, token_logprobs
+    from rlhf.modeling.forward import position_ids_from_mask, token_logprobs
 
     g = torch.Generator().manual_seed(2)
     seqs = torch.randint(3, s["vocab"], (s["batch"], s["seq"]), generator=g).to(device)

@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def main(overrides: list[str]) -> None:
     from engine import TrainEngine, init_distributed
     from engine.memory import fmt_bytes
-    from rlhf.config import SFTConfig, compose, engine_config, optim_config, to_config
-    from rlhf.models import load_causal_lm, load_tokenizer
-    from rlhf.plan import run_plan
-    from rlhf.roles import Policy
+    from rlhf.config import SFTConfig, compose, to_config
+    from rlhf.config.validate import engine_config, optim_config
+    from rlhf.modeling.load import load_causal_lm, load_tokenizer
+    from rlhf.run.plan import run_plan
+    from rlhf.modeling.roles import Policy
 
     info = init_distributed()
     dev = info.device.type

@@ -15,7 +15,7 @@ For each model and each kind of step, the same micro-batches run padded and pack
     sft     TrainEngine.train_step with rlhf.sft.sft_loss (forward + backward + AdamW), a Policy
     reward  TrainEngine.train_step with rlhf.reward's pairwise loss (chosen + rejected rows), a ValueModel
     score   the RL stage's scoring pass: no-grad log-probs of every row's tokens under the Policy
-            (what rlhf/experience.py computes; that stage itself still runs padded batches)
+            (what rlhf/rl/rollout.py computes; that stage itself still runs padded batches)
 Columns: real tokens/s (`--clock cpu`: per CPU-second of this process), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
 CPU: bytes of tensors saved for backward, deduplicated by storage, the activation memory that
 padding inflates; '-' for the no-grad pass), the ratio of tokens/s to the padded run of the first `--compile` value (off by default),
@@ -48,9 +48,9 @@ from engine.config import resolve_precision  # noqa: E402
 from rlhf.data import collate_pairs, collate_sft  # noqa: E402
 from rlhf.data.packing import batch_tokens, pack_pairs, pack_sft  # noqa: E402
 from rlhf.data.tokenize import IGNORE_INDEX  # noqa: E402
+from rlhf.modeling.forward import sft_loss
+from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.reward import make_loss  # noqa: E402
-from rlhf.roles import Policy, ValueModel  # noqa: E402
-from rlhf.sft import sft_loss  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- data
@@ -86,7 +86,7 @@ def default_data() -> tuple[object, list[dict], list[dict]]:
     from rlhf.config import RewardConfig, SFTConfig
     from rlhf.data import parse_pairs, parse_sft, tokenize_pairs, tokenize_sft
     from rlhf.data.stage import stage_rows
-    from rlhf.models import load_tokenizer
+    from rlhf.modeling.load import load_tokenizer
 
     conf = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "conf"))
     with initialize_config_dir(config_dir=conf, version_base=None):
@@ -105,7 +105,7 @@ def default_data() -> tuple[object, list[dict], list[dict]]:
 
 def build(which: str, head: str, model_cfg=None, tok=None) -> torch.nn.Module:
     if which == "tiny":
-        from rlhf.models import load_causal_lm, load_value_model
+        from rlhf.modeling.load import load_causal_lm, load_value_model
 
         return (load_causal_lm if head == "lm" else load_value_model)(model_cfg, tok, seed=0)
     import transformers

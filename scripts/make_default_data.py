@@ -11,9 +11,9 @@ copies the habits (greedy decoding picks the demonstrator's most frequent answer
 data (correct answer chosen; a plausible wrong one rejected: the habit, another slip, or an off-task
 answer) teaches a reward model to catch them: a lower-case letter or an out-of-order pair is visible
 in the response itself, so judging is easier than doing, which is the situation in which RLHF beats
-imitation. PPO must remove the habits. All four kinds (rlhf.task.DEFAULT_TASKS) are judged by
+imitation. PPO must remove the habits. All four kinds (rlhf.core.task.DEFAULT_TASKS) are judged by
 matching characters of the response against the prompt; addition and counting are not shipped,
-because a reward model of this size does not learn to verify them on a CPU in minutes (rlhf/task.py).
+because a reward model of this size does not learn to verify them on a CPU in minutes (rlhf/core/task.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rlhf.task import DEFAULT_TASKS, gold_answer, make_prompt, parse_prompt  # noqa: E402
+from rlhf.core.task import DEFAULT_TASKS, gold_answer, make_prompt, parse_prompt
 
 SEED = 1234
 SIZES = {  # rows per file; every prompt is unique across all files

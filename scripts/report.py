@@ -15,7 +15,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from rlhf.runlog import plot_series, read_metrics, series  # noqa: E402
+from rlhf.run.runlog import plot_series, read_metrics, series
 
 STAGES = ("sft", "reward", "ppo")
 PIPELINES = {"ppo": STAGES, "dpo": ("sft", "dpo")}
@@ -101,7 +101,7 @@ def dpo_lines(d: dict) -> list[str]:
 
 
 def alarm_lines(rows: list[dict], summary: dict) -> list[str]:
-    """The reward-hacking alarms (rlhf/alarms.py) of the RL run: one line per alarm that fired (its first
+    """The reward-hacking alarms (rlhf/rl/alarms.py) of the RL run: one line per alarm that fired (its first
     step, how many records had it, the figures then), or that none did; and an early stop."""
     fired: dict[str, list[dict]] = {}
     checked = set()

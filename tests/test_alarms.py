@@ -1,4 +1,4 @@
-"""Reward-hacking alarms (rlhf/alarms.py): each fires on a constructed series and stays quiet on a
+"""Reward-hacking alarms (rlhf/rl/alarms.py): each fires on a constructed series and stays quiet on a
 steady one; the monitor's WARN lines, metrics fields and resume state; report.py's section; and
 train.stop_on_alarm through the command line (a checkpoint, then a clean end)."""
 from __future__ import annotations
@@ -10,10 +10,18 @@ import math
 import pytest
 
 from conftest import ROOT, metrics, run_stage, summary
-from rlhf.alarms import (
-    Monitor, clip_high, entropy_collapse, kl_growth, length_drift, record, reward_up_gold_down, slope, train_alarms,
-)
 from rlhf.config import AlarmsConfig
+from rlhf.rl.alarms import (
+    Monitor,
+    clip_high,
+    entropy_collapse,
+    kl_growth,
+    length_drift,
+    record,
+    reward_up_gold_down,
+    slope,
+    train_alarms,
+)
 
 W = 4
 

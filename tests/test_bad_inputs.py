@@ -146,7 +146,7 @@ def test_a_directory_of_mixed_formats_is_refused_not_half_read(tmp_path):
 
 
 def test_a_cut_last_line_of_metrics_jsonl_is_not_a_record(tmp_path):
-    from rlhf.runlog import read_metrics
+    from rlhf.run.runlog import read_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "kind": "train", "loss": 1.0}\n{"step": 2, "kind": "tr')
     assert read_metrics(str(tmp_path)) == [{"step": 1, "kind": "train", "loss": 1.0}]

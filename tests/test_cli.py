@@ -20,7 +20,7 @@ SLACK_S = 3.0
 
 
 def leaf_keys(schema: type, prefix: str = "") -> list[str]:
-    """Every leaf key of a dataclass schema, dotted (written here independently of rlhf/cli.py)."""
+    """Every leaf key of a dataclass schema, dotted (written here independently of rlhf/config/cli.py)."""
     hints = typing.get_type_hints(schema)
     keys = []
     for f in dataclasses.fields(schema):
@@ -114,7 +114,7 @@ def test_wrongly_nested_key_and_bad_group_option(tmp_path):
 def test_a_wrong_type_or_a_key_below_a_link_is_caught_before_hydra():
     # Hydra composes onto the schema, so it would stop on these with its own report (exit 1); and
     # critic.lora.alpha=8 would write through critic.lora=${model.lora} into the actor's LoRA too.
-    from rlhf.cli import check_overrides
+    from rlhf.config.cli import check_overrides
     from rlhf.config import ConfigError
 
     conf = str(ROOT / "conf")
@@ -133,7 +133,7 @@ def test_keys_below_a_dict_key_are_free(tmp_path):
 
 
 def test_suggest_prefers_the_same_last_part_then_difflib():
-    from rlhf.cli import suggest
+    from rlhf.config.cli import suggest
 
     valid = ["train.lr", "train.log_every", "actor.lr", "critic.lr", "rollout.micro_batch_size"]
     assert suggest("train.lrr", valid) == ["train.lr"]
@@ -143,7 +143,7 @@ def test_suggest_prefers_the_same_last_part_then_difflib():
 
 
 def test_descriptions_come_from_trailing_comments_else_the_block_above():
-    from rlhf.cli import describe
+    from rlhf.config.cli import describe
     from rlhf.config import ModelConfig, TrainConfig
 
     assert describe(TrainConfig, "scheduler") == "constant | linear | cosine"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL_MODEL, metrics, run_stage, summary
-from rlhf.dpo_math import LOSS_TYPES, dpo_loss, pair_stats, sequence_logps
+from rlhf.algos.preference import LOSS_TYPES, dpo_loss, pair_stats, sequence_logps
 
 
 def softplus(x: float) -> float:  # -log sigmoid(-x)
@@ -148,7 +148,7 @@ def test_pair_batch_labels_cover_exactly_the_responses():
 def _tiny(tmp_path):
     """A small llama saved as a HF directory, and its tokenizer."""
     from rlhf.config import ModelConfig
-    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.modeling.load import load_causal_lm, load_tokenizer
 
     cfg = ModelConfig(tokenizer=str(ROOT / "data/tokenizer"), config={
         "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -187,10 +187,11 @@ def _hf_table(model_dir: str, feats) -> torch.Tensor:
 
 def test_lora_reference_is_the_base_model_and_the_table_matches_transformers(tmp_path):
     from engine import TrainEngine, init_distributed
-    from rlhf.config import LoraConfig, ModelConfig, TrainConfig, engine_config, optim_config, stage_engine
+    from rlhf.config import LoraConfig, ModelConfig, TrainConfig, stage_engine
+    from rlhf.config.validate import engine_config, optim_config
     from rlhf.dpo import table_of
-    from rlhf.models import load_causal_lm
-    from rlhf.roles import Policy
+    from rlhf.modeling.load import load_causal_lm
+    from rlhf.modeling.roles import Policy
 
     base_dir, tok = _tiny(tmp_path)
     feats = _feats(tok)

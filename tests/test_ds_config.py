@@ -13,8 +13,15 @@ import yaml
 from conftest import ROOT, SMALL_MODEL, metrics, run_stage
 from engine.config import EngineConfig
 from rlhf.config import EvaluateConfig, PPOConfig, RewardConfig, SFTConfig
-from rlhf.ds_config import (STATIC_LOSS_SCALE_WINDOW, ConfigError, command_line_keys, ds_overrides, hydra_value,
-                            map_ds_config, targets_for)
+from rlhf.config.ds_config import (
+    STATIC_LOSS_SCALE_WINDOW,
+    ConfigError,
+    command_line_keys,
+    ds_overrides,
+    hydra_value,
+    map_ds_config,
+    targets_for,
+)
 
 SFT, PPO, EVAL = targets_for(SFTConfig), targets_for(PPOConfig), targets_for(EvaluateConfig, "python -m rlhf.evaluate")
 CONF = str(ROOT / "conf")
@@ -201,7 +208,8 @@ def test_batch_triple_follows_deepspeeds_rule(given, world, expected):
     total, micro = expected
     assert mapped(ds, world=world) == {"train.global_batch_size": total, "train.micro_batch_size": micro}
     # and the stage's own check agrees: accumulation = global / (micro x world)
-    from rlhf.config import TrainConfig, validate_train
+    from rlhf.config import TrainConfig
+    from rlhf.config.validate import validate_train
 
     accum = validate_train(TrainConfig(global_batch_size=total, micro_batch_size=micro), world)
     assert total == micro * accum * world
@@ -475,7 +483,7 @@ def test_ds_overrides_leave_out_what_the_command_line_sets(tmp_path, monkeypatch
 
 
 def test_a_ds_config_set_outside_the_command_line_is_an_error():
-    from rlhf.app import _check_ds_config_applied
+    from rlhf.run.app import _check_ds_config_applied
 
     with pytest.raises(ConfigError, match="engine.ds_config=x.json is read from the command line only"):
         _check_ds_config_applied(SFTConfig(engine=EngineConfig(ds_config="x.json")), None)

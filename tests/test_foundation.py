@@ -7,11 +7,10 @@ import os
 import pytest
 
 from engine import init_distributed
-from rlhf.app import CONF_DIR
-from rlhf.config import (
-    ROOT, SCHEMAS, ConfigError, DataConfig, LoraConfig, ModelConfig, SFTConfig, compose, to_config, validate_sft,
-)
-from rlhf.task import gold_answer, gold_score, judge, mean_gold_score
+from rlhf.config import SCHEMAS, ConfigError, DataConfig, LoraConfig, ModelConfig, SFTConfig, compose, to_config
+from rlhf.config.validate import validate_sft
+from rlhf.core.paths import CONF_DIR, ROOT
+from rlhf.core.task import gold_answer, gold_score, judge, mean_gold_score
 
 DATA = ROOT / "data" / "default"
 
@@ -54,7 +53,7 @@ OPTION_KEYS = {"engine": {"stage"}, "logger": {"backend"}}
 
 
 def test_the_yaml_holds_only_what_differs_from_the_schema():
-    # One source of truth: each key's default lives in the dataclass (rlhf/config.py; the engine group:
+    # One source of truth: each key's default lives in the dataclass (rlhf/config/schema.py; the engine group:
     # engine/config.py). A conf file names only keys of the schema, and repeats no default, except a
     # stage file's value that must win over its group choice's (evaluate's model.tokenizer: null).
     import os
@@ -129,7 +128,7 @@ def test_default_config_is_valid_and_accumulation_follows_batch_arithmetic():
 
 
 def test_model_config_needs_a_source():
-    from rlhf.config import validate_model
+    from rlhf.config.validate import validate_model
 
     with pytest.raises(ConfigError, match="model.name_or_path or model.config"):
         validate_model(ModelConfig())
@@ -141,7 +140,7 @@ def test_model_config_needs_a_source():
 def test_attn_implementation_reaches_the_model_built_and_the_model_loaded(tmp_path):
     """model.attn_implementation reaches a model built from `config` (the tiny default: eager) and one
     loaded from a directory (transformers' own choice, sdpa, unless set)."""
-    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.modeling.load import load_causal_lm, load_tokenizer
 
     cfg = sft_config().model
     assert cfg.attn_implementation == "eager"  # conf/model/tiny.yaml
@@ -251,7 +250,7 @@ def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correc
 
 
 def _task(prompt: str) -> str:
-    from rlhf.task import task_of
+    from rlhf.core.task import task_of
 
     return task_of(prompt)
 

@@ -8,7 +8,7 @@ import torch
 
 from conftest import SMALL_MODEL, metrics, run_stage
 from engine.kernel_injection import inject_kernels
-from rlhf.roles import Policy
+from rlhf.modeling.roles import Policy
 
 
 def tiny(kind: str, seed: int = 0):

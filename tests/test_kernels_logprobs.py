@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kernels import logprobs as L
 from conftest import gpu
+from kernels import logprobs as L
 from kernels.testing import outputs_and_grads, rel_err
 
 

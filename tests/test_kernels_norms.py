@@ -6,8 +6,8 @@ are off by up to a bf16 ulp and get a looser tolerance than fp32/fp64.
 import pytest
 import torch
 
-from kernels import norms as N
 from conftest import gpu
+from kernels import norms as N
 from kernels.testing import outputs_and_grads, rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}

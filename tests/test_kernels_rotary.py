@@ -5,8 +5,8 @@ Interpreter caveat: fp32 -> bf16 conversion truncates there (GPUs round), hence 
 import pytest
 import torch
 
-from kernels import rotary as R
 from conftest import gpu
+from kernels import rotary as R
 from kernels.testing import outputs_and_grads, rel_err
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}

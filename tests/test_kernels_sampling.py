@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kernels import sampling as S
 from conftest import gpu
+from kernels import sampling as S
 
 
 CONFIGS = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 20, 1.0), (0.7, 0, 0.9), (1.3, 50, 0.8), (1.0, 1, 0.5)]

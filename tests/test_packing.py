@@ -13,14 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf.config import ConfigError, DataConfig, validate_data
+from rlhf.config import ConfigError, DataConfig
+from rlhf.config.validate import validate_data
 from rlhf.data import collate_pairs, collate_sft
 from rlhf.data.packing import batch_tokens, pack_bins, pack_pairs, pack_sft
 from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.models import use_packing
-from rlhf.reward import batch_scores, make_loss
-from rlhf.roles import Policy, ValueModel
-from rlhf.sft import sft_loss
+from rlhf.modeling.forward import batch_scores, sft_loss
+from rlhf.modeling.load import use_packing
+from rlhf.modeling.roles import Policy, ValueModel
+from rlhf.reward import make_loss
 
 VOCAB, PAD = 61, 0
 LENGTHS = [7, 23, 1, 16, 3, 30, 12, 9]  # ragged, one single-token row
@@ -258,9 +259,9 @@ def test_packing_saves_only_when_rows_share_packs():
 def test_rollout_logprobs_values_scores_equal_padded(family, pack_length):
     """A rollout batch (prompts left-padded, responses right-padded): log-probs (and entropy, and their
     gradients), critic values and reward scores on the repacked real tokens equal the padded ones."""
-    from rlhf.reward_math import sequence_scores
-    from rlhf.experience import RewardModelScore
-    from rlhf.rollout import Repacked, position_ids_from_mask, row_values, token_logprobs, token_values
+    from rlhf.algos.reward_model import sequence_scores
+    from rlhf.rl.rewards import RewardModelScore
+    from rlhf.modeling.forward import Repacked, position_ids_from_mask, row_values, token_logprobs, token_values
 
     g = torch.Generator().manual_seed(4)
     B, P, T = 5, 7, 9

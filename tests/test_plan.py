@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from rlhf.plan import run_plan
 from conftest import ROOT, cli_env
+from rlhf.run.plan import run_plan
 from test_engine_dist import _free_port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "engine_scripts", "plan_ranks.py")

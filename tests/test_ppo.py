@@ -14,9 +14,10 @@ from torch import nn
 from conftest import ROOT, SMALL_MODEL, cli_env, comparable, killed_at, leftovers, metrics, run_stage, summary
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine.generation import SamplingParams, hf_generate, response_mask_from_eos
-from rlhf.experience import build_experience, empty_responses
-from rlhf.roles import Policy
-from rlhf.rollout import position_ids_from_mask, score_rollout, token_logprobs
+from rlhf.modeling.forward import position_ids_from_mask, token_logprobs
+from rlhf.modeling.roles import Policy
+from rlhf.rl.experience import build_experience
+from rlhf.rl.rollout import empty_responses, score_rollout
 
 V = 8
 
@@ -68,7 +69,7 @@ def test_scores_and_rewards_on_left_padded_ragged_batch():
     # the last token (position 5)
     from types import SimpleNamespace
 
-    from rlhf.experience import RewardModelScore
+    from rlhf.rl.rewards import RewardModelScore
 
     rollout = SimpleNamespace(sequences=seqs, attention_mask=attn)
     scored["score"] = RewardModelScore(SimpleNamespace(model=PositionValue()), micro_batch_size=1).score(rollout)
@@ -89,7 +90,8 @@ def test_a_nonfinite_score_or_logprob_drops_its_row_counted_and_named(caplog):
     the rest are untouched and every reward, advantage and return stays finite; counted and named."""
     import logging
 
-    from rlhf.experience import Rollout, mask_nonfinite, step_metrics
+    from rlhf.rl.rollout import Rollout, mask_nonfinite
+    from rlhf.rl.metrics import step_metrics
 
     B, P, T = 4, 2, 3
     g = torch.Generator().manual_seed(0)
@@ -137,8 +139,10 @@ def test_a_step_whose_responses_are_all_empty_changes_nothing():
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf.experience import Rollout, step_metrics, update
-    from rlhf.losses import make_actor_loss, make_critic_loss
+    from rlhf.rl.rollout import Rollout
+    from rlhf.rl.metrics import step_metrics
+    from rlhf.rl.update import update
+    from rlhf.rl.update import make_actor_loss, make_critic_loss
 
     torch.manual_seed(0)
     info = init_distributed()

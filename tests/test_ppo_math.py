@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rlhf.ppo_math import (
+from rlhf.algos.rl import (
     AdaptiveKLController,
     FixedKLController,
     compute_rewards,
@@ -331,7 +331,7 @@ def test_fixed_kl_controller_and_factory():
 
 
 def test_gae_is_registered_and_is_gae_advantages():
-    from rlhf.ppo_math import AdvantageInputs, advantage_estimator
+    from rlhf.algos.rl import AdvantageInputs, advantage_estimator
 
     g = torch.Generator().manual_seed(3)
     rewards, values = torch.randn(4, 7, generator=g), torch.randn(4, 7, generator=g)
@@ -345,7 +345,7 @@ def test_gae_is_registered_and_is_gae_advantages():
 
 
 def test_registry_rejects_unknown_and_duplicate_names(monkeypatch):
-    from rlhf import ppo_math
+    from rlhf.algos import rl as ppo_math
 
     monkeypatch.setattr(ppo_math, "ADVANTAGE_ESTIMATORS", dict(ppo_math.ADVANTAGE_ESTIMATORS))
     with pytest.raises(ValueError, match="unknown advantage estimator 'nope'; registered: gae"):
@@ -357,8 +357,8 @@ def test_registry_rejects_unknown_and_duplicate_names(monkeypatch):
 def test_a_critic_free_estimator_sees_scores_and_groups_and_returns_no_targets(monkeypatch):
     """The experience hands every estimator the same inputs; one without a critic gets values=None,
     and the experience then carries no values/returns (the micro-batches leave them out)."""
-    from rlhf import ppo_math
-    from rlhf.experience import build_experience
+    from rlhf.algos import rl as ppo_math
+    from rlhf.rl.experience import build_experience
 
     monkeypatch.setattr(ppo_math, "ADVANTAGE_ESTIMATORS", dict(ppo_math.ADVANTAGE_ESTIMATORS))
     seen = {}

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 pytest.importorskip("matplotlib")
-from rlhf.runlog import make_figure  # noqa: E402
+from rlhf.run.runlog import make_figure
 
 
 def load_report():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL_MODEL, comparable, killed_at, leftovers, metrics, run_stage, summary
-from rlhf.reward_math import auc, last_token_index, pair_accuracy, pairwise_loss, sequence_scores
+from rlhf.algos.reward_model import auc, last_token_index, pair_accuracy, pairwise_loss, sequence_scores
 
 # ----------------------------------------------------------------------------- scoring positions
 
@@ -85,8 +85,8 @@ def test_loss_gradient_pushes_chosen_up_and_rejected_down():
 
 def _value_model(seed: int = 0):
     from rlhf.config import ModelConfig
-    from rlhf.models import load_tokenizer, load_value_model
-    from rlhf.roles import ValueModel
+    from rlhf.modeling.load import load_tokenizer, load_value_model
+    from rlhf.modeling.roles import ValueModel
 
     cfg = ModelConfig(name_or_path=None, tokenizer=str(ROOT / "data/tokenizer"),
                       config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -157,7 +157,7 @@ def test_head_init_std_sets_a_fresh_head_and_keeps_a_trained_one(tmp_path):
     the backbone's gradient is zero), > 0 = normal(0, std) drawn from the seed; a head that a
     reward checkpoint brings is kept as saved."""
     from rlhf.config import ModelConfig
-    from rlhf.models import has_trained_head, load_tokenizer, load_value_model
+    from rlhf.modeling.load import has_trained_head, load_tokenizer, load_value_model
 
     cfg = ModelConfig(name_or_path=None, tokenizer=str(ROOT / "data/tokenizer"),
                       config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -171,7 +171,7 @@ def test_head_init_std_sets_a_fresh_head_and_keeps_a_trained_one(tmp_path):
     assert torch.equal(small[0], small[1]) and not torch.equal(small[0], small[2])
     assert small[0].std().item() == pytest.approx(1e-3, rel=0.3)
     ids = torch.tensor([tok("Human: Reverse abc.\n\nAssistant: cba")["input_ids"]])
-    from rlhf.roles import ValueModel
+    from rlhf.modeling.roles import ValueModel
 
     assert torch.count_nonzero(ValueModel(zero)(ids, torch.ones_like(ids))) == 0
     zero.score.weight.data.fill_(0.5)  # "trained"
@@ -252,8 +252,8 @@ def test_saved_reward_model_reloads_with_identical_scores(default_run):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf.config import ModelConfig
-    from rlhf.models import load_tokenizer, load_value_model
-    from rlhf.roles import ValueModel
+    from rlhf.modeling.load import load_tokenizer, load_value_model
+    from rlhf.modeling.roles import ValueModel
 
     model_dir = str(default_run / "model")
     tok = AutoTokenizer.from_pretrained(model_dir)

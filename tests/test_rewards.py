@@ -1,4 +1,4 @@
-"""Reward sources (rlhf/rewards.py): the verifiable rewards and the weighted sum against hand-computed
+"""Reward sources (rlhf/rl/rewards.py): the verifiable rewards and the weighted sum against hand-computed
 values, a user function's failures as counted row errors, and every source through `python -m rlhf.ppo`."""
 from __future__ import annotations
 
@@ -11,12 +11,21 @@ import pytest
 import torch
 
 from conftest import ROOT, metrics, run_stage, summary
-from rlhf.config import ConfigError, RewardSourcesConfig, validate_reward_sources
-from rlhf.experience import mask_nonfinite
-from rlhf.rewards import (
-    TextReward, WeightedSum, answer_reward, build, check_rows, judge_reward, load_function, normalize_answer,
-    prompt_row, report_errors,
+from rlhf.config import ConfigError, RewardSourcesConfig
+from rlhf.config.validate import validate_reward_sources
+from rlhf.core.plugins import load_function
+from rlhf.rl.rewards import (
+    TextReward,
+    WeightedSum,
+    answer_reward,
+    build,
+    check_rows,
+    judge_reward,
+    normalize_answer,
+    prompt_row,
+    report_errors,
 )
+from rlhf.rl.rollout import mask_nonfinite
 
 PAD, EOS = 0, 1
 

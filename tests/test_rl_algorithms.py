@@ -13,10 +13,17 @@ import pytest
 import torch
 
 from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage, summary
-from rlhf import ppo_math
-from rlhf.ppo_math import (
-    advantage_estimator, aggregate_loss, grpo_advantages, kl_estimate, kl_loss_tokens, policy_loss,
-    reinforce_pp_advantages, rloo_advantages, uniform_groups,
+from rlhf.algos import rl as ppo_math
+from rlhf.algos.rl import (
+    advantage_estimator,
+    aggregate_loss,
+    grpo_advantages,
+    kl_estimate,
+    kl_loss_tokens,
+    policy_loss,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    uniform_groups,
 )
 
 
@@ -161,7 +168,7 @@ class StubPolicy(torch.nn.Module):
 
 
 def test_actor_loss_with_kl_loss_term_and_aggregation():
-    from rlhf.losses import make_actor_loss
+    from rlhf.rl.update import make_actor_loss
 
     g = torch.Generator().manual_seed(0)
     B, P, T = 3, 2, 4
@@ -188,7 +195,7 @@ def test_actor_loss_with_kl_loss_term_and_aggregation():
 # ----------------------------------------------------------------------------- dynamic sampling
 
 def test_uniform_groups_are_dropped_and_counted():
-    from rlhf.experience import Rollout, drop_uniform_groups
+    from rlhf.rl.rollout import Rollout, drop_uniform_groups
 
     valid = MASK.bool().any(1)
     # group 7 differs (1, 2, 3; the empty row's 100 does not count), 8 is all 5, 9 has one row

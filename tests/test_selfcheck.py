@@ -12,10 +12,10 @@ import logging
 import pytest
 import torch
 
-import kernels
 from engine import EngineConfig, validate_engine_config
 from engine.config import selfcheck_enabled
 from engine.generation import SamplingParams, hf_generate
+import kernels
 from kernels import dispatch, logprobs, norms, rotary, sampling, swiglu
 from test_generation_mode import EOS, PAD, engine_for, prompts, tiny
 

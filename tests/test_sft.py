@@ -161,7 +161,7 @@ def test_lora_trains_only_adapters_merged_or_not(run_a, tmp_path):
     assert not os.path.exists(tmp_path / "adapter" / "model" / "model.safetensors")
     # the adapter directory loads onto its base (merged on load) as the same model as the merged export
     from rlhf.config import ModelConfig
-    from rlhf.models import load_causal_lm, load_tokenizer
+    from rlhf.modeling.load import load_causal_lm, load_tokenizer
 
     cfg = ModelConfig(name_or_path=str(tmp_path / "adapter"))
     tok = load_tokenizer(cfg)

@@ -1,4 +1,4 @@
-"""The stage skeleton (rlhf/stage.py) on a fake checkpointable state: cadence, resume, skip limit."""
+"""The stage skeleton (rlhf/run/stage.py) on a fake checkpointable state: cadence, resume, skip limit."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.checkpoint import META, write_meta
-from rlhf.app import TrainingError
 from rlhf.config import SFTConfig, TrainConfig
-from rlhf.runlog import read_metrics
-from rlhf.stage import Run
+from rlhf.core.errors import TrainingError
+from rlhf.run.runlog import read_metrics
+from rlhf.run.stage import Run
 
 
 class FakeState:
@@ -116,7 +116,7 @@ def test_ranks_that_disagree_on_the_checkpoint_or_config_stop(monkeypatch):
     difference is an error (raised on every rank, as every rank sees every view)."""
     import engine.distributed as D
     from rlhf.config import ConfigError
-    from rlhf.stage import agree
+    from rlhf.run.stage import agree
 
     cfg = SFTConfig()
     agree("/ckpt/step_4", cfg)  # one process: nothing to disagree with
@@ -141,8 +141,9 @@ def test_ranks_that_disagree_on_the_checkpoint_or_config_stop(monkeypatch):
 def test_default_micro_batches_fit_two_ranks_and_explicit_ones_are_kept():
     """The defaults (32 rows per forward, 32 per step) run as they are on 2 ranks: the micro-batch is
     lowered to what one rank holds; one that fits is kept, one that cannot divide is still an error."""
-    from rlhf.config import ConfigError, PPOConfig, SFTConfig, TrainConfig, validate_train
-    from rlhf.config import validate_ppo as check_ppo
+    from rlhf.config import ConfigError, PPOConfig, SFTConfig, TrainConfig
+    from rlhf.config.validate import validate_train
+    from rlhf.config.validate import validate_ppo as check_ppo
 
     t = SFTConfig().train
     assert validate_train(t, 2) == 1 and t.micro_batch_size == 16

@@ -107,7 +107,7 @@ def test_vocabulary_larger_than_the_embedding_is_an_error(user_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.config import ConfigError
-    from rlhf.models import check_tokenizer_fits
+    from rlhf.modeling.load import check_tokenizer_fits
 
     model = AutoModelForCausalLM.from_pretrained(user_model)
     tok = AutoTokenizer.from_pretrained(user_model)
@@ -124,7 +124,7 @@ def test_ppo_models_saved_with_another_tokenizer_are_an_error(user_model, tmp_pa
 
     from transformers import AutoTokenizer
 
-    from rlhf.models import tokenizer_mismatch
+    from rlhf.modeling.load import tokenizer_mismatch
 
     shipped = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
     mine = AutoTokenizer.from_pretrained(user_model)
@@ -159,7 +159,7 @@ def test_the_family_s_own_keys_are_used():
     from transformers import AutoTokenizer
 
     from rlhf.config import ModelConfig
-    from rlhf.models import load_causal_lm
+    from rlhf.modeling.load import load_causal_lm
 
     tok = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
     cfg = ModelConfig(config={"model_type": "opt", "hidden_size": 32, "ffn_dim": 48, "num_hidden_layers": 1,
@@ -207,7 +207,7 @@ def test_each_stage_loads_exactly_what_the_previous_one_saved(adapter_chain):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf.config import ModelConfig
-    from rlhf.models import load_causal_lm, load_tokenizer, load_value_model
+    from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model
 
     user_model, sft, rm, ppo = adapter_chain
     tok = AutoTokenizer.from_pretrained(sft / "model")
@@ -308,7 +308,7 @@ def test_plain_transformers_generation_gives_the_run_s_gold_score(default_output
     """The README's snippet: tokenizer(prompts) -> generate (greedy) -> decode, scored by the judge."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf.task import judge
+    from rlhf.core.task import judge
 
     sft, _ = default_outputs
     tok = AutoTokenizer.from_pretrained(sft / "model", padding_side="left")

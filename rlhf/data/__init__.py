@@ -6,12 +6,13 @@
     features, stats = tokenize_sft(examples, tokenizer, 512, 256)   # over-long rule, counted
     batch = collate_sft(features[:8], pad_id=tokenizer.pad_token_id)
 """
+from rlhf.config.validate import parse_data_split
+from rlhf.core.errors import DataFileNotFoundError, DataFormatError
+from rlhf.core.hub import SUPPORTED_EXTENSIONS
 from rlhf.data.records import (
     PAIR_SHAPES,
     PROMPT_SHAPES,
     SFT_SHAPES,
-    DataFileNotFoundError,
-    DataFormatError,
     PairExample,
     PromptExample,
     Row,
@@ -20,8 +21,8 @@ from rlhf.data.records import (
     parse_prompts,
     parse_sft,
 )
-from rlhf.data.sources import SUPPORTED_EXTENSIONS, load_rows
-from rlhf.data.split import parse_data_split, split_indices, take_split
+from rlhf.data.sources import load_rows
+from rlhf.data.split import split_indices, take_split
 from rlhf.data.tokenize import (
     IGNORE_INDEX,
     collate_pairs,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlhf.data.tokenize import IGNORE_INDEX
+from rlhf.data.tokenize import IGNORE_INDEX, collate_pairs
 
 
 def pack_length_of(data_cfg: Any) -> int:
@@ -83,8 +83,8 @@ def packs(lengths: Sequence[int], pack_length: int | None, only_if_saves: bool) 
     return pack_length is not None and (not only_if_saves or packing_saves(lengths, pack_length))
 
 
-def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
-            labels: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+def pack_rows(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
+              labels: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
     bins = pack_bins([len(r) for r in rows], pack_length)
     # NOTE: packs are as long as the fullest one, not pack_length: rows of the default data (37-50
     # tokens, max_len 64) rarely share a 64-token pack, and [B, 64] packs held 33% padding where the
@@ -122,7 +122,7 @@ def _packed(rows: Sequence[Sequence[int]], pad_id: int, pack_length: int,
 def pack_sft(batch: Sequence[dict[str, list[int]]], pad_id: int, pack_length: int) -> dict[str, Any]:
     """`collate_sft`'s rows packed: input_ids, labels, position_ids [P, T] (labels -100 on every row's
     first token and on the pad tail), attention_mask None, row_pack/row_end [B], num_tokens."""
-    return _packed([b["input_ids"] for b in batch], pad_id, pack_length, [b["labels"] for b in batch])
+    return pack_rows([b["input_ids"] for b in batch], pad_id, pack_length, [b["labels"] for b in batch])
 
 
 def pack_pairs(batch: Sequence[dict[str, Any]], pad_id: int, pack_length: int, *, labels: bool = False) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def pack_pairs(batch: Sequence[dict[str, Any]], pad_id: int, pack_length: int, *
     lab = None
     if labels:
         lab = [[IGNORE_INDEX] * f["prompt_len"] + r[f["prompt_len"] :] for f, r in zip([*batch, *batch], rows)]
-    return _packed(rows, pad_id, pack_length, lab)
+    return pack_rows(rows, pad_id, pack_length, lab)
 
 
 def packed_scores(values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -187,3 +187,15 @@ def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str) -> t
         return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(torch.float32).min)[:, None]
     return allowed[:, None]
+
+
+def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False):
+    """rows -> collate_pairs' padded batch, or with `pack_length` (not None) the packed one (with
+    `only_if_saves`, data.packing=auto: only where packing computes fewer slots)."""
+    def collate(rows: list[dict]) -> dict:
+        lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
+        if packs(lengths, pack_length, only_if_saves):
+            return pack_pairs(rows, pad_id, pack_length)
+        return collate_pairs(rows, pad_id)
+
+    return collate

@@ -27,13 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class DataFormatError(ValueError):
-    """A data source or row that does not fit any accepted shape; the message names where."""
-
-
-class DataFileNotFoundError(DataFormatError, FileNotFoundError):
-    """A local data file that does not exist (catchable as either parent)."""
+from rlhf.core.errors import DataFormatError
 
 
 @dataclass(slots=True)

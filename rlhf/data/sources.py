@@ -14,13 +14,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rlhf.data.records import DataFileNotFoundError, DataFormatError, Row
+from rlhf.core.errors import DataFileNotFoundError, DataFormatError
+from rlhf.core.hub import FILE_LIKE_SUFFIXES, SUPPORTED_EXTENSIONS, ensure_hub
+from rlhf.data.records import Row
 
-SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")
-# Suffixes that mark a string as a file path (not a hub name) even when it does not exist.
-_FILE_LIKE_SUFFIXES = frozenset(
-    {".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".xlsx", ".pkl", ".pt", ".yaml", ".yml"}
-)
 
 
 def load_rows(source: str, split: str = "train", cache_dir: str | None = None, key: str | None = None) -> list[Row]:
@@ -47,7 +44,7 @@ def load_rows(source: str, split: str = "train", cache_dir: str | None = None, k
     if not path.exists():
         if suffix in SUPPORTED_EXTENSIONS:
             raise DataFileNotFoundError(f"data file not found: {path}")
-        if suffix in _FILE_LIKE_SUFFIXES:
+        if suffix in FILE_LIKE_SUFFIXES:
             raise DataFormatError(
                 f"{path}: unsupported file type {suffix!r} (and no such file); supported: "
                 f"{', '.join(SUPPORTED_EXTENSIONS)} files, a directory of them, or a datasets hub name"
@@ -110,7 +107,6 @@ def _read_parquet(path: Path) -> list[Row]:
 
 
 def _load_dataset(source: str, split: str, cache_dir: str | None, key: str | None = None) -> list[Row]:
-    from rlhf.hub import ensure_hub
 
     what = f"{key}={source!r}" if key else f"data source {source!r}"
     ensure_hub(source, key or "data source", "dataset", cache_dir)  # no reachable hub: fails in seconds

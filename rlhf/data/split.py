@@ -14,26 +14,9 @@ from typing import TypeVar
 
 import numpy as np
 
-STAGES = ("sft", "reward", "ppo")
+from rlhf.config.validate import parse_data_split
+
 T = TypeVar("T")
-
-
-def parse_data_split(data_split: str | Sequence[float]) -> tuple[float, float, float]:
-    """"2,4,4" or [2, 4, 4] -> normalised proportions; ValueError naming data.data_split."""
-    try:
-        parts = data_split.split(",") if isinstance(data_split, str) else list(data_split)
-        weights = [float(p) for p in parts]
-    except (TypeError, ValueError):
-        msg = f"data.data_split must be 3 comma-separated numbers like '2,4,4', got {data_split!r}"
-        raise ValueError(msg) from None
-    if len(weights) != 3:
-        raise ValueError(f"data.data_split needs 3 weights (sft, reward, ppo), got {len(weights)}: {data_split!r}")
-    if any(not math.isfinite(w) or w < 0 for w in weights):
-        raise ValueError(f"data.data_split weights must be finite and >= 0, got {data_split!r}")
-    total = sum(weights)
-    if total <= 0:
-        raise ValueError(f"data.data_split weights must not all be zero, got {data_split!r}")
-    return tuple(w / total for w in weights)  # type: ignore[return-value]
 
 
 def split_indices(n: int, data_split: str | Sequence[float], stage: int, seed: int) -> list[int]:

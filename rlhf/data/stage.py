@@ -19,10 +19,13 @@ from typing import Any
 
 import torch
 
-from rlhf.config import ConfigError, DataConfig, TrainConfig
-from rlhf.data.records import Row
+from rlhf.config import DataConfig, TrainConfig
+from rlhf.config.validate import STAGES
+from rlhf.core.errors import ConfigError
+from rlhf.data.records import Row, parse_pairs, parse_sft
 from rlhf.data.sources import load_rows
-from rlhf.data.split import STAGES, take_split
+from rlhf.data.split import take_split
+from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +90,6 @@ def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, n
     """`stage_rows` parsed and tokenized as demonstrations (stage 0: SFT) or preference pairs (1: reward,
     DPO) under the over-long rule, and the order the run's `total` steps read them in; one log line
     (`name` starts it) with the counts."""
-    from rlhf.data.records import parse_pairs, parse_sft
-    from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
-
     parse, tokenize, unit = (parse_sft, tokenize_sft, "rows") if stage == 0 else (parse_pairs, tokenize_pairs, "pairs")
     train_rows, eval_rows = stage_rows(d, stage)
     rule = (tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)

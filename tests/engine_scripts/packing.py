@@ -23,9 +23,9 @@ from test_packing import PAD, pair_rows, sft_rows, tiny  # noqa: E402
 from engine import EngineConfig, OptimConfig, TrainEngine, exit_process, init_distributed  # noqa: E402
 from rlhf.data import collate_pairs, collate_sft  # noqa: E402
 from rlhf.data.packing import pack_pairs, pack_sft  # noqa: E402
+from rlhf.modeling.forward import sft_loss
+from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.reward import make_loss  # noqa: E402
-from rlhf.roles import Policy, ValueModel  # noqa: E402
-from rlhf.sft import sft_loss  # noqa: E402
 
 STEPS, ACCUM = 2, 2
 OPTIM = OptimConfig(lr=1e-2, scheduler="constant", grad_clip=0.0)

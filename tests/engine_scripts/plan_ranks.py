@@ -1,7 +1,7 @@
 """The engine's measured memory report per rank, for tests/test_plan.py: python plan_ranks.py OUT overrides...
 
 Under torchrun (2 gloo ranks) or as one process: for ZeRO stages 0-3, the model of the SFT config that
-the overrides compose (rlhf/config.py) is loaded as the SFT stage loads it, one optimizer step is taken
+the overrides compose (rlhf/config/schema.py) is loaded as the SFT stage loads it, one optimizer step is taken
 on a 2 x 8-token batch, and `TrainEngine.memory_report()` is written to OUT/rank<r>_stage<s>.json.
 """
 import json
@@ -11,9 +11,10 @@ import sys
 import torch
 
 from engine import TrainEngine, init_distributed
-from rlhf.config import SFTConfig, compose, engine_config, optim_config, to_config
-from rlhf.models import load_causal_lm, load_tokenizer
-from rlhf.roles import Policy
+from rlhf.config import SFTConfig, compose, to_config
+from rlhf.config.validate import engine_config, optim_config
+from rlhf.modeling.load import load_causal_lm, load_tokenizer
+from rlhf.modeling.roles import Policy
 
 
 def main(out: str, overrides: list[str]) -> None:

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 ppo_grads.py <out>   2 ranks (gloo), each takes half of the mini-batch
     python ppo_grads.py <out>                        1 process, the whole mini-batch; + plain autograd
 
-For engine.kernels false and true: a tiny seeded Llama actor (causal LM as an rlhf.roles.Policy) and
-critic (a sequence-classification Llama as an rlhf.roles.ValueModel): the roles' outputs through the
+For engine.kernels false and true: a tiny seeded Llama actor (causal LM as an rlhf.modeling.roles.Policy) and
+critic (a sequence-classification Llama as an rlhf.modeling.roles.ValueModel): the roles' outputs through the
 sharded engine (log-probs, entropy, values of every row, gathered to rank 0), then one `TrainEngine.train_step` each
 (engine.stage=3, fp32) with rlhf/ppo.py's actor and critic losses on a fixed left-padded mini-batch
 of GLOBAL rows in micro-batches of MICRO. The full (unsharded) gradients are read in an optimizer
@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
 from engine.kernel_injection import inject_kernels  # noqa: E402
-from rlhf.losses import make_actor_loss, make_critic_loss  # noqa: E402
-from rlhf.roles import Policy, ValueModel  # noqa: E402
-from rlhf.rollout import position_ids_from_mask, token_logprobs, token_values  # noqa: E402
+from rlhf.modeling.forward import position_ids_from_mask, token_logprobs, token_values
+from rlhf.modeling.roles import Policy, ValueModel
+from rlhf.rl.update import make_actor_loss, make_critic_loss
 
 VOCAB, P, T, GLOBAL, MICRO = 64, 5, 6, 8, 2
 CLIPRANGE, CLIPRANGE_VALUE, TEMPERATURE = 0.2, 0.2, 0.7

@@ -21,10 +21,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
-from rlhf.experience import build_experience  # noqa: E402
-from rlhf.losses import make_actor_loss  # noqa: E402
-from rlhf.roles import Policy  # noqa: E402
-from rlhf.rollout import position_ids_from_mask, token_logprobs  # noqa: E402
+from rlhf.modeling.forward import position_ids_from_mask, token_logprobs
+from rlhf.modeling.roles import Policy
+from rlhf.rl.experience import build_experience
+from rlhf.rl.update import make_actor_loss
 
 VOCAB, P, T, PROMPTS, N, MICRO, TEMPERATURE = 64, 4, 6, 4, 3, 2, 0.7
 GLOBAL = PROMPTS * N

@@ -43,12 +43,14 @@ import torch
 
 from engine import compile_seconds, format_memory_report, init_distributed, prune_checkpoints
 from engine.checkpoint import remove_leftovers
-from rlhf.app import (
-    TrainingError, checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything,
-    setup_logging,
+from engine.distributed import all_gather_object, all_reduce_sum
+from rlhf.config import as_yaml
+from rlhf.core.errors import ConfigError, TrainingError
+from rlhf.data.packing import batch_tokens
+from rlhf.run.app import (
+    checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything, setup_logging,
 )
-from rlhf.config import ConfigError, as_yaml
-from rlhf.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.run.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
 
 logger = logging.getLogger("rlhf")
 
@@ -112,8 +114,6 @@ def agree(resume_path: str | None, cfg: Any) -> None:
     """Every rank must run the same config from the same checkpoint (a rank that saw another file
     system, or another command line, would train something else in lock-step): compared across
     ranks, a mismatch is an error on every rank naming what differs."""
-    from engine.distributed import all_gather_object
-
     mine = (resume_path, config_hash(cfg))
     every = all_gather_object(mine)
     if any(e != every[0] for e in every):
@@ -132,8 +132,6 @@ class Throughput:
         self.tokens += n
 
     def rate(self) -> float:
-        from engine.distributed import all_reduce_sum
-
         total = all_reduce_sum(torch.tensor(float(self.tokens))).item()
         now = time.time()
         rate = total / max(now - self.t0, 1e-9)
@@ -247,8 +245,6 @@ class Run:
         world's, since the last record), skipped_steps and `extra(step)`; the bar shows `postfix`
         ({name: (record key, format spec)}). `before_step(step)` runs first (reward's head-only phase).
         Returns the last record."""
-        from rlhf.data.packing import batch_tokens
-
         meter, last = Throughput(), {}
         for step in self.steps():
             if before_step is not None:

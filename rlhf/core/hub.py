@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from rlhf.config import ConfigError
+from rlhf.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # "gpt2", "facebook/opt-125m"
 _LOCAL_PREFIXES = ("/", "./", "../", "~", "outputs/")  # outputs/: where the stages write (conf/*.yaml)
 _STAGE_OF_KEY = {"actor.model": "rlhf.sft", "critic.model": "rlhf.reward", "reward_model.model": "rlhf.reward"}
 _TRUE = {"1", "ON", "YES", "TRUE"}
+SUPPORTED_EXTENSIONS = (".jsonl", ".json", ".parquet")  # the data files rlhf/data/sources.py reads
+# Suffixes that mark a string as a file path (not a hub name) even when it does not exist.
+FILE_LIKE_SUFFIXES = frozenset(
+    {".csv", ".tsv", ".txt", ".arrow", ".gz", ".zip", ".bz2", ".xz", ".zst", ".xlsx", ".pkl", ".pt", ".yaml", ".yml"}
+)
 
 
 def looks_local(path: str) -> bool:
@@ -69,12 +74,10 @@ def check_local(path: str, key: str) -> None:
 def is_hub_name(source: str) -> bool:
     """Whether `source` would be looked up on the hub: no such local path, and shaped like a repo id.
     (A missing file with a data suffix is left to rlhf/data/sources.py, which names the file.)"""
-    from rlhf.data.sources import _FILE_LIKE_SUFFIXES, SUPPORTED_EXTENSIONS
-
     if looks_local(source):
         return False
     suffix = os.path.splitext(source)[1].lower()
-    return bool(_HUB_ID.match(source)) and suffix not in SUPPORTED_EXTENSIONS and suffix not in _FILE_LIKE_SUFFIXES
+    return bool(_HUB_ID.match(source)) and suffix not in SUPPORTED_EXTENSIONS and suffix not in FILE_LIKE_SUFFIXES
 
 
 def offline_mode() -> bool:
@@ -156,15 +159,13 @@ def ensure_hub(source: str, key: str, repo_type: str = "model", cache_dir: str |
 
 def check_sources(config: Any, prefix: str = "", unused: frozenset = frozenset()) -> None:
     """`ensure_hub` on every key of a typed config marked `field(metadata={"hub": "model"|"dataset"})`,
-    so that an unreachable hub name fails with its exact key before anything starts; keys the config
-    says it will not read (`config.unused_sources()`, e.g. PPO's critic.model without a critic) are left."""
-    if not prefix and hasattr(config, "unused_sources"):
-        unused = frozenset(config.unused_sources())
+    so that an unreachable hub name fails with its exact key before anything starts; the `unused` keys
+    (those the run will not read, e.g. PPO's critic.model without a critic) are left."""
     for f in dataclasses.fields(config):
         value, key = getattr(config, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
             check_sources(value, key + ".", unused)
         elif f.metadata.get("hub") and isinstance(value, str) and value and key not in unused:
-            # NOTE: with fallback_to_config a name_or_path that is not local builds from config (rlhf/models.py)
+            # NOTE: with fallback_to_config a name_or_path that is not local builds from config (rlhf/modeling/load.py)
             if not (f.name == "name_or_path" and getattr(config, "fallback_to_config", False)):
                 ensure_hub(value, key, f.metadata["hub"], getattr(config, "cache_dir", None))

@@ -6,13 +6,13 @@
     python -m rlhf.ppo reward.sources=[function] reward.function=mypkg.mod:score
     python -m rlhf.ppo reward.sources=[judge,function] reward.weights=[1,0.5] reward.function=mypkg.mod:score
 
-Each source implements `RewardSource` (rlhf/experience.py): `score(rollout) -> [B] float32`, one score
+Each source implements `RewardSource` (below): `score(rollout) -> [B] float32`, one score
 per row of this rank, `rollout.group[i]` being the index of row i's prompt in the table of prompt rows
 the source was built with. The sources (`reward.sources`, weights `reward.weights`, default all 1):
 
     model     the frozen reward model's value at the last real token (`RewardModelScore`); the only
               source that loads a model: without it the reward model is not loaded at all
-    judge     the gold judge of the held-out gold score (`rlhf.task.judge`): exact match with the row's
+    judge     the gold judge of the held-out gold score (`rlhf.core.task.judge`): exact match with the row's
               `answer` field when it has one, else the embedded task's judge (1.0 / 0.0); every prompt
               must be judgeable
     answer    exact match with the row's `answer` field after `normalize_answer` (surrounding
@@ -30,26 +30,60 @@ Several sources give `sum_k weights[k] * score_k` (a NaN in any one drops the ro
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import math
-import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from rlhf.config import ConfigError, RewardSourcesConfig
-from rlhf.experience import RewardModelScore, RewardSource
-from rlhf.task import judge, parse_prompt
+from engine import FrozenEngine
+from rlhf.algos.reward_model import sequence_scores
+from rlhf.config import REWARD_SOURCES, RewardSourcesConfig
+from rlhf.core.errors import ConfigError
+from rlhf.core.plugins import load_function
+from rlhf.core.task import judge, parse_prompt
+from rlhf.modeling.forward import position_ids_from_mask, row_values
+from rlhf.rl.rollout import Rollout
 
 logger = logging.getLogger("rlhf.rewards")
 
-SOURCES = ("model", "judge", "answer", "function")
-__all__ = ["SOURCES", "RewardModelScore", "TextReward", "WeightedSum", "build", "check_rows", "load_function",
-           "describe", "normalize_answer", "prompt_row", "report_errors"]
+SOURCES = REWARD_SOURCES  # the names reward.sources takes (rlhf/config/schema.py), each built in `build`
 
 RewardFn = Callable[[str, str, dict], Any]  # (prompt, response, row) -> float
+
+
+# ----------------------------------------------------------------------------- the protocol and the reward model
+
+
+class RewardSource(Protocol):
+    """Scores whole responses: `score(rollout)` -> [B] float32, one per row (every rank its rows).
+
+    The reward model is one (`RewardModelScore`). Another source is one class with this method: e.g.
+    a verifiable reward that decodes the responses and judges them against the dataset rows that
+    `rollout.group` indexes. `Models(..., reward_source=...)` takes it instead of the reward model."""
+
+    def score(self, rollout: Rollout) -> torch.Tensor: ...
+
+
+class RewardModelScore:
+    """The frozen reward model's value at the last real token of prompt + response (rlhf/algos/reward_model.py),
+    its forwards packed as the other RL passes are when `pack_length` is set (data.packing=true)."""
+
+    def __init__(self, engine: FrozenEngine, micro_batch_size: int, pack_length: int | None = None):
+        self.engine, self.micro_batch_size, self.pack_length = engine, micro_batch_size, pack_length
+
+    @torch.no_grad()
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        ids, mask = rollout.sequences, rollout.attention_mask
+        positions = position_ids_from_mask(mask)
+        parts = []
+        for s in range(0, ids.shape[0], self.micro_batch_size):  # the same forwards on every rank
+            sl = slice(s, s + self.micro_batch_size)
+            values = row_values(self.engine.model, {"sequences": ids[sl], "attention_mask": mask[sl],
+                                                    "position_ids": positions[sl], "pack_length": self.pack_length})
+            parts.append(sequence_scores(values.float(), mask[sl]))
+        return torch.cat(parts)
 
 
 # ----------------------------------------------------------------------------- the verifiable rewards
@@ -103,34 +137,13 @@ def check_rows(sources: Sequence[str], rows: Sequence[dict], where: str) -> None
     scored by the text sources in `sources`: `answer` needs an answer field, `judge` a judge."""
     for name, ok, why in (("answer", lambda r: r.get("answer") is not None, "has no `answer` field"),
                           ("judge", _judgeable, "has no `answer` field and is not a prompt of the embedded task "
-                                                "(rlhf/task.py), so no judge can score it")):
+                                                "(rlhf/core/task.py), so no judge can score it")):
         if name in sources:
             bad = [i for i, r in enumerate(rows) if not ok(r)]
             if bad:
                 raise ConfigError(f"reward.sources has {name!r} but {len(bad)} of {len(rows)} prompt rows of {where} "
                                   f"{why} (first: {rows[bad[0]]['prompt']!r}); use reward.sources=[model] or data "
                                   f"with an `answer` field")
-
-
-# ----------------------------------------------------------------------------- the user's function
-
-
-def load_function(spec: str | None, key: str = "reward.function") -> RewardFn:
-    """`module:function` -> the callable; ConfigError (naming `key`) if it cannot be imported or called."""
-    if not spec or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ConfigError(f"{key} must be 'module:function' (e.g. mypkg.rewards:score), got {spec!r}")
-    module_name, attr = spec.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module raising on import
-        raise ConfigError(f"{key}={spec!r}: cannot import {module_name!r} ({type(e).__name__}: {e}); "
-                          f"is it on PYTHONPATH? (sys.path[0]={sys.path[0]!r})") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ConfigError(f"{key}={spec!r}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise ConfigError(f"{key}={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
 
 
 # ----------------------------------------------------------------------------- sources

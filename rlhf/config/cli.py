@@ -4,10 +4,10 @@
     python -m rlhf.sft train.lr=3e-4 --help    # the same, with the override applied
     python -m rlhf.sft train.lrr=1             # error (configuration/data): ... did you mean 'train.lr'?
 
-The descriptions come from the schema's source (rlhf/config.py; engine.* from engine/config.py), so
+The descriptions come from the schema's source (rlhf/config/schema.py; engine.* from engine/config.py), so
 there is one place to write them: a field's trailing `# comment`, else the comment block just above it, else
 `field(metadata={"help": ...})`. A group's description is its field's comment in the parent, else its
-docstring. Any dataclass schema works; `rlhf.app.stage_main` is the entry that uses this module.
+docstring. Any dataclass schema works; `rlhf.run.app.stage_main` is the entry that uses this module.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from rlhf.config import ConfigError
+from rlhf.core.errors import ConfigError
 
 DESC_COLUMN = 40  # where descriptions start in --help (a longer `key=value` puts it on the next line)
 

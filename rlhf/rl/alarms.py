@@ -1,7 +1,7 @@
 """Reward-hacking alarms: pure functions over a run's metric history, and the monitor the RL loop keeps.
 
 A policy that games its reward shows it in the figures every step already logs, before the gold
-score (when there is one) says so. Five alarms (thresholds: `alarms.*` in rlhf/config.py), each
+score (when there is one) says so. Five alarms (thresholds: `alarms.*` in rlhf/config/schema.py), each
 computed from the last `alarms.window` steps W, against the first `window` steps B (the baseline):
 
     kl        KL to the reference grows fast:   least-squares slope of the rollouts' KL over W
@@ -18,7 +18,7 @@ computed from the last `alarms.window` steps W, against the first `window` steps
 evaluations). Every computed alarm adds `alarm_<name>` (0 or 1) and its figures
 (`alarm_<name>_<figure>`) to the step's train record (gold: to the evaluation's record); one that
 fires, having been quiet, logs one WARN line with the numbers. `train.stop_on_alarm=true` then ends
-the run cleanly (a checkpoint first; rlhf/stage.py `Run.stop`).
+the run cleanly (a checkpoint first; rlhf/run/stage.py `Run.stop`).
 
     monitor = Monitor(cfg.alarms)
     rec.update(monitor.after_step(step, rec))     # in the loop, every step (rec: the step's metrics)
@@ -209,7 +209,7 @@ class Monitor:
 
 
 def stop_run(run, monitor: Monitor, stop_on_alarm: bool) -> None:
-    """train.stop_on_alarm: end `run` (rlhf/stage.py Run.stop) after this step when an alarm fired
+    """train.stop_on_alarm: end `run` (rlhf/run/stage.py Run.stop) after this step when an alarm fired
     (the same figures on every rank, so every rank stops)."""
     if stop_on_alarm and monitor.fired:
         run.stop(f"train.stop_on_alarm: alarm {', '.join(monitor.fired)} fired")

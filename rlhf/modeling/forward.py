@@ -1,12 +1,13 @@
-"""Scoring a rollout with the four models: log-probs of given tokens, per-token values, reward scores
-(the "score" step of rlhf/experience.py). Everything is per rank, over this rank's rows.
+"""The forward passes the stages compute through a role (rlhf/modeling/roles.py): log-probs of given
+tokens, per-token values, a padded batch packed without padding and back (`Repacked`), the SFT loss.
+The RL stage scores its rollouts with them (rlhf/rl/rollout.py). Everything is per rank, over its rows.
 
 Layout of one rank's experience (P = prompt width, T = response width):
     sequences, attention_mask, position_ids   [B, P+T]  prompts LEFT-padded, responses right-padded
     response_mask, logp_old, logp_ref, values,
     rewards, kl, advantages, returns          [B, T]    column t = response token t
     score                                     [B]       the reward source's (e.g. the reward model's value
-                                                        at the last real token: rlhf/experience.py)
+                                                        at the last real token: rlhf/rl/rewards.py)
 Position ids come from the attention mask (cumsum - 1), exactly as `generate` numbers positions,
 for every model's forward: otherwise the left padding shifts every position and the PPO ratio is
 computed against log-probs of a different model input than the one that was sampled.
@@ -14,6 +15,11 @@ computed against log-probs of a different model input than the one that was samp
 from __future__ import annotations
 
 import torch
+
+from rlhf.algos.reward_model import sequence_scores
+from rlhf.data.packing import is_packed, pack_rows, packed_scores
+from rlhf.data.tokenize import IGNORE_INDEX
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B, L] -> [B, L]: 0, 1, 2, ... over real tokens (as `generate` numbers them; pad positions get
@@ -30,14 +36,12 @@ class Repacked:
     exactly as the padded one does."""
 
     def __init__(self, sequences: torch.Tensor, attention_mask: torch.Tensor, pack_length: int):
-        from rlhf.data.packing import _packed
-
         B, L = sequences.shape
         mask = attention_mask.bool()
         dev = sequences.device
         # NOTE: the packing is decided on the host: one copy of the micro-batch's ids per forward
         rows = [r[m].tolist() for r, m in zip(sequences.cpu(), mask.cpu())]
-        pk = _packed(rows, 0, pack_length)
+        pk = pack_rows(rows, 0, pack_length)
         P, T = pk["input_ids"].shape
         start = (pk["row_pack"] * T + pk["row_end"] + 1 - mask.sum(1).cpu()).to(dev)  # flat start of each row
         first = mask.long().argmax(1)  # column of each row's first real token
@@ -51,8 +55,6 @@ class Repacked:
 
     def next_targets(self) -> torch.Tensor:
         """[P, T-1]: the next token where it belongs to the same row, else IGNORE_INDEX."""
-        from rlhf.data.tokenize import IGNORE_INDEX
-
         same = (self.row_id[:, 1:] == self.row_id[:, :-1]) & (self.row_id[:, 1:] >= 0)
         return self.input_ids[:, 1:].masked_fill(~same, IGNORE_INDEX)
 
@@ -94,25 +96,19 @@ def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
     return row_values(critic, batch)[:, P - 1 : seqs.shape[1] - 1].float()
 
 
-@torch.no_grad()
-def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *, actor: torch.nn.Module,
-                  reference: torch.nn.Module, critic: torch.nn.Module | None, micro_batch_size: int,
-                  temperature: float, pack_length: int | None = None) -> dict[str, torch.Tensor]:
-    """Old log-probs, reference log-probs and values (without a critic: none), in micro-batches, and
-    the position ids they used; the scores come from a reward source (rlhf/experience.py).
+def sft_loss(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Summed next-token cross-entropy over response tokens under a `Policy` role, and their count
+    (the engine's weight). With engine.kernels the log-probs come from hidden states."""
+    labels = batch["labels"][:, 1:]  # (B, L-1): token t+1 is predicted at position t
+    # A packed batch (rlhf/data/packing.py) has no attention mask and per-row position ids.
+    loss_sum = policy(batch["input_ids"], batch["attention_mask"], batch.get("position_ids"), targets=labels,
+                      reduction="sum")
+    return loss_sum, (labels != IGNORE_INDEX).sum(), {}
 
-    Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
-    `pack_length` (not None): each forward runs on the micro-batch's real tokens packed (`Repacked`).
-    """
-    base = {"sequences": sequences, "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len, "pack_length": pack_length}
-    parts: dict[str, list[torch.Tensor]] = {"logp_old": [], "logp_ref": [], "values": []}
-    for s in range(0, sequences.shape[0], micro_batch_size):
-        mb = {k: (v[s : s + micro_batch_size] if torch.is_tensor(v) else v) for k, v in base.items()}
-        parts["logp_old"].append(token_logprobs(actor, mb, temperature))
-        parts["logp_ref"].append(token_logprobs(reference, mb, temperature))
-        if critic is not None:
-            parts["values"].append(token_values(critic, mb))
-    out = {k: torch.cat(v) for k, v in parts.items() if v}
-    out["position_ids"] = base["position_ids"]
-    return out
+
+def batch_scores(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """[rows] scores of a `ValueModel` on a padded batch (value at the last real token) or a packed one
+    (rlhf/data/packing.py: value at each row's last token, in row order)."""
+    if is_packed(batch):
+        return packed_scores(model(batch["input_ids"], None, batch["position_ids"]), batch)
+    return sequence_scores(model(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import ModuleView, hf_base_model
-from rlhf import ppo_math
+from kernels import fused_logprobs_entropy
+from rlhf.algos.rl import entropy_from_logits
 from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES, block_causal_mask
 from rlhf.data.tokenize import IGNORE_INDEX
 
@@ -71,11 +72,9 @@ class Policy(ModuleView):
         logits = logits / temperature
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])
         # NOTE: `.squeeze` would return a view, which FSDP2 warns about (see `_fused`): one [B, T] copy
-        return logp[..., 0].clone(), ppo_math.entropy_from_logits(logits.detach()) if with_entropy else None
+        return logp[..., 0].clone(), entropy_from_logits(logits.detach()) if with_entropy else None
 
     def _fused(self, input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy, reduction):
-        from kernels import fused_logprobs_entropy
-
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -110,7 +109,7 @@ class ValueModel(ModuleView):
     or not) as per-token values: forward(input_ids, attention_mask, position_ids=None) -> [B, L] float32.
 
     The critic's value of the state before response token t is column P - 1 + t; a reward model's
-    score is the value at the last real token (`rlhf.reward_math.sequence_scores`). Transformers'
+    score is the value at the last real token (`rlhf.algos.reward_model.sequence_scores`). Transformers'
     own pooling (the last token that is not `pad_token_id`) is not used: it is wrong when pad == eos.
     """
 

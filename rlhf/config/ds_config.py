@@ -5,12 +5,12 @@
     python -m rlhf.sft engine.ds_config=ds_zero2.json --cfg job        # what the config became
 
 `map_ds_config` is pure: a parsed ds_config -> {our dotted key: value}, and the DeepSpeed keys that
-set nothing here, each with the reason. `ds_overrides` (called by rlhf/app.py before Hydra runs)
+set nothing here, each with the reason. `ds_overrides` (called by rlhf/run/app.py before Hydra runs)
 turns the mapping into Hydra overrides placed before the user's, leaving out every key the command
 line sets itself (directly, or through a config group chosen there, e.g. `engine=zero3` sets
 engine.stage), so Hydra composes the file's values and the command line still wins.
 
-Rules (README "Coming from DeepSpeed" has the whole table):
+Rules (docs/deepspeed.md has the whole table):
 - "auto" (the Hugging Face integration's placeholder) and a key the file leaves out keep our value.
   The exceptions are the schedulers' end points, part of what the type means: WarmupDecayLR decays
   to warmup_min_lr (default 0), WarmupCosineLR to cos_min_ratio (default 1e-4).
@@ -33,7 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.config import ConfigError
+from rlhf.config.cli import schema_keys
+from rlhf.core.errors import ConfigError
 
 AUTO = "auto"
 # fp16.loss_scale > 0 (a static scale) = our dynamic scaler pinned: min = initial = the scale, and a
@@ -127,8 +128,6 @@ class Targets:
 
 def targets_for(schema: type, app: str = "this app") -> Targets:
     """Where DeepSpeed's keys go in `schema` (SFTConfig, PPOConfig, ...), found from its keys."""
-    from rlhf.cli import schema_keys
-
     keys = {k.path for k in schema_keys(schema)}
     if "train.global_batch_size" in keys:
         batch = ("train.global_batch_size", "train.micro_batch_size")
@@ -575,8 +574,8 @@ class _Mapper:
     def run(self, ds: dict) -> Mapping:
         unknown = [k for k in ds if k not in HANDLED and k not in IGNORED and k not in UNSUPPORTED]
         if unknown:
-            raise ConfigError(f"{unknown[0]} is not a DeepSpeed key this mapping knows (README: Coming from "
-                              "DeepSpeed lists them); remove it from the file")
+            raise ConfigError(f"{unknown[0]} is not a DeepSpeed key this mapping knows (docs/deepspeed.md lists "
+                              "them); remove it from the file")
         self.batch(ds)
         self.precision(ds)
         for key, v in ds.items():

@@ -217,7 +217,7 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
 # row's advantage is the same on every one of its response tokens. A group's statistics are taken
 # over its rows that said something (mask not all 0): an empty or dropped row neither gets an
 # advantage nor moves its group's baseline. Groups are whatever equal `group` ids say, within the
-# tensors given: the RL stage keeps every group's rows on one rank (rlhf/experience.py), so no
+# tensors given: the RL stage keeps every group's rows on one rank (rlhf/rl/rollout.py), so no
 # gather is needed.
 
 def _group_stats(score: torch.Tensor, group: torch.Tensor, valid: torch.Tensor

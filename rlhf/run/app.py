@@ -1,4 +1,4 @@
-"""What the stage apps share below the skeleton (rlhf/stage.py): the entry point, error reporting,
+"""What the stage apps share below the skeleton (rlhf/run/stage.py): the entry point, error reporting,
 seeding, the run directory, resume, progress."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,25 +14,31 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rlhf.config import ROOT, ConfigError, as_yaml, compose, to_config
-from rlhf.data.records import DataFormatError
+import hydra
+import torch.distributed as dist
+from hydra._internal.utils import get_args_parser
+
+from engine import exit_process, latest_checkpoint, list_checkpoints
+from engine.checkpoint import META
+from engine.distributed import barrier
+from engine.errors import CheckpointError
+from rlhf.config import PPOConfig, as_yaml, cli, compose, to_config
+from rlhf.config.ds_config import ds_overrides, log_report
+from rlhf.config.validate import unused_sources
+from rlhf.core.errors import ConfigError, DataFormatError, TrainingError
+from rlhf.core.hub import check_sources
+from rlhf.core.paths import CONF_DIR
+from rlhf.modeling.load import quiet_transformers
 
 logger = logging.getLogger("rlhf")
 
-CONF_DIR = str(ROOT / "conf")
 CHECKPOINTS = "checkpoints"
-
-
-class TrainingError(RuntimeError):
-    """A run that cannot go on (e.g. non-finite losses step after step); the message says why."""
 
 
 @contextlib.contextmanager
 def user_errors():
     """Errors in the user's config or data end the run with one clear line and exit code 2,
     not a stack trace from deep inside a library."""
-    from engine.errors import CheckpointError
-
     try:
         yield
     except (ConfigError, DataFormatError, FileNotFoundError, TrainingError, CheckpointError) as e:
@@ -45,17 +52,11 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
 
     Hydra composes conf/<config_name>.yaml with the overrides (`@hydra.main` as before: same run
     directory, log file and flags), `to_config` types it as the dataclass `schema`, hub names are
-    checked (rlhf/hub.py), then `run` gets the config. Around Hydra: `--help` lists every key of
-    `schema` with its current value and description (rlhf/cli.py); an override naming a key that
+    checked (rlhf/core/hub.py), then `run` gets the config. Around Hydra: `--help` lists every key of
+    `schema` with its current value and description (rlhf/config/cli.py); an override naming a key that
     `schema` lacks (`train.lrr=1`, `+train.lrr=1`) stops with exit code 2 and the closest valid key,
     before Hydra would suggest `+key` or merge it; `--cfg` prints values resolved (no `${root:...}`).
     """
-    import hydra
-    from hydra._internal.utils import get_args_parser
-
-    from rlhf import cli
-    from rlhf.hub import check_sources
-
     module = _stage_module(run)
     args = get_args_parser().parse_args(sys.argv[1:])
     with user_errors():
@@ -75,7 +76,8 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
         with user_errors():
             config = to_config(raw, schema)
             _check_ds_config_applied(config, ds_report)
-            check_sources(config)
+            unused = unused_sources(config) if isinstance(config, PPOConfig) else set()
+            check_sources(config, unused=frozenset(unused))  # keys the run will not read are not probed
             run(config)
 
     task.__module__ = module  # Hydra names the job (and its .log file) after this module, as before
@@ -84,11 +86,7 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
         hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)()
     except SystemExit as e:
         code = e.code
-    import torch.distributed as dist
-
     if dist.is_initialized():  # a run that used a process group ends without finalization races
-        from engine import exit_process
-
         if isinstance(code, str):
             print(code, file=sys.stderr)
         exit_process(code if isinstance(code, int) else (0 if code is None else 1))
@@ -98,13 +96,9 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
 
 def _ds_config(overrides: list[str], schema: type, module: str) -> tuple[list[str], Any]:
     """`engine.ds_config=PATH` on the command line: the file's settings as Hydra overrides (placed
-    before the user's) and the report that the run logs (rlhf/ds_config.py); else ([], None)."""
-    from rlhf.ds_config import ds_overrides
-
+    before the user's) and the report that the run logs (rlhf/config/ds_config.py); else ([], None)."""
     args, report = ds_overrides(overrides, schema, CONF_DIR, module)
     if args:
-        from rlhf import cli
-
         cli.check_overrides(args, schema, CONF_DIR, module)  # our keys and types, as for the user's
     return args, report
 
@@ -117,8 +111,6 @@ def _check_ds_config_applied(config: Any, report: Any) -> None:
         raise ConfigError(f"engine.ds_config={path} is read from the command line only: pass "
                           f"engine.ds_config={path} there")
     if report is not None and os.environ.get("RANK", "0") == "0":
-        from rlhf.ds_config import log_report
-
         log_report(report, logger)
 
 
@@ -129,8 +121,6 @@ def _stage_module(run: Callable) -> str:
 
 
 def _help_page(config_name: str, schema: type, module: str, overrides: list[str], run: Callable) -> str:
-    from rlhf import cli
-
     rewrites = cli.check_overrides(overrides, schema, CONF_DIR, module)
     overrides = _ds_config(overrides, schema, module)[0] + [rewrites.get(o, o) for o in overrides]
     raw = compose(config_name, overrides, return_hydra_config=True, job_name=module.rsplit(".", 1)[-1])
@@ -154,8 +144,6 @@ def seed_everything(seed: int) -> None:
 
 def setup_logging(is_main: bool) -> None:
     """Quiet the libraries; non-main ranks only warn (the main rank speaks for the run)."""
-    from rlhf.models import quiet_transformers
-
     quiet_transformers()
     logging.getLogger().setLevel(logging.INFO if is_main else logging.WARNING)
     for name in ("httpx", "urllib3", "filelock", "datasets"):
@@ -177,9 +165,6 @@ def checkpoint_root(output_dir: str) -> str:
 def resolve_resume(resume: bool | str, output_dir: str, key: str = "train.resume") -> str | None:
     """`false` -> None; `true` -> the latest complete checkpoint (None, with a warning, if there is
     none); a path -> that checkpoint, which must be complete."""
-    from engine import latest_checkpoint
-    from engine.checkpoint import META
-
     if resume is False or (isinstance(resume, str) and resume.lower() in ("false", "")):
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
@@ -202,11 +187,6 @@ def replace_previous_run(output_dir: str, overwrite: bool, is_main: bool) -> Non
     """A fresh run (nothing resumed) into `output_dir`: a previous run's checkpoints or outputs are
     an error naming the two ways on (nothing is deleted), or with `overwrite` are removed first (so
     `resume=true` later, or the next stage, never picks up a different run's state or model)."""
-    import shutil
-
-    from engine import list_checkpoints
-    from engine.distributed import barrier
-
     root = checkpoint_root(output_dir)
     found = [f"checkpoints/{os.path.basename(c)}" for c in list_checkpoints(root)[-1:]]
     found += [f for f in PREVIOUS_OUTPUTS if os.path.exists(os.path.join(output_dir, f))]

@@ -1,0 +1,393 @@
+"""Typed configuration of the stage apps: Hydra YAML (conf/) -> these dataclasses, once, at start.
+(No torch import here, nor in compose.py: scripts/stage_plan.py composes a stage's config in well under
+a second; validate.py, which reads the registries, does import it.)
+
+The dataclasses hold every key and its default: they are Hydra structured configs, stored in
+Hydra's ConfigStore as `<stage>_schema` (`register_schemas`), and each conf/<stage>.yaml starts its
+defaults list from its schema. The YAML holds only what differs: the config-group choices (model,
+data, engine, logger; a group's option file holds only its own values), values that must win over a
+group's (reward's model.name_or_path), `${...}` interpolations, and the hydra: settings. A misspelt
+key or a value of the wrong type fails at composition (`compose`, rlhf/config/cli.py for the command line)
+or in `to_config`; `validate_*` check ranges and the batch-size arithmetic, each error naming the key
+(`train.lr`, ...), before any model is loaded. A function receives only the sub-config it uses. The
+`engine` group's schema is the engine's own EngineConfig (engine/config.py), with precision "auto"
+as the stages' default (`resolve_precision` makes it bf16 on CUDA and on bf16-capable CPUs, else fp32).
+
+Each field's trailing `# comment` (else the comment block above it) is its one-line description in
+`--help` (rlhf/config/cli.py): write one for every new field. `metadata={"hub": "model"|"dataset"}` marks
+a key that may hold a hub name, checked up front when the hub is unreachable (rlhf/core/hub.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import II
+
+from engine.config import EngineConfig, PRECISIONS as ENGINE_PRECISIONS
+
+PRECISIONS = ("auto", *ENGINE_PRECISIONS)
+REWARD_SOURCES = ("model", "judge", "answer", "function")  # reward.sources; each built in rlhf/rl/rewards.py
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    r: int = 0  # 0 = no LoRA
+    alpha: int = 16  # LoRA scaling: the update is (alpha / r) * B @ A
+    dropout: float = 0.0  # dropout on the LoRA input
+    target_modules: Any = "all-linear"  # a list of module names, or "all-linear" (peft)
+    only_adapters: bool = True  # train only the adapters (base frozen); false = base trains too
+    merge_on_save: bool = True  # save the merged full model; false = peft adapter dir on the base
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    # A local HF directory, a hub name, or a previous stage's output directory (its model/ is
+    # used); null = build from `config` with random weights.
+    name_or_path: str | None = field(default=None, metadata={"hub": "model"})
+    # A local tokenizer directory or hub name; null = the tokenizer saved with name_or_path. It must
+    # fit the model (every id has an embedding row, the same bos/eos ids).
+    tokenizer: str | None = field(default=None, metadata={"hub": "model"})
+    # HF config kwargs (model_type, sizes...) of a model built without weights (name_or_path null);
+    # a key the family's config class does not have is an error; ignored when a model is loaded.
+    config: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "auto"  # weights as loaded/stored for frozen models; trainable ones keep fp32 masters
+    save_dtype: str = "fp32"  # dtype of the exported HF weights
+    trust_remote_code: bool = False  # let transformers run the model repo's own Python code
+    # transformers' attention kernel: eager | sdpa | flash_attention_2 | ...; null = transformers' own
+    # choice (sdpa where the family has it). The tiny default sets eager: on CPU for its 50-token rows
+    # eager's matmuls beat sdpa's flash kernel (conf/model/tiny.yaml).
+    attn_implementation: str | None = None  # transformers' attention kernel (eager | sdpa | ...); null = its default
+    # When name_or_path is a local path that does not exist, build from `config` instead (logged).
+    # The reward stage's default, so that it runs before the SFT stage has; off everywhere else.
+    fallback_to_config: bool = False  # name_or_path missing on disk -> build from config (logged)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (r=0: none)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    # A .jsonl/.json/.parquet file, a directory, or a `datasets` hub name
+    path: str = field(default="", metadata={"hub": "dataset"})
+    split: str = "train"  # for directories and hub names
+    # Held-out rows; null = carve eval_fraction of `path` off
+    eval_path: str | None = field(default=None, metadata={"hub": "dataset"})
+    eval_split: str = "test"  # split of eval_path when it is a directory or hub name
+    eval_fraction: float = 0.02  # share of `path` held out when eval_path is null
+    # Prompts (with `answer` or default-task) for the gold score
+    eval_prompts_path: str | None = field(default=None, metadata={"hub": "dataset"})
+    num_eval_prompts: int = 200  # first N of eval_prompts_path; 0 = all
+    data_split: Any = None  # "2,4,4" or [2,4,4]: this stage takes its share (DeepSpeed-Chat)
+    split_seed: int = 1234  # seed of the data_split shares and the eval_fraction hold-out
+    max_len: int = 64  # tokens of prompt + response (+ bos/eos)
+    max_prompt_len: int = 48  # prompt tokens (+ bos); longer prompts follow `overlong`
+    overlong: str = "truncate"  # truncate | drop (see rlhf/data/tokenize.py)
+    add_bos: bool = True  # prepend the tokenizer's bos token (when it has one)
+    # Padding-free training batches (rlhf/data/packing.py): auto = where the model supports it
+    # (rlhf/modeling/load.py PACKABLE_MODEL_TYPES) and a micro-batch packs into fewer token slots than padded;
+    # true = every micro-batch packed (a ConfigError on other models); false = padded batches
+    packing: Any = "auto"
+    # Tokens per packed row: null = max_len (rows of at most max_len tokens, [P, max_len]; CPU sdpa
+    # computes the whole block-diagonal mask, so this keeps attention below the padded batch's);
+    # 0 = the whole micro-batch in one row [1, sum(len)] (flash-attention varlen on GPU)
+    pack_length: int | None = None
+    cache_dir: str | None = None  # datasets cache for hub names
+
+
+def stage_engine() -> EngineConfig:
+    """The stages' `engine` default: the engine's defaults with precision "auto" (resolve_precision)."""
+    return EngineConfig(precision="auto")
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    backend: str = "local"  # local | wandb (both write metrics.jsonl)
+    project: str = "rlhf"  # wandb project
+    entity: str | None = None  # wandb entity (team or user); null = the default one
+    name: str | None = None  # wandb run name; null = wandb picks one
+    mode: str = "offline"  # wandb: online | offline | disabled
+
+
+@dataclass(kw_only=True)
+class OptimGroupConfig:
+    """One optimizer and its schedule: the keys the `train` group and PPO's `actor`/`critic` groups share."""
+
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW (beta1, beta2)
+    eps: float = 1e-8  # AdamW epsilon
+    scheduler: str = "cosine"  # constant | linear | cosine
+    warmup_steps: int = 0  # linear warmup from 0 to lr over these optimizer steps
+    min_lr_ratio: float = 0.1  # linear/cosine decay ends at lr x this
+    grad_clip: float = 1.0  # max global gradient norm (0 = no clipping)
+
+
+@dataclass(kw_only=True)
+class TrainConfig(OptimGroupConfig):
+    epochs: int = 1  # passes over the training rows
+    max_steps: int = 0  # > 0 caps the optimizer steps (also with several epochs)
+    micro_batch_size: int = 32  # rows per forward on one rank (at most global_batch_size / world size)
+    global_batch_size: int = 32  # rows per optimizer step = micro x accumulation x world size
+    log_every: int = 10  # steps between metrics.jsonl records
+    eval_every: int = 0  # steps between evaluations (0 = only before and after training)
+    save_every: int = 0  # steps between sharded checkpoints and at the end (0 = none at all)
+    keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
+    resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
+    overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
+    max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
+
+
+@dataclass(kw_only=True)
+class GenerationConfig:
+    """Generations on data.eval_prompts_path, scored by the gold judge."""
+
+    max_new_tokens: int = 16  # response tokens generated per prompt
+    greedy: bool = True  # argmax decoding; false = sample with temperature/top_k/top_p
+    temperature: float = 1.0  # sampling temperature (greedy=false)
+    top_k: int = 0  # sample among the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus sampling: the smallest set with this probability (1 = off)
+    batch_size: int = 100  # prompts per generation batch on one rank
+
+
+@dataclass(kw_only=True)
+class StageConfig:
+    """What the SFT, reward and DPO stages share: one model trained on one dataset."""
+    output_dir: str  # the run's directory: config.yaml, metrics.jsonl, checkpoints/, model/, ...
+    seed: int = 1234  # random init, dropout and data order
+    model: ModelConfig = field(default_factory=ModelConfig)  # the model trained (and its tokenizer)
+    data: DataConfig = field(default_factory=DataConfig)  # training and held-out data
+    engine: EngineConfig = field(default_factory=stage_engine)  # parallelism and precision
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics go besides metrics.jsonl
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimizer, schedule, logging and checkpoints
+
+
+@dataclass(kw_only=True)
+class SFTConfig(StageConfig):
+    output_dir: str = "outputs/sft"
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        epochs=5, warmup_steps=100, min_lr_ratio=0.05, eval_every=250, save_every=500,
+    ))  # optimizer, schedule, logging and checkpoints
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
+
+
+@dataclass(kw_only=True)
+class RewardLossConfig:
+    """The pairwise loss and the fresh head's init. head_init_std defaults to 0: a zero head gives the
+    backbone no gradient until the head has learnt a direction from the SFT features, so a random
+    head does not first pull the backbone around. Measured on the embedded default (one SFT output,
+    seed 1234; reward seeds 1234 / 1 / 2, 625 steps): held-out accuracy 0.833 / 0.907 / 0.927 with
+    the model's own normal(0, 0.02) head, 0.883 / 0.913 / 0.913 with zeros (worst seed +5 points,
+    spread 0.094 -> 0.030), at no cost in time."""
+
+    margin: float = 0.0  # loss = -log sigmoid(r_chosen - r_rejected - margin)
+    score_reg: float = 0.0  # + score_reg * (r_chosen^2 + r_rejected^2) / 2: keeps scores near 0
+    # A fresh scalar head's init: normal(0, head_init_std), 0 = zeros (every pair a tie before
+    # training: "before" accuracy 0), null = the model's own (normal(0, initializer_range)).
+    # A head loaded from a reward checkpoint is kept as it is.
+    head_init_std: float | None = 0.0
+    # The first steps train the head alone, then everything (LP-FT, Kumar et al. 2022): the backbone
+    # gets exact-zero gradients until then (with train.weight_decay > 0 AdamW still decays it). 0.2
+    # (issue #18): without it the embedded default's reward model either learnt the reverse and
+    # upper-case pairs or stalled on them (held-out 0.78-0.90 in 3 of 8 runs that differ only in
+    # rounding); with it, six such runs ended at 0.913-0.978, none stalled.
+    head_only_fraction: float = 0.2  # the first fraction of the steps trains the scalar head alone (LP-FT)
+
+
+@dataclass(kw_only=True)
+class RewardConfig(StageConfig):
+    output_dir: str = "outputs/reward"
+    # max_steps=1250: 5 passes over the 8,000 shipped pairs (178-209 s in bf16 on 2 CPU cores). At 625 steps
+    # (2.5 passes) the held-out accuracy was still rising and ended at 0.88-0.91 by seed; at 1000 the
+    # pipeline's seeds 1234 / 1 / 2 gave 0.930 / 0.900 / 0.947, seed 1 flat at 0.90 from step 750; at
+    # 1250 seed 1 reached 0.935 (lr 5e-4 instead: 0.79; 2e-4: no better than 3e-4), issue #18.
+    # Runs that differ only in rounding (threads, micro-batch 16 x 2 vs 32, fp32, two ranks) ended at
+    # 0.962 / 0.935 / 0.898 / 0.943 / 0.905 from one SFT output (seed 1234); warmup_steps=100 gave
+    # 0.930-0.938 over four such runs but 0.785 on seed 1, so it was not adopted; what holds it is
+    # RewardLossConfig.head_only_fraction (issue #18).
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        epochs=5, max_steps=1250, lr=3e-4, warmup_steps=20, eval_every=125, save_every=125,
+    ))  # optimizer, schedule, logging and checkpoints
+    reward: RewardLossConfig = field(default_factory=RewardLossConfig)  # the pairwise loss and the fresh head's init
+
+
+@dataclass(kw_only=True)
+class DPOAlgoConfig:
+    """The preference loss (rlhf/algos/preference.py) and where the reference log-probs come from."""
+
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | robust | simpo (reference-free)
+    beta: float = 0.1  # inverse temperature of the implicit reward beta * (logp - logp_ref)
+    label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: the assumed label flip rate; in [0, 0.5)
+    gamma: float = 0.0  # simpo: the target reward margin
+    # > 0: + sft_coef x the chosen response's NLL per token (RPO); 0 = plain DPO. Default 1 (measured on
+    # the embedded default from the SFT output, lr 3e-4, 100 steps: gold 66 -> 98.5 with 1, while with 0
+    # the chosen answers' likelihood falls too: reverse/sort drop, gold 80.5 at step 50, 86.5 at 100 with
+    # sort still at 39)
+    sft_coef: float = 1.0
+    # precompute: one pass over the train + held-out pairs before training, then no reference model
+    # while training; online: the reference scores each batch (a second frozen model, or with LoRA
+    # the policy with its adapters disabled). simpo uses no reference either way.
+    reference: str = "precompute"
+
+
+@dataclass(kw_only=True)
+class DPOConfig(StageConfig):
+    output_dir: str = "outputs/dpo"
+    # Measured on the embedded default (2 CPU cores, from the SFT output, dpo.sft_coef=1): held-out gold
+    # 66 -> 91 at step 25, 98 at 50, 98.5 at 100; 100 steps read 3,200 of the 8,000 pairs, and the
+    # reference pass covers only those, so the run stays well inside 5 minutes (three gold evaluations)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        max_steps=100, lr=3e-4, warmup_steps=10, eval_every=50, log_every=5,
+    ))  # optimizer, schedule, logging and checkpoints
+    dpo: DPOAlgoConfig = field(default_factory=DPOAlgoConfig)  # the loss and the reference
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
+
+
+@dataclass(kw_only=True)
+class TrainedModelConfig(OptimGroupConfig):
+    """The actor or the critic in PPO: where it starts, its LoRA, its optimizer and schedule."""
+
+    model: str = field(default="", metadata={"hub": "model"})  # a HF directory / hub name / previous stage output_dir
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (r=0: none)
+
+
+@dataclass(kw_only=True)
+class FrozenModelConfig:
+    """The reference or the reward model: where it comes from; CPU offload between uses."""
+
+    # A HF directory / hub name / stage output_dir; null = the actor's (reference) / the critic's (reward)
+    model: str | None = field(default=None, metadata={"hub": "model"})
+    offload: bool = False  # keep the weights on the CPU between uses
+
+
+@dataclass(kw_only=True)
+class PPOAlgoConfig:
+    kl_coef: float = 0.1  # reward -= kl_coef x KL(actor || reference) on every response token
+    kl_estimator: str = "k1"  # k1 | k2 | k3
+    adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al.)
+    kl_target: float = 6.0  # adaptive_kl: the KL aimed at
+    kl_horizon: float = 10000.0  # adaptive_kl: how slowly kl_coef adapts (rollout rows)
+    clip_reward_value: float = 5.0  # reward model scores clipped to +-this
+    # A name registered in rlhf/algos/rl.py: gae (PPO, needs the critic), grpo, rloo, reinforce_pp
+    advantage_estimator: str = "gae"
+    norm_by_std: bool = True  # grpo: divide by the group's std; false = Dr. GRPO (score - group mean)
+    gamma: float = 1.0  # GAE discount
+    lam: float = 0.95  # GAE lambda
+    cliprange: float = 0.2  # policy ratio clipped to [1 - cliprange, 1 + cliprange]
+    # Asymmetric clipping (DAPO's clip-higher): [1 - cliprange_low, 1 + cliprange_high]; null = cliprange
+    cliprange_low: float | None = None  # lower side of the ratio clip; null = cliprange
+    cliprange_high: float | None = None  # upper side of the ratio clip; null = cliprange
+    # token_mean (PPO) | seq_mean_token_mean (GRPO) | seq_mean_token_sum (Dr. GRPO: / max_new_tokens)
+    loss_agg: str = "token_mean"
+    kl_loss_coef: float = 0.0  # > 0: + kl_loss_coef x KL(actor || reference) in the actor loss (GRPO)
+    kl_loss_estimator: str = "k3"  # the KL loss's estimator: k1 | k2 | k3
+    dynamic_sampling: bool = False  # drop prompt groups whose scores are all equal (DAPO), counted
+    cliprange_value: float = 0.2  # value updates clipped to +-this around the old values
+    ppo_epochs: int = 1  # passes over each step's rollouts
+    whiten_advantages: bool = False  # normalise advantages to mean 0, std 1 (over all ranks)
+    ptx_coef: float = 0.0  # > 0: add ptx_coef x the SFT loss on data.ptx_path to the actor loss
+    ema_decay: float = 0.0  # > 0: keep an EMA of the actor (saved as model_ema/)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    prompts_per_step: int = 64  # prompts per step (global); each is answered n_samples_per_prompt times
+    # Responses sampled per prompt (a prompt group: grpo/rloo baselines); rows per step =
+    # prompts_per_step x n_samples_per_prompt, and the batch sizes below count rows
+    n_samples_per_prompt: int = 1
+    mini_batch_size: int = 32  # rows per optimizer step (global)
+    micro_batch_size: int = 32  # rows per forward on one rank (at most mini_batch_size / world size)
+    max_new_tokens: int = 16  # response tokens sampled per prompt
+    temperature: float = 1.0  # sampling temperature
+    top_k: int = 0  # sample among the k most likely tokens (0 = off)
+    top_p: float = 1.0  # nucleus sampling (1 = off)
+
+
+@dataclass(kw_only=True)
+class PPOTrainConfig:
+    epochs: int = 1  # passes over the prompts
+    max_steps: int = 0  # > 0: exactly this many PPO steps (generation + update)
+    log_every: int = 1  # steps between metrics.jsonl records
+    eval_every: int = 10  # steps between evaluations (0 = only before and after training)
+    save_every: int = 10  # steps between sharded checkpoints and at the end (0 = none at all)
+    keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
+    resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
+    overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
+    max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
+    stop_on_alarm: bool = False  # a reward-hacking alarm (alarms.*) saves a checkpoint and ends the run cleanly
+
+
+@dataclass(kw_only=True)
+class RewardSourcesConfig:
+    """Where the RL reward comes from (rlhf/rl/rewards.py): one source, or a weighted sum of several."""
+
+    sources: list[str] = field(default_factory=lambda: ["model"])  # model | judge | answer | function (several: summed)
+    weights: list[float] = field(default_factory=list)  # one weight per source ([] = all 1.0)
+    function: str | None = None  # the function source: module:function, called as fn(prompt, response, row) -> float
+
+
+@dataclass(kw_only=True)
+class AlarmsConfig:
+    """Reward-hacking alarms (rlhf/rl/alarms.py): every step, over the last `window` steps' metrics; each
+    fires at or beyond its threshold (one WARN line, `alarm_<name>` in metrics.jsonl)."""
+
+    enabled: bool = True  # compute the alarms (false: none is computed, logged or acted on)
+    window: int = 10  # steps in each trend; the baseline is the first `window` steps of the run
+    kl_slope: float = 0.1  # kl: least-squares growth of the rollouts' KL, nats per step, over the window
+    entropy_ratio: float = 0.5  # entropy: window's mean entropy at most this x the baseline's
+    length_drift: float = 0.5  # length: window's mean response length off the baseline's by this fraction
+    clipfrac: float = 0.2  # clipfrac: window's mean policy clip fraction at least this
+    gold_drop: float = 8.0  # gold: held-out gold score this many points below its best while the reward rose
+
+
+@dataclass(kw_only=True)
+class PPOConfig:
+    output_dir: str = "outputs/ppo"  # the run's directory: config.yaml, metrics.jsonl, checkpoints/, model/, ...
+    seed: int = 1234  # sampling, dropout and prompt order
+    # Settings shared by the four models: tokenizer (null = the one saved with actor.model), dtype,
+    # save_dtype, ...; name_or_path is unused here (the models are actor.model, critic.model, ...).
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # the prompts (path) and held-out prompts
+    # SFT data for the ptx loss (null = data/default's demonstrations)
+    ptx_path: str | None = field(default=None, metadata={"hub": "dataset"})
+    engine: EngineConfig = field(default_factory=stage_engine)  # parallelism and precision (all four models)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics go besides metrics.jsonl
+    # NOTE: lora=${model.lora} (model.lora.r=8 gives both trained models adapters) is an OmegaConf
+    # interpolation, resolved by `to_config`: a PPOConfig built in Python must set actor.lora and
+    # critic.lora itself. It lives here, not in conf/ppo.yaml, because OmegaConf cannot merge an
+    # interpolation from YAML into a dataclass-typed node (it can hold one as the default).
+    actor: TrainedModelConfig = field(default_factory=lambda: TrainedModelConfig(
+        model="outputs/sft", lora=II("model.lora"), lr=5e-5, scheduler="constant", warmup_steps=5,
+    ))  # the policy trained (starts from SFT)
+    critic: TrainedModelConfig = field(default_factory=lambda: TrainedModelConfig(
+        model="outputs/reward", lora=II("model.lora"), lr=5e-4, scheduler="constant", warmup_steps=5,
+    ))  # the value model trained (starts from the reward model)
+    reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen policy the KL is measured to
+    reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen scorer of responses
+    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)  # PPO's algorithm settings
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation and batch sizes of each step
+    train: PPOTrainConfig = field(default_factory=PPOTrainConfig)  # step counts, logging and checkpoints
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
+    reward: RewardSourcesConfig = field(default_factory=RewardSourcesConfig)  # the reward: model, judge, answer, function
+    alarms: AlarmsConfig = field(default_factory=AlarmsConfig)  # reward-hacking alarms and their thresholds
+
+
+@dataclass(kw_only=True)
+class EvaluateConfig:
+    """`python -m rlhf.evaluate`: one model scored on held-out data exactly as the stages score theirs."""
+
+    output_dir: str = "outputs/evaluate"  # config.yaml, metrics.jsonl, samples.jsonl and summary.json go here
+    mode: str = "auto"  # auto (reward when the model's architectures end in ForSequenceClassification) | policy | reward
+    seed: int = 1234  # seeds torch before loading (and the draws of eval.greedy=false)
+    batch_size: int = 32  # rows per forward (perplexity, pair scoring); a stage's micro batch gives its figures exactly
+    default_pairs_path: str | None = None  # mode=reward with data.eval_path=null scores these pairs
+    model: ModelConfig = field(default_factory=ModelConfig)  # a stage's output_dir, a HF dir or hub name; its tokenizer
+    data: DataConfig = field(default_factory=DataConfig)  # eval_prompts_path, eval_path, tokenization as the stages
+    engine: EngineConfig = field(default_factory=stage_engine)  # sharding, precision, generation path
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # where metrics.jsonl also goes (wandb)
+    eval: GenerationConfig = field(default_factory=GenerationConfig)  # mode=policy: generations (as the stages' eval.*)
+
+
+SCHEMAS = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}

@@ -1,0 +1,354 @@
+"""Validation of a typed config, once, before any model loads: ranges, choices, and the batch-size
+arithmetic (global = micro x accumulation x world size). Each error is a ConfigError naming the key
+(`train.lr`, ...). The registries a key names (advantage estimators, preference losses, reward sources)
+are imported from the layers that define them, below this one."""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import replace as dataclasses_replace
+
+from engine import OptimConfig, validate_engine_config, validate_optim_config
+from engine.config import EngineConfig, resolve_precision
+from rlhf.algos.preference import LOSS_TYPES
+from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from rlhf.config.schema import (
+    DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, DataConfig, DPOConfig, EvaluateConfig, GenerationConfig, LoggerConfig,
+    ModelConfig, OptimGroupConfig, PPOConfig, PPOTrainConfig, RewardConfig, RewardSourcesConfig, RolloutConfig,
+    SFTConfig, TrainConfig,
+)
+from rlhf.core.errors import ConfigError
+from rlhf.core.plugins import load_function
+
+STAGES = ("sft", "reward", "ppo")  # the data_split shares, in order
+
+
+def parse_data_split(data_split: str | Sequence[float]) -> tuple[float, float, float]:
+    """"2,4,4" or [2, 4, 4] -> normalised proportions; ValueError naming data.data_split."""
+    try:
+        parts = data_split.split(",") if isinstance(data_split, str) else list(data_split)
+        weights = [float(p) for p in parts]
+    except (TypeError, ValueError):
+        msg = f"data.data_split must be 3 comma-separated numbers like '2,4,4', got {data_split!r}"
+        raise ValueError(msg) from None
+    if len(weights) != 3:
+        raise ValueError(f"data.data_split needs 3 weights (sft, reward, ppo), got {len(weights)}: {data_split!r}")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"data.data_split weights must be finite and >= 0, got {data_split!r}")
+    total = sum(weights)
+    if total <= 0:
+        raise ValueError(f"data.data_split weights must not all be zero, got {data_split!r}")
+    return tuple(w / total for w in weights)  # type: ignore[return-value]
+
+
+
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def validate_model(m: ModelConfig, prefix: str = "model") -> None:
+    _need(m.attn_implementation in ATTN_IMPLEMENTATIONS,
+          f"{prefix}.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {m.attn_implementation!r}")
+    if m.fallback_to_config and m.name_or_path is not None and not os.path.exists(m.name_or_path):
+        _need(bool(m.config) and m.tokenizer is not None,
+              f"{prefix}.name_or_path={m.name_or_path!r} does not exist and {prefix}.fallback_to_config needs "
+              f"{prefix}.config and {prefix}.tokenizer to build a model instead")
+        return
+    _need(m.name_or_path is not None or bool(m.config), f"{prefix}.name_or_path or {prefix}.config must be set")
+    _need(m.name_or_path is not None or "model_type" in m.config,
+          f"{prefix}.config needs a model_type (e.g. llama) to build a model without {prefix}.name_or_path")
+    _need(m.name_or_path is not None or m.tokenizer is not None,
+          f"{prefix}.tokenizer must be set when {prefix}.name_or_path is null (a model built from a config)")
+    _need(m.dtype in DTYPES, f"{prefix}.dtype must be one of {DTYPES}, got {m.dtype!r}")
+    _need(m.save_dtype in DTYPES[1:], f"{prefix}.save_dtype must be one of {DTYPES[1:]}, got {m.save_dtype!r}")
+    lo = m.lora
+    _need(lo.r >= 0, f"{prefix}.lora.r must be >= 0 (0 disables LoRA), got {lo.r}")
+    if lo.r > 0:
+        _need(lo.alpha > 0, f"{prefix}.lora.alpha must be > 0, got {lo.alpha}")
+        _need(0 <= lo.dropout < 1, f"{prefix}.lora.dropout must be in [0, 1), got {lo.dropout}")
+        tm = lo.target_modules
+        _need(tm == "all-linear" or (isinstance(tm, list) and tm and all(isinstance(t, str) for t in tm)),
+              f"{prefix}.lora.target_modules must be 'all-linear' or a non-empty list of module names, got {tm!r}")
+        _need(lo.merge_on_save or m.name_or_path is not None,
+              f"{prefix}.lora.merge_on_save=false saves only the adapter, which needs a base model on disk: "
+              f"set {prefix}.name_or_path (a model built from {prefix}.config has none)")
+
+
+def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: bool = True) -> None:
+    if needs_path:
+        _need(bool(d.path), "data.path must be set (a file, a directory or a datasets hub name)")
+    _need(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    _need(d.num_eval_prompts >= 0, f"data.num_eval_prompts must be >= 0, got {d.num_eval_prompts}")
+    _need(d.max_prompt_len >= 1, f"data.max_prompt_len must be >= 1, got {d.max_prompt_len}")
+    if needs_response:
+        _need(d.max_len > d.max_prompt_len,
+              f"data.max_len ({d.max_len}) must exceed data.max_prompt_len ({d.max_prompt_len})")
+    _need(d.overlong in ("truncate", "drop"), f"data.overlong must be 'truncate' or 'drop', got {d.overlong!r}")
+    _need(d.packing in ("auto", True, False), f"data.packing must be auto, true or false, got {d.packing!r}")
+    _need(d.pack_length is None or d.pack_length == 0 or d.pack_length >= d.max_len,
+          f"data.pack_length must be null (= data.max_len), 0 (one row per micro-batch) or >= data.max_len "
+          f"({d.max_len}, the longest row), got {d.pack_length}")
+    if d.data_split is not None:
+        try:
+            parse_data_split(d.data_split)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def validate_logger(lg: LoggerConfig) -> None:
+    _need(lg.backend in ("local", "wandb"), f"logger.backend must be 'local' or 'wandb', got {lg.backend!r}")
+    _need(lg.mode in ("online", "offline", "disabled"),
+          f"logger.mode must be online, offline or disabled, got {lg.mode!r}")
+
+
+def validate_generation(g: GenerationConfig, prefix: str) -> None:
+    _need(g.max_new_tokens >= 1, f"{prefix}.max_new_tokens must be >= 1, got {g.max_new_tokens}")
+    _need(g.temperature > 0, f"{prefix}.temperature must be > 0, got {g.temperature}")
+    _need(g.top_k >= 0, f"{prefix}.top_k must be >= 0 (0 = off), got {g.top_k}")
+    _need(0 < g.top_p <= 1, f"{prefix}.top_p must be in (0, 1], got {g.top_p}")
+    _need(g.batch_size >= 1, f"{prefix}.batch_size must be >= 1, got {g.batch_size}")
+
+
+def fit_micro(micro: int, batch: int, world: int, key: str, batch_key: str) -> int:
+    """A micro-batch is at most what one rank holds of the batch it splits: more ranks than the
+    defaults were written for (32 rows on 1 rank) lower it to `batch / world` (logged), so the
+    defaults run as they are under torchrun; a micro-batch that fits is kept as given."""
+    if micro >= 1 and micro * world > batch and batch % world == 0 and batch >= world:
+        logging.getLogger("rlhf").info("%s: %d -> %d (%s=%d over %d ranks)", key, micro, batch // world, batch_key,
+                                       batch, world)
+        return batch // world
+    return micro
+
+
+def validate_cadence(t: TrainConfig | PPOTrainConfig, prefix: str = "train") -> None:
+    """The keys every stage's train group has: its length, log / eval / save cadence, skips, resume."""
+    _need(t.epochs >= 1 or t.max_steps > 0, f"{prefix}.epochs must be >= 1 (or set {prefix}.max_steps), got {t.epochs}")
+    _need(t.max_steps >= 0, f"{prefix}.max_steps must be >= 0 (0 = run all epochs), got {t.max_steps}")
+    for key in ("eval_every", "save_every", "keep_last_n"):
+        _need(getattr(t, key) >= 0, f"{prefix}.{key} must be >= 0, got {getattr(t, key)}")
+    _need(t.log_every >= 1, f"{prefix}.log_every must be >= 1, got {t.log_every}")
+    _need(t.max_consecutive_skips >= 1, f"{prefix}.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
+    _need(isinstance(t.resume, (bool, str)), f"{prefix}.resume must be true, false or a checkpoint path, got {t.resume!r}")
+
+
+def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> int:
+    """Check ranges and global = micro x accumulation x world; returns the accumulation steps."""
+    validate_cadence(t, prefix)
+    _need(t.micro_batch_size >= 1, f"{prefix}.micro_batch_size must be >= 1, got {t.micro_batch_size}")
+    t.micro_batch_size = fit_micro(t.micro_batch_size, t.global_batch_size, world_size, f"{prefix}.micro_batch_size",
+                                   f"{prefix}.global_batch_size")
+    per_step = t.micro_batch_size * world_size
+    _need(
+        t.global_batch_size >= per_step and t.global_batch_size % per_step == 0,
+        f"{prefix}.global_batch_size ({t.global_batch_size}) must be a multiple of {prefix}.micro_batch_size "
+        f"({t.micro_batch_size}) x world size ({world_size}) = {per_step}",
+    )
+    _need(t.warmup_steps >= 0, f"{prefix}.warmup_steps must be >= 0, got {t.warmup_steps}")
+    return t.global_batch_size // per_step
+
+
+def optim_config(t: OptimGroupConfig, prefix: str = "train") -> OptimConfig:
+    """The engine's OptimConfig of an optimizer group (train, actor, critic); errors name `prefix`.*."""
+    if len(t.betas) != 2:
+        raise ConfigError(f"{prefix}.betas must be two numbers, got {t.betas}")
+    return OptimConfig(
+        lr=t.lr, weight_decay=t.weight_decay, betas=(float(t.betas[0]), float(t.betas[1])), eps=t.eps,
+        scheduler=t.scheduler, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio, grad_clip=t.grad_clip,
+    )
+
+
+def check_optim(t: OptimGroupConfig, prefix: str = "train") -> None:
+    try:
+        validate_optim_config(optim_config(t, prefix), total_steps=1)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("optim.", f"{prefix}.")) from None
+
+
+def engine_config(e: EngineConfig, info, *, frozen: bool = False) -> EngineConfig:
+    """The `engine` group as the engine takes it: precision "auto" resolved for this device, validated."""
+    _need(e.precision in PRECISIONS, f"engine.precision must be one of {PRECISIONS}, got {e.precision!r}")
+    cfg = resolve_precision(e, info.device)
+    try:
+        validate_engine_config(cfg, info, frozen=frozen)
+    except ValueError as e2:
+        raise ConfigError(str(e2)) from None
+    return cfg
+
+
+def validate_sft(cfg: SFTConfig, info) -> int:
+    """Everything an SFT run needs, checked before any model loads; returns accumulation steps."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_logger(cfg.logger)
+    validate_generation(cfg.eval, "eval")
+    check_optim(cfg.train)
+    engine_config(cfg.engine, info)
+    return validate_train(cfg.train, info.world_size)
+
+
+def validate_reward(cfg: RewardConfig, info) -> int:
+    """Everything a reward run needs, checked before any model loads; returns accumulation steps."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    validate_model(cfg.model)
+    validate_data(cfg.data)
+    validate_logger(cfg.logger)
+    _need(cfg.reward.score_reg >= 0, f"reward.score_reg must be >= 0, got {cfg.reward.score_reg}")
+    std = cfg.reward.head_init_std
+    _need(std is None or std >= 0, f"reward.head_init_std must be >= 0 (0 = zeros) or null, got {std}")
+    f = cfg.reward.head_only_fraction
+    _need(0 <= f < 1, f"reward.head_only_fraction must be in [0, 1) (0 = off), got {f}")
+    check_optim(cfg.train)
+    engine_config(cfg.engine, info)
+    return validate_train(cfg.train, info.world_size)
+
+
+def rollout_rows(r: RolloutConfig) -> int:
+    """Rows (sampled responses) per RL step, over every rank."""
+    return r.prompts_per_step * r.n_samples_per_prompt
+
+
+def validate_dpo(cfg: DPOConfig, info) -> int:
+    """Everything a DPO run needs, checked before any model loads; returns accumulation steps."""
+    p = cfg.dpo
+    _need(p.loss_type in LOSS_TYPES, f"dpo.loss_type must be one of {LOSS_TYPES}, got {p.loss_type!r}")
+    _need(p.beta > 0, f"dpo.beta must be > 0, got {p.beta}")
+    _need(0 <= p.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
+    _need(p.label_smoothing == 0 or p.loss_type in ("sigmoid", "robust"),
+          f"dpo.label_smoothing applies to dpo.loss_type=sigmoid or robust, not {p.loss_type!r}")
+    _need(p.gamma == 0 or p.loss_type == "simpo", f"dpo.gamma applies to dpo.loss_type=simpo, not {p.loss_type!r}")
+    _need(p.sft_coef >= 0, f"dpo.sft_coef must be >= 0, got {p.sft_coef}")
+    _need(p.reference in ("precompute", "online"), f"dpo.reference must be 'precompute' or 'online', got {p.reference!r}")
+    return validate_sft(cfg, info)  # the keys DPO shares with SFT: model, data, eval, train, engine
+
+
+def validate_ppo(cfg: PPOConfig, info) -> None:
+    """Everything a PPO run needs, checked before any model loads."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    for key in ("actor", "critic"):
+        group = getattr(cfg, key)
+        _need(bool(group.model), f"{key}.model must be set (a HF directory, hub name or a stage's output_dir)")
+        validate_model(dataclasses_replace(cfg.model, name_or_path=group.model, lora=group.lora,
+                                           fallback_to_config=False), prefix=key)
+        check_optim(group, prefix=key)
+    validate_data(cfg.data, needs_response=False)
+    validate_logger(cfg.logger)
+    validate_generation(cfg.eval, "eval")
+    p, r = cfg.ppo, cfg.rollout
+    _need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}")
+    _need(p.kl_estimator in KL_ESTIMATORS, f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {p.kl_estimator!r}")
+    if p.adaptive_kl:
+        _need(p.kl_target > 0 and p.kl_horizon > 0, "ppo.kl_target and ppo.kl_horizon must be > 0 with ppo.adaptive_kl")
+    _need(p.advantage_estimator in ADVANTAGE_ESTIMATORS, f"ppo.advantage_estimator must be one of "
+          f"{tuple(ADVANTAGE_ESTIMATORS)} (registered in rlhf/algos/rl.py), got {p.advantage_estimator!r}")
+    est = ADVANTAGE_ESTIMATORS[p.advantage_estimator]
+    if not est.token_rewards:
+        _need(p.kl_coef == 0 and not p.adaptive_kl,
+              f"ppo.advantage_estimator={p.advantage_estimator} reads only each response's score, so a KL "
+              f"penalty in the reward (ppo.kl_coef={p.kl_coef}, ppo.adaptive_kl={p.adaptive_kl}) would be "
+              "ignored: set ppo.kl_coef=0 and put the KL in the loss with ppo.kl_loss_coef (algorithm="
+              f"{p.advantage_estimator} does both)")
+    _need(p.kl_loss_coef >= 0, f"ppo.kl_loss_coef must be >= 0 (0 = no KL loss), got {p.kl_loss_coef}")
+    _need(p.kl_loss_estimator in KL_ESTIMATORS,
+          f"ppo.kl_loss_estimator must be one of {KL_ESTIMATORS}, got {p.kl_loss_estimator!r}")
+    _need(p.loss_agg in LOSS_AGGREGATIONS, f"ppo.loss_agg must be one of {LOSS_AGGREGATIONS}, got {p.loss_agg!r}")
+    _need(p.clip_reward_value > 0, f"ppo.clip_reward_value must be > 0, got {p.clip_reward_value}")
+    _need(0 <= p.gamma <= 1 and 0 <= p.lam <= 1, f"ppo.gamma and ppo.lam must be in [0, 1], got {p.gamma}, {p.lam}")
+    _need(p.cliprange > 0 and p.cliprange_value > 0, "ppo.cliprange and ppo.cliprange_value must be > 0")
+    for key in ("cliprange_low", "cliprange_high"):
+        v = getattr(p, key)
+        _need(v is None or v > 0, f"ppo.{key} must be > 0 (null = ppo.cliprange), got {v}")
+    _need(p.ppo_epochs >= 1, f"ppo.ppo_epochs must be >= 1, got {p.ppo_epochs}")
+    _need(p.ptx_coef >= 0, f"ppo.ptx_coef must be >= 0, got {p.ptx_coef}")
+    _need(0 <= p.ema_decay < 1, f"ppo.ema_decay must be in [0, 1) (0 = off), got {p.ema_decay}")
+    _need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+    _need(r.temperature > 0, f"rollout.temperature must be > 0, got {r.temperature}")
+    _need(r.top_k >= 0 and 0 < r.top_p <= 1, "rollout.top_k must be >= 0 and rollout.top_p in (0, 1]")
+    w = info.world_size
+    for key in ("prompts_per_step", "n_samples_per_prompt", "mini_batch_size", "micro_batch_size"):
+        _need(getattr(r, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(r, key)}")
+    if p.dynamic_sampling:
+        _need(r.n_samples_per_prompt >= 2, "ppo.dynamic_sampling drops prompt groups whose scores are all equal: "
+              f"it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
+    # Batch sizes: prompts_per_step counts prompts; every other size counts rows (sampled responses).
+    # Each rank answers whole prompts (all n samples of a prompt on one rank), so a group never spans ranks.
+    _need(r.prompts_per_step % w == 0, f"rollout.prompts_per_step ({r.prompts_per_step}) must be a multiple of "
+          f"the world size ({w}): each rank samples every response of its own prompts")
+    r.micro_batch_size = fit_micro(r.micro_batch_size, r.mini_batch_size, w, "rollout.micro_batch_size",
+                                   "rollout.mini_batch_size")
+    _need(r.mini_batch_size % (r.micro_batch_size * w) == 0,
+          f"rollout.mini_batch_size ({r.mini_batch_size}) must be a multiple of rollout.micro_batch_size "
+          f"({r.micro_batch_size}) x world size ({w})")
+    rows = rollout_rows(r)
+    what = (f"rollout.prompts_per_step ({r.prompts_per_step})" if r.n_samples_per_prompt == 1 else
+            f"the rows per step, rollout.prompts_per_step x rollout.n_samples_per_prompt "
+            f"({r.prompts_per_step} x {r.n_samples_per_prompt} = {rows}),")
+    _need(rows % r.mini_batch_size == 0,
+          f"{what} must be a multiple of rollout.mini_batch_size ({r.mini_batch_size}, rows)")
+    validate_cadence(cfg.train)
+    validate_reward_sources(cfg.reward)
+    validate_alarms(cfg.alarms)
+    engine_config(cfg.engine, info)
+
+
+def validate_reward_sources(rw: RewardSourcesConfig) -> None:
+    """Known, distinct sources; one finite weight each; reward.function importable iff the function source."""
+    _need(len(rw.sources) >= 1, f"reward.sources must name at least one of {REWARD_SOURCES}")
+    for name in rw.sources:
+        _need(name in REWARD_SOURCES, f"reward.sources: unknown source {name!r}; choose from {REWARD_SOURCES}")
+    _need(len(set(rw.sources)) == len(rw.sources), f"reward.sources names a source twice: {list(rw.sources)}")
+    _need(not rw.weights or len(rw.weights) == len(rw.sources),
+          f"reward.weights has {len(rw.weights)} weights for {len(rw.sources)} reward.sources {list(rw.sources)}")
+    _need(all(math.isfinite(w) for w in rw.weights), f"reward.weights must be finite numbers, got {list(rw.weights)}")
+    if "function" in rw.sources:
+        load_function(rw.function)  # ConfigError naming reward.function when not importable / callable
+    else:
+        _need(rw.function is None, f"reward.function={rw.function!r} is set but 'function' is not in "
+                                   f"reward.sources {list(rw.sources)} (add it, e.g. reward.sources=[function])")
+
+
+def validate_alarms(a: AlarmsConfig) -> None:
+    _need(a.window >= 2, f"alarms.window must be >= 2 (steps in a trend), got {a.window}")
+    for key in ("kl_slope", "length_drift", "clipfrac", "gold_drop"):
+        _need(getattr(a, key) >= 0, f"alarms.{key} must be >= 0, got {getattr(a, key)}")
+    _need(0 <= a.entropy_ratio <= 1, f"alarms.entropy_ratio must be in [0, 1], got {a.entropy_ratio}")
+
+
+def unused_sources(cfg: PPOConfig) -> set[str]:
+    """Model keys a PPO run will not read: critic.model without a critic, unless it is the reward
+    model's default path and the reward model is a reward source."""
+    est = ADVANTAGE_ESTIMATORS.get(cfg.ppo.advantage_estimator)
+    needs_rm = "model" in cfg.reward.sources
+    if est is not None and not est.needs_critic and not (needs_rm and cfg.reward_model.model is None):
+        return {"critic.model"}
+    return set()
+
+
+EVALUATE_MODES = ("auto", "policy", "reward")
+
+
+def validate_evaluate(cfg: EvaluateConfig, info) -> None:
+    """Everything an evaluation needs, checked before any model loads."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    _need(cfg.mode in EVALUATE_MODES, f"mode must be one of {EVALUATE_MODES}, got {cfg.mode!r}")
+    _need(cfg.batch_size >= 1, f"batch_size must be >= 1, got {cfg.batch_size}")
+    m = cfg.model
+    _need(bool(m.name_or_path), "model.name_or_path must be set: the model to evaluate (a HF directory, "
+                                "a hub name or a stage's output_dir such as outputs/sft)")
+    _need(not m.fallback_to_config, "model.fallback_to_config must be false: evaluate a trained model, "
+                                    "not one built with random weights")
+    _need(m.lora.r == 0, f"model.lora.r must be 0 (an adapter directory is loaded merged), got {m.lora.r}")
+    validate_model(m)
+    validate_data(cfg.data, needs_path=False)
+    validate_logger(cfg.logger)
+    validate_generation(cfg.eval, "eval")
+    engine_config(cfg.engine, info)

@@ -1,0 +1,138 @@
+"""The gold score: generations on held-out prompts, scored by the gold judge (exact match with a
+prompt's `answer` field, else the embedded task's judge: rlhf/core/task.py).
+
+    prompts = load_eval_prompts(cfg.data, tok)            # data.eval_prompts_path, first num_eval_prompts
+    ev = gold_of(engine, prompts, tok, cfg.eval)          # in the engine's generation mode
+    ev["gold_score"], ev["gold_score/reverse"], ev["samples"]
+
+`gold_eval` runs on the gathered (unsharded) model and splits its prompts over the ranks, so ranks may
+take different numbers of decode steps without any collective in between; results are all-gathered.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.distributed import all_gather_object
+from engine.generation import SamplingParams
+from rlhf.config import DataConfig, GenerationConfig
+from rlhf.core.task import judge
+from rlhf.data import collate_prompts, load_rows, parse_prompts, tokenize_prompts
+
+logger = logging.getLogger("rlhf.evaluate")
+
+
+@dataclass(slots=True)
+class EvalPrompt:
+    text: str
+    ids: list[int]
+    answer: str | None
+    task: str | None
+
+
+def load_eval_prompts(d: DataConfig, tokenizer: Any) -> list[EvalPrompt]:
+    """The first `d.num_eval_prompts` of `d.eval_prompts_path` (none when it is null)."""
+    if not d.eval_prompts_path:
+        return []
+    examples = parse_prompts(load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir), tokenizer)
+    if d.num_eval_prompts:
+        examples = examples[: d.num_eval_prompts]
+    feats, _ = tokenize_prompts(examples, tokenizer, d.max_prompt_len, d.overlong, d.add_bos)
+    logger.info("%d eval prompts from %s", len(feats), d.eval_prompts_path)
+    return [EvalPrompt(f["prompt"], f["input_ids"], f["answer"], f["meta"].get("task")) for f in feats]
+
+
+def sampling_params(g: GenerationConfig) -> SamplingParams:
+    return SamplingParams(max_new_tokens=g.max_new_tokens, greedy=g.greedy, temperature=g.temperature,
+                          top_k=g.top_k, top_p=g.top_p)
+
+
+def generate_texts(
+    generate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    prompts: Sequence[EvalPrompt],
+    tokenizer: Any,
+    batch_size: int,
+    device: torch.device,
+) -> list[str]:
+    """Decoded responses of this rank's prompts. `generate(ids, mask) -> response ids [B, T]`."""
+    texts: list[str] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        batch = collate_prompts([{"input_ids": p.ids} for p in chunk], tokenizer.pad_token_id)
+        responses = generate(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
+    return texts
+
+
+def gold_eval(
+    generator: Any,
+    prompts: Sequence[EvalPrompt],
+    tokenizer: Any,
+    g: GenerationConfig,
+    info: Any,
+    *,
+    n_samples: int = 3,
+) -> dict[str, Any]:
+    """Generate for every prompt (rank r takes prompts[r::world]; `info`: the engine's DistInfo) and
+    score with the gold judge.
+
+    `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
+    gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
+    characters) and `samples` (the first few prompt/response/score triples). Torch's RNG is left
+    as it was (sampled evaluation must not shift the training run's random stream).
+    """
+    params = sampling_params(g)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def gen(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = generator.generate(ids, mask, params, eos_token_id=eos, pad_token_id=pad)
+        return out.responses.masked_fill(out.response_mask == 0, pad)
+
+    idx, device = list(range(info.rank, len(prompts), info.world_size)), info.device
+    mine = [prompts[i] for i in idx]
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
+    scored = [(i, p.text, t, judge(p.text, t, p.answer), p.task) for i, p, t in zip(idx, mine, texts)]
+    merged = sorted(x for part in all_gather_object(scored) for x in part)
+    result: dict[str, Any] = {"response_len": sum(len(x[2]) for x in merged) / max(1, len(merged))}
+    judged = [(s, task) for _, _, _, s, task in merged if s is not None]
+    result["gold_score"] = 100.0 * sum(s for s, _ in judged) / len(judged) if judged else None
+    for task in sorted({t for _, t in judged if t}):
+        vals = [s for s, t in judged if t == task]
+        result[f"gold_score/{task}"] = 100.0 * sum(vals) / len(vals)
+    result["samples"] = [{"prompt": p, "response": t, "score": s} for _, p, t, s, _ in merged[:n_samples]]
+    return result
+
+
+def gold_of(engine: Any, prompts: Sequence[EvalPrompt], tokenizer: Any, g: GenerationConfig) -> dict[str, Any]:
+    """`gold_eval` in `engine`'s generation mode ({} without prompts): a stage's gold figures."""
+    if not prompts:
+        return {}
+    with engine.generation() as generator:
+        return gold_eval(generator, prompts, tokenizer, g, engine.info)
+
+
+def gold_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The gold figures of two evaluations under their summary.json names: gold_score_before/after
+    and gold_score/<task>_before/after."""
+    return {"gold_score_before": before.get("gold_score"), "gold_score_after": after.get("gold_score"),
+            **{f"{k}_{when}": v for when, ev in (("before", before), ("after", after))
+               for k, v in ev.items() if k.startswith("gold_score/")}}
+
+
+def gold_line(ev: dict[str, Any]) -> str | None:
+    """"gold score 66.0 (add=90 reverse=40 ...)" for a progress line, None without a gold score."""
+    if ev.get("gold_score") is None:
+        return None
+    tasks = " ".join(f"{k.split('/')[1]}={v:.0f}" for k, v in ev.items() if k.startswith("gold_score/"))
+    return f"gold score {ev['gold_score']:.1f} ({tasks})"
+
+
+def eval_line(own: str | None, ev: dict[str, Any], empty: str) -> str:
+    """A stage's progress line for an evaluation: its own figures (`own`, None: none), then the gold
+    score's; `empty` when there is neither."""
+    return ", ".join(part for part in (own, gold_line(ev)) if part) or empty

@@ -1,0 +1,146 @@
+"""The Hugging Face export that the next stage (or plain `transformers`) reads: weights gathered from the
+engine, LoRA merged (or saved as an adapter naming its base), the tokenizer saved so that it encodes
+exactly as training did.
+
+    export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=True)   # output_dir/model, atomic
+    export_hf(engine.full_state_dict(), lm, tok, out_dir, cfg.model)      # rank 0
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine import TORCH_DTYPES, atomic_directory
+from rlhf.config import ModelConfig
+from rlhf.modeling.load import MODEL_SUBDIR
+
+logger = logging.getLogger(__name__)
+
+
+PROBE_TEXT = "Human: Reverse abc.\n\nAssistant: cba"  # for checking that an exported tokenizer encodes as training
+
+
+def export_tokenizer(tokenizer: Any, *, add_bos: bool, add_eos: bool) -> Any:
+    """A copy of `tokenizer` whose plain `tokenizer(text)` gives what the stages trained on.
+
+    The stages tokenize without special tokens and add them by hand (rlhf/data/tokenize.py):
+    `[bos] + prompt + response + [eos]`, with bos only when `data.add_bos` and the tokenizer has one.
+    The exported copy adds bos the same way, and eos too for a reward/value model, which scores
+    whole sequences at their last token; a causal LM's copy adds no eos, so `tokenizer(prompt)` ->
+    `generate` continues the prompt exactly as in training. Where a tokenizer cannot be told to
+    (a slow tokenizer without these switches) the mismatch is logged once with the fix.
+    """
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    bos = add_bos and tok.bos_token_id is not None
+    want = ([tok.bos_token_id] if bos else []) + tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"] + (
+        [tok.eos_token_id] if add_eos else [])
+    try:
+        tok.add_bos_token, tok.add_eos_token = bos, add_eos  # transformers 5 rebuilds the post-processor
+    except (AttributeError, ValueError):
+        pass
+    if tok(PROBE_TEXT)["input_ids"] != want and getattr(tok, "is_fast", False):
+        from tokenizers import processors  # transformers 4's fast tokenizers: set the template directly
+
+        specials = [(t, i) for t, i, on in ((tok.bos_token, tok.bos_token_id, bos), (tok.eos_token, tok.eos_token_id, add_eos)) if on]
+        single = " ".join([f"{tok.bos_token}:0"] * bos + ["$A:0"] + [f"{tok.eos_token}:0"] * add_eos)
+        pair = single + " " + " ".join([f"{tok.bos_token}:1"] * bos + ["$B:1"] + [f"{tok.eos_token}:1"] * add_eos)
+        tok._tokenizer.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    got = tok(PROBE_TEXT)["input_ids"]
+    if got != want:
+        logger.warning("the exported tokenizer (%s) cannot be set to add %s itself: with plain transformers, "
+                       "add them by hand to match training (encoded %s, trained on %s)", type(tok).__name__,
+                       " and ".join(n for n, on in (("bos", bos), ("eos", add_eos)) if on) or "no special tokens",
+                       got, want)
+    return tok
+
+
+def export_model(engine: Any, tokenizer: Any, output_dir: str, cfg: ModelConfig, *, add_bos: bool) -> str:
+    """A stage's final export: the engine's model as `output_dir/model` (HF). Collective: every rank
+    calls it (the state dict is consolidated), rank 0 writes. Returns the model directory."""
+    state = engine.full_state_dict()
+    model_dir = os.path.join(output_dir, MODEL_SUBDIR)
+    if engine.info.is_main:
+        export_hf(state, engine.inner, tokenizer, model_dir, cfg, add_bos=add_bos)
+    return model_dir
+
+
+def export_hf(
+    state_dict: dict[str, torch.Tensor],
+    like: nn.Module,
+    tokenizer: Any,
+    out_dir: str,
+    cfg: ModelConfig,
+    extra_files: dict[str, str] | None = None,
+    *,
+    add_bos: bool = True,
+    atomic: bool = True,
+) -> str:
+    """Write a consolidated state dict as a Hugging Face directory, atomically; returns out_dir.
+
+    `state_dict`: clean names of `like` (the unwrapped training module, possibly a peft model), as
+    `engine.full_state_dict()` returns on rank 0. LoRA: merged into the base weights
+    (`lora.merge_on_save`) or saved as a peft adapter naming its base by absolute path (a stage's
+    merged adapter input, when there was one: see `_merge_adapter`). Weights are cast to
+    `cfg.save_dtype`. The tokenizer is saved so that it encodes as training did (`export_tokenizer`;
+    `add_bos` = the run's `data.add_bos`). `atomic=False`: into `out_dir` as is (a temporary directory
+    of `engine.atomic_directories`, which publishes several exports together).
+    """
+    dtype = TORCH_DTYPES[cfg.save_dtype]
+    peft_cfg = getattr(like, "peft_config", None)
+    # NOTE: the skeleton takes these tensors as its own (assign=True) and merging LoRA writes into
+    # the base weights in place, so copy: the state dict may share storage with the live model.
+    copy = bool(peft_cfg) and cfg.lora.merge_on_save
+    sd, made = {}, {}
+    for k, v in state_dict.items():
+        if v.is_floating_point():
+            key = (v.data_ptr(), v.shape, v.stride())  # tied weights stay one tensor after the copy
+            if key not in made:
+                made[key] = v.to(dtype, copy=copy)
+            v = made[key]
+        sd[k] = v
+    base_like = like.get_base_model() if hasattr(like, "get_base_model") else like
+    with torch.device("meta"):
+        skeleton = type(base_like)(base_like.config)
+    if peft_cfg:
+        from peft import get_peft_model
+
+        skeleton = get_peft_model(skeleton, peft_cfg["default"])
+    missing, unexpected = skeleton.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"export: state dict does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if peft_cfg and cfg.lora.merge_on_save:
+        skeleton = skeleton.merge_and_unload()
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()
+    is_value_model = "ForSequenceClassification" in type(base_like).__name__
+    tok = export_tokenizer(tokenizer, add_bos=add_bos, add_eos=is_value_model)
+    with atomic_directory(out_dir) if atomic else contextlib.nullcontext(out_dir) as tmp:
+        skeleton.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if peft_cfg and not cfg.lora.merge_on_save:
+            _absolute_adapter_base(tmp)
+        for name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+    return out_dir
+
+
+def _absolute_adapter_base(adapter_dir: str) -> None:
+    """A local base path in adapter_config.json made absolute, so the adapter loads from any cwd."""
+    path = os.path.join(adapter_dir, "adapter_config.json")
+    with open(path) as f:
+        meta = json.load(f)
+    base = meta.get("base_model_name_or_path")
+    if base and os.path.exists(base):
+        meta["base_model_name_or_path"] = os.path.abspath(base)
+        with open(path, "w") as f:
+            json.dump(meta, f, indent=2)

@@ -1,0 +1,144 @@
+"""The rollout: one rank's sampled responses, and the steps that read only them and the models' scores.
+
+    rollout = generate(models.actor, prompts, group, sampling, eos_id, pad_id)   # sample responses
+    scored = score_rollout(rollout.sequences, ..., actor=..., reference=..., critic=...)  # log-probs, values
+    mask_nonfinite(rollout, scored)            # a NaN/inf row leaves the update, counted and named
+    drop_uniform_groups(rollout, score)        # DAPO's dynamic sampling (ppo.dynamic_sampling)
+
+Layout (P = prompt width, T = response width), every tensor one rank's rows:
+    sequences, attention_mask                 [B, P+T]  prompts LEFT-padded, responses right-padded
+    responses, response_mask                  [B, T]    column t = response token t
+    group, empty, truncated                   [B]       the prompt row answered; what became of the row
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf.algos.rl import uniform_groups
+from rlhf.modeling.forward import position_ids_from_mask, token_logprobs, token_values
+
+logger = logging.getLogger("rlhf.ppo")
+
+
+@dataclass
+class Rollout:
+    """What generation mode returns for one rank's prompts."""
+
+    sequences: torch.Tensor      # [B, P+T]
+    attention_mask: torch.Tensor  # [B, P+T]
+    response_mask: torch.Tensor  # [B, T] real response tokens; empty responses masked out entirely
+    responses: torch.Tensor      # [B, T]
+    prompt_len: int
+    group: torch.Tensor          # [B] the dataset row of each prompt: the n samples of one prompt share it
+    empty: torch.Tensor          # [B] bool: nothing said before the EOS (dropped from the update)
+    truncated: torch.Tensor      # [B] bool: hit max_new_tokens without an EOS
+    nonfinite: torch.Tensor | None = None  # [B] bool: a model scored it NaN/inf (dropped; mask_nonfinite)
+    dropped: torch.Tensor | None = None  # [B] bool: its group's scores were all equal (drop_uniform_groups)
+
+    @classmethod
+    def from_generation(cls, g: Any, group: torch.Tensor, eos_id: int, max_new_tokens: int, *,
+                        drop_empty: bool = True) -> Rollout:
+        """The rollout of a generation result `g` (engine.generation's: sequences, attention_mask,
+        responses, response_mask, prompt_len): which rows are empty or truncated, and with
+        `drop_empty` the empty rows' response mask zeroed (they leave the update)."""
+        empty = empty_responses(g.responses, g.response_mask, [eos_id])
+        eos = torch.tensor([eos_id], device=g.responses.device)
+        truncated = (~empty) & (g.response_mask.sum(1) == max_new_tokens) & ~torch.isin(g.responses[:, -1], eos)
+        response_mask = g.response_mask.masked_fill(empty[:, None], 0) if drop_empty else g.response_mask
+        return cls(sequences=g.sequences, attention_mask=g.attention_mask, response_mask=response_mask,
+                   responses=g.responses, prompt_len=g.prompt_len, group=group.to(g.sequences.device), empty=empty,
+                   truncated=truncated)
+
+
+
+def empty_responses(responses: torch.Tensor, response_mask: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """[B] bool: rows whose response has no token before its EOS (nothing was said)."""
+    first_is_eos = torch.isin(responses[:, 0], torch.tensor(eos_ids, device=responses.device))
+    return (response_mask.sum(1) == 0) | first_is_eos
+
+
+@torch.no_grad()
+def generate(actor, prompts: dict, group: torch.Tensor, sampling, eos_id: int, pad_id: int) -> Rollout:
+    """Sample responses to `prompts` (collated, left-padded) in the actor engine's generation mode."""
+    device = actor.info.device
+    with actor.generation() as gen:
+        g = gen.generate(prompts["input_ids"].to(device), prompts["attention_mask"].to(device), sampling,
+                         eos_token_id=eos_id, pad_token_id=pad_id)
+    return Rollout.from_generation(g, group, eos_id, sampling.max_new_tokens)
+
+
+# What each scored quantity comes from, for the message that names it.
+SCORED_BY = {"score": "the reward source", "logp_old": "the actor", "logp_ref": "the reference", "values": "the critic"}
+
+
+def mask_nonfinite(rollout: Rollout, scored: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Rows where a model gave a non-finite value (score [B], or log-prob/value [B, T] on a response
+    token) are dropped from the update: their response mask is zeroed and the values set to 0, so
+    rewards, advantages and whitening stay finite for the other rows. In place; sets
+    `rollout.nonfinite`; returns {quantity: rows} (this rank's) for the ones that had any."""
+    bad, counts = nonfinite_rows(scored, rollout.response_mask)
+    rollout.response_mask = rollout.response_mask.masked_fill(bad[:, None], 0)
+    rollout.nonfinite = bad
+    return counts
+
+
+def nonfinite_rows(scored: dict[str, torch.Tensor], response_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+    """[B] bool: the rows with a non-finite score or response-token value, and {quantity: rows};
+    those values are set to 0 in `scored` (in place); one WARN line names the models."""
+    mask = response_mask.bool()
+    bad = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    counts = {}
+    for key in SCORED_BY:
+        t = scored.get(key)
+        if t is None:
+            continue
+        finite = torch.isfinite(t)
+        rows = ~finite if t.dim() == 1 else (~finite & mask).any(1)
+        if rows.any():
+            counts[key] = int(rows.sum())
+            bad |= rows
+        scored[key] = torch.where(finite, t, torch.zeros_like(t))
+    if counts:
+        logger.warning("%s: non-finite values, those rows left out (of the update, or of the held-out figures)", ", ".join(
+            f"{n} row(s) from {SCORED_BY[k]} ({k})" for k, n in counts.items()))
+    return bad, counts
+
+
+def drop_uniform_groups(rollout: Rollout, score: torch.Tensor) -> int:
+    """Dynamic sampling (DAPO), without the re-sampling: the rows of every prompt group whose valid
+    rows' scores are all equal leave the update (their response mask is zeroed; an outcome
+    estimator would give them advantage 0, so they carry no signal and only dilute the loss). Groups
+    are whole on each rank. In place; sets `rollout.dropped` [B]; returns this rank's dropped groups."""
+    valid = rollout.response_mask.bool().any(1)
+    uniform = uniform_groups(score, rollout.group, valid) & valid
+    rollout.response_mask = rollout.response_mask.masked_fill(uniform[:, None], 0)
+    rollout.dropped = uniform
+    return int(torch.unique(rollout.group[uniform]).numel())
+
+
+@torch.no_grad()
+def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *, actor: torch.nn.Module,
+                  reference: torch.nn.Module, critic: torch.nn.Module | None, micro_batch_size: int,
+                  temperature: float, pack_length: int | None = None) -> dict[str, torch.Tensor]:
+    """Old log-probs, reference log-probs and values (without a critic: none), in micro-batches, and
+    the position ids they used; the scores come from a reward source (rlhf/rl/rewards.py).
+
+    Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
+    `pack_length` (not None): each forward runs on the micro-batch's real tokens packed (`Repacked`).
+    """
+    base = {"sequences": sequences, "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len, "pack_length": pack_length}
+    parts: dict[str, list[torch.Tensor]] = {"logp_old": [], "logp_ref": [], "values": []}
+    for s in range(0, sequences.shape[0], micro_batch_size):
+        mb = {k: (v[s : s + micro_batch_size] if torch.is_tensor(v) else v) for k, v in base.items()}
+        parts["logp_old"].append(token_logprobs(actor, mb, temperature))
+        parts["logp_ref"].append(token_logprobs(reference, mb, temperature))
+        if critic is not None:
+            parts["values"].append(token_values(critic, mb))
+    out = {k: torch.cat(v) for k, v in parts.items() if v}
+    out["position_ids"] = base["position_ids"]
+    return out

@@ -1,0 +1,104 @@
+"""The RL update: the actor's loss (clipped surrogate + KL term + ptx) and the critic's (clipped value
+loss), and the mini-batch steps that apply them (`update`). Each loss returns (loss summed over its
+weight units, the weight, stats), as `engine.TrainEngine.train_step` takes it; the math is in
+rlhf/algos/rl.py."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from rlhf.algos import rl as rl_math
+from rlhf.config import PPOConfig
+from rlhf.config.validate import rollout_rows
+from rlhf.data import collate_sft
+from rlhf.data.stage import StepOrder
+from rlhf.modeling.forward import sft_loss, token_logprobs, token_values
+from rlhf.rl.experience import Experience
+from rlhf.rl.models import Models
+
+
+def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cliprange_low: float | None = None,
+                    cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
+                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3"):
+    """The actor's loss: the clipped surrogate (ratio clipped to [1 - low, 1 + high]; low/high
+    default to cliprange), aggregated by `loss_agg` (rl_math.aggregate_loss: sum over its weight
+    units, so micro-batches and ranks combine into the whole mini-batch's aggregate), + kl_loss_coef
+    x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like the rest)."""
+    low = cliprange if cliprange_low is None else cliprange_low
+
+    def actor_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
+        mask = mb["response_mask"]
+        loss, stats = rl_math.policy_loss(logp, mb["logp_old"], mb["advantages"], mask, low,
+                                           cliprange_high=cliprange_high, loss_agg=loss_agg, horizon=horizon)
+        n = rl_math.loss_weight(mask, loss_agg)  # tokens (token_mean) or rows
+        if kl_loss_coef:
+            kl_sum, kl_n = rl_math.aggregate_loss(rl_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
+                                                   mask, loss_agg, horizon)
+            kl = kl_sum / kl_n.clamp(min=1)
+            loss = loss + kl_loss_coef * kl
+            stats["kl_loss"] = kl.detach()
+        total = loss * n
+        stats["entropy"] = rl_math.masked_mean(entropy, mask)
+        if ptx_coef:
+            device = mb["sequences"].device
+            ptx_sum, ptx_n, _ = sft_loss(model, {k: v.to(device) for k, v in mb["ptx"].items()})
+            ptx = ptx_sum / ptx_n.clamp(min=1)
+            total = total + ptx_coef * ptx * n  # its mean enters the mini-batch mean like a token loss
+            stats["ptx_loss"] = ptx.detach()
+        return total, n, stats
+
+    return actor_loss
+
+
+def make_critic_loss(cliprange_value: float):
+    def critic_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        mask = mb["response_mask"]
+        loss, stats = rl_math.value_loss(token_values(model, mb), mb["values"], mb["returns"], mask, cliprange_value)
+        return loss * mask.sum(), mask.sum(), stats
+
+    return critic_loss
+
+
+def actor_loss(cfg: PPOConfig):
+    """The actor loss of `cfg`'s algorithm (make_actor_loss with the ppo.* keys)."""
+    p, r = cfg.ppo, cfg.rollout
+    return make_actor_loss(p.cliprange, r.temperature, p.ptx_coef, cliprange_low=p.cliprange_low,
+                           cliprange_high=p.cliprange_high, loss_agg=p.loss_agg, horizon=r.max_new_tokens,
+                           kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator)
+
+
+def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_batches, run) -> tuple[list, list]:
+    """The "update" step: `ppo.ppo_epochs` passes over shuffled mini-batches of this rank's rows, one
+    actor (and critic) optimizer step per mini-batch; `ptx_batches()` gives each micro-batch's SFT rows."""
+    r, p, info = cfg.rollout, cfg.ppo, models.info
+    rows = rollout_rows(r)  # prompts_per_step x n_samples_per_prompt; the batch sizes count rows
+    per_rank, mini_rows = rows // info.world_size, r.mini_batch_size // info.world_size
+    a_stats, c_stats = [], []
+    for _ in range(p.ppo_epochs):
+        perm = torch.randperm(per_rank).tolist()
+        for k in range(rows // r.mini_batch_size):
+            rows_k = perm[k * mini_rows : (k + 1) * mini_rows]
+            micro = [exp.rows(rows_k[i : i + r.micro_batch_size]) for i in range(0, mini_rows, r.micro_batch_size)]
+            for mb in micro:
+                mb["pack_length"] = models.pack_length  # the losses' forwards pack like the scoring's
+            if ptx_batches is not None:
+                for mb in micro:
+                    mb["ptx"] = ptx_batches()
+            a_stats.append(models.actor.train_step(micro, losses[0]))
+            if models.critic is not None:
+                c_stats.append(models.critic.train_step(micro, losses[1]))
+            run.check(a_stats[-1], *c_stats[-1:])  # the critic's skips count toward the limit too
+            if models.ema is not None:
+                models.ema.update()
+    return a_stats, c_stats
+
+
+def ptx_batches(feats: list, order: StepOrder, first: int, info, pad_id: int) -> Callable[[], dict]:
+    """The SFT micro-batches of one step's ptx loss, from position `first` on (a function of the step,
+    so a resumed run reads the same rows)."""
+    position = itertools.count(first)
+    return lambda: collate_sft([feats[i] for i in order.rank_rows(next(position), info.rank, info.world_size, 1)[0]],
+                               pad_id)

@@ -1,0 +1,329 @@
+"""Plan a run's device memory per rank before any weights load: `python -m rlhf.plan`.
+
+    python -m rlhf.plan stage=sft world_size=8 budget_gib=80 model=llama model.name_or_path=/models/Llama-3.2-1B
+    python -m rlhf.plan stage=ppo world_size=2 budget_gib=24 actor.model=outputs/sft critic.model=outputs/reward
+
+Planner keys: stage (sft | reward | dpo | ppo), world_size (1), budget_gib (device memory of one rank;
+0 = no verdict), device (cuda, where precision auto is bf16 | cpu), rank (0, which holds the largest
+FSDP shards). Every other key is the stage's own (`python -m rlhf.<stage> --help`). Exit code: 0 (fits,
+or no budget), 1 (does not fit), 2 (a bad input: one line naming it).
+
+Each model is built on the meta device from its config alone (a local HF or stage output directory's
+config.json, or model.config), so parameter counts are exact, and parameter / gradient / optimizer
+bytes are the engine's layout exactly (engine.memory.planned_bytes: what a run's memory report logs
+at its first step). The rest are estimates, with b rows per micro-batch, s tokens, h hidden, i MLP
+width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute dtype (2 or 4):
+    activations          L*b*s*(7h + 2kv + 4i)*e: what autograd keeps per decoder block with SDPA
+                         attention (block input, two norm outputs, q, k, v, attention output, MLP
+                         input, gate, up, silu(gate), their product)
+    + checkpointing      L*b*s*h*e (block inputs) + one block's share above, recomputed in backward
+    logits (policies)    b*s*V*(e + 8): the head's output, its fp32 copy, log_softmax's output;
+                         engine.kernels=true: two chunks of at most 256 MiB (no [b, s, V] logits)
+    gathered params      stage 2: Psi*e for forward + backward (no reshard after forward); stage 3:
+                         2 blocks*e (one computing, one prefetched); stage 0/1 in bf16: Psi*e
+                         (autocast's cached casts); an offloaded frozen model at stage 0/1: + its
+                         stored bytes (moved to the device for each forward)
+    KV cache (RL)        2*L*B*(P + T)*kv*e, B = prompts_per_step / N * n_samples_per_prompt
+    generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
+Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
+gathered params of the trained model that needs most), scoring (logits + gathered params of one
+no-grad forward) or generation (KV cache + generation weights). Not counted: the CUDA context
+(~0.5 GiB), allocator fragmentation, communication buffers.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from omegaconf import OmegaConf
+
+from engine.config import resolve_precision
+from engine.generation import choose_generation_path
+from engine.memory import ZERO_FORMULAS, fmt_bytes, layout_bytes, planned_bytes, zero_formula_bytes
+from engine.optim import param_groups
+from engine.parallelize import find_blocks
+from rlhf.algos.rl import ADVANTAGE_ESTIMATORS
+from rlhf.config import SCHEMAS, cli, compose, to_config
+from rlhf.config.validate import unused_sources
+from rlhf.core.errors import ConfigError
+from rlhf.core.hub import check_local
+from rlhf.core.paths import CONF_DIR
+from rlhf.modeling.load import adapter_chain, apply_lora, from_config_kwargs, load_tokenizer, resolve_model_path
+from rlhf.rl.models import model_cfg
+
+STAGES = ("sft", "reward", "dpo", "ppo")
+PLANNER_KEYS = {"stage": "sft", "world_size": "1", "budget_gib": "0", "device": "cuda", "rank": "0"}
+GiB = 2**30
+
+
+@dataclass
+class Arch:
+    """One model as the planner needs it: parameter shapes (from the meta device) and its sizes."""
+
+    shapes: list[tuple[tuple[int, ...], bool]]  # (shape, trainable), tied parameters once
+    groups: list[list[int]]  # numels of the AdamW param groups (engine.optim.param_groups)
+    block: int  # parameters of the largest decoder block (one FSDP unit)
+    layers: int
+    hidden: int
+    inter: int
+    kv: int
+    vocab: int
+    storage_bytes: int  # per parameter of a frozen copy (model.dtype, else the checkpoint's dtype)
+    config: object  # the HF config (generation path)
+    adapters: bool
+
+    @property
+    def total(self) -> int:
+        return sum(math.prod(s) for s, _ in self.shapes)
+
+    @property
+    def trainable(self) -> int:
+        return sum(math.prod(s) for s, t in self.shapes if t)
+
+
+_MEMO: dict[str, object] = {}  # models and tokenizers: re-planning a changed engine / batch config builds none again
+
+
+def build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
+    """`mcfg` (a ModelConfig) built on the meta device: no weights read, exact parameter shapes."""
+    memo = repr((mcfg, key, value, lora))
+    if memo not in _MEMO:
+        _MEMO[memo] = _build_arch(mcfg, tok, key, value=value, lora=lora)
+    return _MEMO[memo]
+
+
+def _build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    path = mcfg.name_or_path
+    if path is not None:
+        check_local(path, f"{key}.name_or_path")
+        source, _ = adapter_chain(resolve_model_path(path) if os.path.isdir(path) else path)
+        try:
+            hf = AutoConfig.from_pretrained(source, trust_remote_code=mcfg.trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}.name_or_path={path!r}: cannot read a model config ({e})") from None
+    else:
+        kw = from_config_kwargs(mcfg, tok)
+        hf = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    if value:
+        hf.num_labels = 1
+    with torch.device("meta"):
+        model = (AutoModelForSequenceClassification if value else AutoModelForCausalLM).from_config(hf)
+        model = apply_lora(model, mcfg, key, 0, "SEQ_CLS" if value else "CAUSAL_LM") if lora else model
+    # parameters() yields a tied tensor once, as the engine counts it
+    shapes = [(tuple(p.shape), p.requires_grad) for p in model.parameters()]
+    block = max((sum(p.numel() for p in b.parameters()) for b in find_blocks(model)), default=0)
+    groups = [[p.numel() for p in g["params"]] for g in param_groups(model, 0.0)]
+    saved = getattr(hf, "dtype", None)
+    dtype = mcfg.dtype if mcfg.dtype != "auto" else {"bfloat16": "bf16", "float16": "fp16"}.get(
+        str(saved).replace("torch.", "") if path is not None else "", "fp32")
+    heads = getattr(hf, "num_attention_heads", 1)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return Arch(shapes, groups, block, hf.num_hidden_layers, hf.hidden_size,
+                getattr(hf, "intermediate_size", None) or getattr(hf, "ffn_dim", 4 * hf.hidden_size),
+                (getattr(hf, "num_key_value_heads", None) or heads) * head_dim, hf.vocab_size,
+                {"fp32": 4, "bf16": 2, "fp16": 2}[dtype], hf, lora and mcfg.lora.r > 0)
+
+
+def _tokenizer(mcfg, key: str):
+    memo = repr((mcfg.tokenizer, mcfg.name_or_path, key))
+    if memo not in _MEMO:
+        _MEMO[memo] = load_tokenizer(mcfg, key)
+    return _MEMO[memo]
+
+
+@dataclass
+class Role:
+    name: str
+    arch: Arch
+    trained: bool
+    offload: bool
+    rows: int  # per micro-batch forward
+    seq: int
+    logits: bool  # a policy (LM head) rather than a value head
+
+
+def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
+    """The models a `stage` run holds, and (generation rows per rank, generation length) for PPO."""
+    if stage != "ppo":
+        tok = _tokenizer(cfg.model, "model")
+        rows = cfg.train.micro_batch_size * (1 if stage == "sft" else 2)  # chosen + rejected in one forward
+        arch = build_arch(cfg.model, tok, "model", value=stage == "reward", lora=True)
+        out = [Role("model", arch, True, cfg.engine.offload, rows, cfg.data.max_len, stage != "reward")]
+        d = getattr(cfg, "dpo", None)
+        if d and d.reference == "online" and d.loss_type != "simpo" and cfg.model.lora.r == 0:
+            out.append(Role("reference", build_arch(cfg.model, tok, "model", value=False, lora=False), False,
+                            cfg.engine.offload, rows, cfg.data.max_len, True))
+        return out, 0, 0
+    r, est = cfg.rollout, ADVANTAGE_ESTIMATORS.get(cfg.ppo.advantage_estimator)
+    if est is None:
+        raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} is not registered")
+    tok = _tokenizer(model_cfg(cfg, cfg.actor.model), "actor")
+    seq = cfg.data.max_prompt_len + r.max_new_tokens
+    unused = unused_sources(cfg)
+    wanted = [("actor", cfg.actor.model, cfg.actor.lora, True, False, False),
+              ("critic", cfg.critic.model, cfg.critic.lora, True, True, False),
+              ("reference", cfg.reference.model or cfg.actor.model, None, False, False, cfg.reference.offload),
+              ("reward_model", cfg.reward_model.model or cfg.critic.model, None, False, True, cfg.reward_model.offload)]
+    out = []
+    for name, path, lora, trained, value, offload in wanted:
+        if (name == "critic" and (not est.needs_critic or "critic.model" in unused)) or (
+                name == "reward_model" and "model" not in cfg.reward.sources):
+            continue  # not loaded by this algorithm / reward source (rlhf/rl/models.py Models)
+        arch = build_arch(model_cfg(cfg, path, lora), tok, name, value=value, lora=trained)
+        out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), r.micro_batch_size, seq,
+                        not value))
+    return out, r.prompts_per_step // world * r.n_samples_per_prompt, seq
+
+
+def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", budget_gib: float = 0.0) -> dict:
+    """Bytes per rank of every model a `stage` run holds, the phases' transient memory, and the peak."""
+    ecfg = resolve_precision(cfg.engine, torch.device(device))
+    e = 4 if ecfg.precision == "fp32" else 2
+    models, gen_rows, gen_len = roles(stage, cfg, world)
+    report = {"stage": stage, "world_size": world, "rank": rank, "device": device, "precision": ecfg.precision,
+              "zero_stage": ecfg.stage, "models": {}, "budget_bytes": budget_gib * GiB}
+    phases = {"training": 0.0, "scoring": 0.0, "generation": 0.0}
+    for m in models:
+        a = m.arch
+        b = planned_bytes(a.shapes, a.groups, stage=ecfg.stage, world=world, rank=rank,
+                          frozen_bytes_per_param=None if m.trained else a.storage_bytes)
+        state = sum(b.values())
+        tokens = m.rows * m.seq
+        # a frozen model's forwards run under no_grad: nothing is kept for a backward
+        act = 0 if not m.trained else a.layers * tokens * (7 * a.hidden + 2 * a.kv + 4 * a.inter) * e
+        act_ckpt = 0 if not m.trained else a.layers * tokens * a.hidden * e + act / a.layers
+        logits = 0 if not m.logits else (min(tokens * a.vocab * 4, 256 * 2**20) * 2 if ecfg.kernels
+                                         else tokens * a.vocab * (e + 8))
+        gathered = {2: a.total * e, 3: 2 * a.block * e}.get(ecfg.stage, a.total * e if e == 2 else 0)
+        if m.offload and not m.trained and ecfg.stage < 2:  # stage 0/1 moves the whole model in for each forward
+            gathered += a.total * a.storage_bytes
+        entry = {**b, "model_state_bytes": state, "device_bytes": 0 if m.offload else state, "trained": m.trained,
+                 "offload": m.offload, "total_params": a.total, "trainable_params": a.trainable if m.trained else 0,
+                 "zero_formula": ZERO_FORMULAS[ecfg.stage],
+                 "zero_formula_bytes": zero_formula_bytes(ecfg.stage, a.trainable, world) if m.trained else 0,
+                 # a frozen model: its storage dtype, sharded at stage 2/3 (the engine's formula is for trained ones)
+                 "layout_bytes": layout_bytes(ecfg.stage, a.trainable, a.total - a.trainable, world) if m.trained
+                 else a.total * a.storage_bytes / (world if ecfg.stage >= 2 else 1),
+                 "activation_bytes": act, "activation_ckpt_bytes": act_ckpt, "logits_bytes": logits,
+                 "gathered_bytes": gathered, "rows": m.rows, "seq": m.seq}
+        report["models"][m.name] = entry
+        if m.trained:
+            phases["training"] = max(phases["training"], (act_ckpt if ecfg.activation_checkpointing else act)
+                                     + logits + gathered)
+        phases["scoring"] = max(phases["scoring"], logits + gathered)
+        if m.name == "actor":
+            path, why = choose_generation_path(ecfg.generation, device, a.config, adapters=a.adapters)
+            kv = 2 * a.layers * gen_rows * gen_len * a.kv * e
+            weights = a.total * e if path == "injected" or ecfg.stage >= 2 else 0
+            report.update(generation_path=path, generation_why=why, kv_cache_bytes=kv, generation_weight_bytes=weights)
+            phases["generation"] = kv + weights
+    resident = sum(m["device_bytes"] for m in report["models"].values())
+    report.update(phases=phases, resident_bytes=resident, peak_bytes=resident + max(phases.values()))
+    report["fits"] = None if budget_gib <= 0 else report["peak_bytes"] <= budget_gib * GiB
+    return report
+
+
+def candidates(stage: str, cfg, world: int) -> list[tuple[int, list[str]]]:
+    """Changes that lower memory, cheapest first: (cost, overrides). Costs: +1 per ZeRO stage (more
+    communication), +2 per halving of the micro-batch (more, smaller steps; same math), +3 activation
+    checkpointing (~1/3 more compute), +2 per frozen RL model offloaded, +10 CPU offload (stage 3)."""
+    e = cfg.engine
+    key = "rollout.micro_batch_size" if stage == "ppo" else "train.micro_batch_size"
+    micro = cfg.rollout.micro_batch_size if stage == "ppo" else cfg.train.micro_batch_size
+    micros = [micro >> k for k in range(micro.bit_length()) if (micro >> k) << k == micro]  # exact halvings
+    frozen = [k for k in ("reference.offload", "reward_model.offload") if stage == "ppo"]
+    out = []
+    for st, ac, mi, off, nf in itertools.product(range(e.stage, 4), (e.activation_checkpointing, True), micros,
+                                                 (e.offload, True), range(len(frozen) + 1)):
+        if off and st < 2:
+            continue
+        cost = (st - e.stage) + 3 * (ac != e.activation_checkpointing) + 2 * micros.index(mi) + 10 * (
+            off != e.offload) + 2 * nf
+        change = [f"engine.stage={st}"] * (st != e.stage) + ["engine.activation_checkpointing=true"] * (
+            ac != e.activation_checkpointing) + [f"{key}={mi}"] * (mi != micro) + ["engine.offload=true"] * (
+            off != e.offload) + [f"{k}=true" for k in frozen[:nf]]
+        if change:
+            out.append((cost, change))
+    return sorted(out, key=lambda c: c[0])
+
+
+def stage_config(args: list[str]) -> tuple[str, object, dict]:
+    """Command-line words -> (stage, its typed config, the planner keys) (also used by `python -m rlhf.env`)."""
+    mine, rest = dict(PLANNER_KEYS), []
+    for a in args:
+        k, sep, v = a.partition("=")
+        (mine.__setitem__(k, v) if sep and k in PLANNER_KEYS else rest.append(a))
+    stage = mine["stage"]
+    if stage not in STAGES:
+        raise ConfigError(f"stage={stage!r}: the planner knows the stages {', '.join(STAGES)}")
+    try:
+        mine.update(world_size=int(mine["world_size"]), rank=int(mine["rank"]), budget_gib=float(mine["budget_gib"]))
+    except ValueError as e:
+        raise ConfigError(f"world_size and rank must be integers, budget_gib a number ({e})") from None
+    if mine["world_size"] < 1 or not 0 <= mine["rank"] < mine["world_size"] or mine["budget_gib"] < 0:
+        raise ConfigError(f"need world_size >= 1, 0 <= rank < world_size and budget_gib >= 0; got {mine}")
+    if mine["device"] not in ("cuda", "cpu"):
+        raise ConfigError(f"device must be cuda or cpu, got {mine['device']!r}")
+    rewrites = cli.check_overrides(rest, SCHEMAS[stage], CONF_DIR, f"rlhf.{stage}")
+    return stage, to_config(compose(stage, [rewrites.get(a, a) for a in rest]), SCHEMAS[stage]), mine
+
+
+def run_plan(args: list[str]) -> tuple[dict, list[str] | None]:
+    """Command-line words -> (the plan, the cheapest overrides that fit, or None when it fits or no
+    budget was given; [] when nothing fits)."""
+    stage, cfg, mine = stage_config(args)
+    world = mine["world_size"]
+
+    def one(extra: list[str]) -> dict:  # the candidate's keys set on the typed config (no new compose)
+        changed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(extra)))
+        return plan(stage, changed, world=world, rank=mine["rank"], device=mine["device"], budget_gib=mine["budget_gib"])
+
+    report = one([])
+    if report["fits"] is not False:
+        return report, None
+    for _, change in candidates(stage, cfg, world):
+        if one(change)["fits"]:
+            return report, change
+    return report, []
+
+
+def _g(n: float) -> str:
+    return fmt_bytes(n)
+
+
+def format_plan(report: dict, change: list[str] | None) -> str:
+    r = report
+    lines = [f"plan: stage {r['stage']}, {r['world_size']} rank(s), rank {r['rank']}, {r['device']} {r['precision']}, "
+             f"ZeRO stage {r['zero_stage']}"]
+    for name, m in r["models"].items():
+        where = ", offloaded to CPU" if m["offload"] else ""
+        if not m["trained"]:
+            lines += [f"  {name} (frozen{where}): {m['total_params']:,} params {_g(m['param_bytes'])}",
+                      f"    forward ({m['rows']} x {m['seq']} tokens, no grad): logits {_g(m['logits_bytes'])} | "
+                      f"gathered params {_g(m['gathered_bytes'])}"]
+            continue
+        lines += [f"  {name} (trained{where}): {m['total_params']:,} params, {m['trainable_params']:,} trainable",
+                  f"    params {_g(m['param_bytes'])} | grads {_g(m['grad_bytes'])} | optimizer {_g(m['optimizer_bytes'])}"
+                  f" | model state {_g(m['model_state_bytes'])}",
+                  f"    our layout {_g(m['layout_bytes'])} | ZeRO paper {m['zero_formula']} = {_g(m['zero_formula_bytes'])}",
+                  f"    activations ({m['rows']} x {m['seq']} tokens) {_g(m['activation_bytes'])} | with checkpointing "
+                  f"{_g(m['activation_ckpt_bytes'])} | logits {_g(m['logits_bytes'])} | gathered params {_g(m['gathered_bytes'])}"]
+    if "kv_cache_bytes" in r:
+        lines.append(f"  generation: {r['generation_path']} path ({r['generation_why']}): KV cache {_g(r['kv_cache_bytes'])}"
+                     f" | weights {_g(r['generation_weight_bytes'])}")
+    lines.append(f"  resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
+        f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
+    if r["fits"] is not None:
+        verdict = "fits" if r["fits"] else "does NOT fit"
+        lines.append(f"  budget {_g(r['budget_bytes'])}: {verdict}")
+    if change:
+        lines.append(f"  cheapest change that fits: {' '.join(change)}")
+    elif change == []:
+        lines.append("  no combination of ZeRO stage, offload, activation checkpointing and micro-batch fits: "
+                     "more ranks or a smaller model")
+    return "\n".join(lines)
