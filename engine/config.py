@@ -71,7 +71,7 @@ class EngineConfig:
     selfcheck: str = "auto"  # check the fast paths on first use: auto (on CUDA) | true | false
     # Read by the stage apps' command line only (rlhf/config/ds_config.py), never by the engine: the file's
     # settings become overrides placed before the user's, so the command line wins.
-    ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (README: Coming from DeepSpeed)
+    ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (see docs/deepspeed.md)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,5 +1,5 @@
 """The RL stage's algorithms side by side from one SFT (and reward) output: a markdown table of gold
-score before/after, KL, wall time and time per step, one row per command (the README's table).
+score before/after, KL, wall time and time per step, one row per command (the table of docs/algorithms.md).
 
     python scripts/compare_rl.py --sft outputs/sft --reward outputs/reward --out runs/compare [--rows grpo_judge,...]
 

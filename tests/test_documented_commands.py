@@ -1,7 +1,7 @@
-"""Every command that README.md and the scripts' headers show, run at smoke size (issue #18: a
-documented command that fails on the defaults is a bug).
+"""Every command that README.md, docs/*.md and the scripts' headers show, run at smoke size (issue #18:
+a documented command that fails on the defaults is a bug).
 
-The commands are read from the files (README's ```bash blocks, the comment header of
+The commands are read from the files (the ```bash blocks of README.md and docs/*.md, the comment header of
 scripts/run_all.sh, the module docstrings of scripts/*.py), so a command added there is run here too,
 or must be listed in NOT_RUN with the reason. Each runs as written plus, per kind, only what makes it
 small and local:
@@ -48,7 +48,7 @@ NOT_RUN = {
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",
     "PRESET=smoke bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke",
     "FORCE=1 bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_skips_finished_stages_and_resumes_interrupted_ones",
-    # README's "Your own model" block: one flow, each command reading the last one's output
+    # docs/own-model.md's "Your own model" block: one flow, each command reading the last one's output
     "python -m rlhf.sft model.name_or_path=/models/my-model data.path=my_sft.jsonl output_dir=runs/sft": OWN_MODEL,
     "python -m rlhf.reward model.name_or_path=runs/sft data.path=my_pairs.jsonl output_dir=runs/rm": OWN_MODEL,
     "python -m rlhf.sft model.name_or_path=/models/my-model model.lora.r=8 model.lora.merge_on_save=false output_dir=runs/sft_lora": OWN_MODEL,
@@ -93,14 +93,20 @@ def _strip_comment(line: str) -> str:
     return re.sub(r"\s+#\s.*$", "", line).strip()
 
 
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+def doc_files() -> list:
+    """README.md, then every page of docs/ (by name)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def doc_commands() -> list[str]:
+    """The lines of every ```bash block of README.md and docs/*.md (continued lines joined)."""
     out = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = _strip_comment(line)
-            if line and not line.startswith("#"):
-                out.append(re.sub(r"\s+", " ", line))
+    for path in doc_files():
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = _strip_comment(line)
+                if line and not line.startswith("#"):
+                    out.append(re.sub(r"\s+", " ", line))
     return out
 
 
@@ -123,14 +129,14 @@ def header_commands() -> list[str]:
 
 def documented_commands() -> list[str]:
     seen: list[str] = []
-    for c in readme_commands() + header_commands():
+    for c in doc_commands() + header_commands():
         if c not in seen:
             seen.append(c)
     return seen
 
 
 def test_the_commands_are_read():
-    """The reader finds the commands it must (a change in README layout must not make this test vacuous)."""
+    """The reader finds the commands it must (a change in the docs' layout must not make this test vacuous)."""
     commands = documented_commands()
     assert "bash scripts/run_all.sh" in commands
     assert 'LAUNCH="torchrun --nproc_per_node 2" bash scripts/run_all.sh all:engine=zero3' in commands
@@ -174,7 +180,7 @@ def workspace(tmp_path_factory):
     (w / "mypkg" / "__init__.py").write_text("")
     (w / "mypkg" / "rewards.py").write_text(
         "def brevity(prompt, response, row):\n    return -len(response) / 16\n")
-    # DeepSpeed's own examples of the two files the README names
+    # DeepSpeed's own examples of the two files docs/deepspeed.md names
     (w / "ds_zero2.json").write_text(json.dumps({
         "train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
         "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
@@ -182,7 +188,7 @@ def workspace(tmp_path_factory):
     (w / "ds_chat_actor.json").write_text(json.dumps({
         "train_batch_size": 32, "train_micro_batch_size_per_gpu": 16, "steps_per_print": 10,
         "zero_optimization": {"stage": 3}, "gradient_clipping": 1.0, "prescale_gradients": False}))
-    # the planner's examples: a Llama-3.2-1B-shaped config.json (what the README's output shows) and a tokenizer
+    # the planner's examples: a Llama-3.2-1B-shaped config.json (what docs/deepspeed.md's output shows) and a tokenizer
     from transformers import LlamaConfig
 
     LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -225,7 +231,7 @@ def _stage_args(module: str, args: list[str], out: str) -> list[str]:
 
 
 def _argv(command: str, ws: dict[str, str], out: str) -> tuple[list[str], dict[str, str]]:
-    if "rlhf.plan" in command:  # as the README's output: every model a Llama-3.2-1B-shaped config, no weights
+    if "rlhf.plan" in command:  # as the docs' output: every model a Llama-3.2-1B-shaped config, no weights
         for path in ("/models/llama-1b", "outputs/sft", "outputs/reward"):
             command = command.replace(path, "{L}")
     for a, b in SUBST.items():
@@ -299,7 +305,8 @@ def test_documented_command_runs(command, workspace, tmp_path):
         assert "| ppo | reward model |" in proc.stdout  # the row it was asked for
     elif planner:
         assert "plan: stage" in proc.stdout and "cheapest change that fits:" in proc.stdout, proc.stdout
-        assert proc.stdout.strip().splitlines()[-1].strip() in (ROOT / "README.md").read_text()  # as the README shows
+        shown = "".join(path.read_text() for path in doc_files())
+        assert proc.stdout.strip().splitlines()[-1].strip() in shown  # as the docs show (docs/deepspeed.md)
     elif "bench_" in argv[1]:
         assert proc.stdout.strip()
     else:

@@ -284,7 +284,7 @@ def test_exported_tokenizers_encode_as_training(default_outputs):
 
 
 def test_plain_transformers_reward_scores_give_the_run_s_accuracy(default_outputs):
-    """The README's snippet: AutoModelForSequenceClassification + tokenizer(prompt + response)."""
+    """docs/own-model.md's snippet: AutoModelForSequenceClassification + tokenizer(prompt + response)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     _, rm = default_outputs
@@ -305,7 +305,7 @@ def test_plain_transformers_reward_scores_give_the_run_s_accuracy(default_output
 
 
 def test_plain_transformers_generation_gives_the_run_s_gold_score(default_outputs):
-    """The README's snippet: tokenizer(prompts) -> generate (greedy) -> decode, scored by the judge."""
+    """docs/own-model.md's snippet: tokenizer(prompts) -> generate (greedy) -> decode, scored by the judge."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf.core.task import judge
@@ -323,13 +323,13 @@ def test_plain_transformers_generation_gives_the_run_s_gold_score(default_output
     assert gold > 0  # a trained model, so the equality is not 0 == 0
 
 
-# ----------------------------------------------------------------------------- the README's section, run
+# ----------------------------------------------------------------------------- docs/own-model.md's section, run
 
 
 def readme_own_model_blocks() -> tuple[list[str], str]:
-    """The bash commands and the Python snippet of the README's "Your own model" section."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("<!-- readme-own-model"):text.index("## Data formats")]
+    """The bash commands and the Python snippet of docs/own-model.md's "Your own model" section."""
+    text = (ROOT / "docs/own-model.md").read_text()
+    section = text[text.index("<!-- docs-own-model"):text.index("## Data formats")]
     bash = section[section.index("```bash") + 7:]
     bash = bash[:bash.index("```")]
     commands = [line for line in bash.splitlines() if line.startswith("python -m ")]
