@@ -5,17 +5,17 @@ Imports core/ and algos/ (the registries a key names), never the layers above. I
 """
 from rlhf.config.compose import as_yaml, compose, register_schemas, to_config
 from rlhf.config.schema import (
-    DTYPES, PRECISIONS, REWARD_SOURCES, SCHEMAS, AlarmsConfig, DataConfig, DPOAlgoConfig, DPOConfig, EvaluateConfig,
-    FrozenModelConfig, GenerationConfig, LoggerConfig, LoraConfig, ModelConfig, OptimGroupConfig, PPOAlgoConfig,
-    PPOConfig, PPOTrainConfig, RewardConfig, RewardLossConfig, RewardSourcesConfig, RolloutConfig, SFTConfig,
-    StageConfig, TrainConfig, TrainedModelConfig, stage_engine,
+    DTYPES, PRECISIONS, REWARD_SOURCES, SCHEMAS, AlarmsConfig, CadenceConfig, DataConfig, DPOAlgoConfig, DPOConfig,
+    EvaluateConfig, FrozenModelConfig, GenerationConfig, LoggerConfig, LoraConfig, ModelConfig, OptimGroupConfig,
+    PPOAlgoConfig, PPOConfig, PPOTrainConfig, RewardConfig, RewardLossConfig, RewardSourcesConfig, RolloutConfig,
+    SFTConfig, StageConfig, TrainConfig, TrainedModelConfig, stage_engine,
 )
 from rlhf.core.errors import ConfigError
 
 __all__ = [
-    "DTYPES", "PRECISIONS", "REWARD_SOURCES", "SCHEMAS", "AlarmsConfig", "ConfigError", "DPOAlgoConfig", "DPOConfig",
-    "DataConfig", "EvaluateConfig", "FrozenModelConfig", "GenerationConfig", "LoggerConfig", "LoraConfig",
-    "ModelConfig", "OptimGroupConfig", "PPOAlgoConfig", "PPOConfig", "PPOTrainConfig", "RewardConfig",
-    "RewardLossConfig", "RewardSourcesConfig", "RolloutConfig", "SFTConfig", "StageConfig", "TrainConfig",
-    "TrainedModelConfig", "as_yaml", "compose", "register_schemas", "stage_engine", "to_config",
+    "DTYPES", "PRECISIONS", "REWARD_SOURCES", "SCHEMAS", "AlarmsConfig", "CadenceConfig", "ConfigError",
+    "DPOAlgoConfig", "DPOConfig", "DataConfig", "EvaluateConfig", "FrozenModelConfig", "GenerationConfig",
+    "LoggerConfig", "LoraConfig", "ModelConfig", "OptimGroupConfig", "PPOAlgoConfig", "PPOConfig", "PPOTrainConfig",
+    "RewardConfig", "RewardLossConfig", "RewardSourcesConfig", "RolloutConfig", "SFTConfig", "StageConfig",
+    "TrainConfig", "TrainedModelConfig", "as_yaml", "compose", "register_schemas", "stage_engine", "to_config",
 ]

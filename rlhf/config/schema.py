@@ -126,11 +126,12 @@ class OptimGroupConfig:
 
 
 @dataclass(kw_only=True)
-class TrainConfig(OptimGroupConfig):
-    epochs: int = 1  # passes over the training rows
-    max_steps: int = 0  # > 0 caps the optimizer steps (also with several epochs)
-    micro_batch_size: int = 32  # rows per forward on one rank (at most global_batch_size / world size)
-    global_batch_size: int = 32  # rows per optimizer step = micro x accumulation x world size
+class CadenceConfig:
+    """A run's length, its log / eval / save cadence, resume and the non-finite-step limit: the keys the
+    `train` group of every stage has (PPO's counts PPO steps, each a generation and an update)."""
+
+    epochs: int = 1  # passes over the training rows (PPO: the prompts)
+    max_steps: int = 0  # > 0 caps the steps (also with several epochs)
     log_every: int = 10  # steps between metrics.jsonl records
     eval_every: int = 0  # steps between evaluations (0 = only before and after training)
     save_every: int = 0  # steps between sharded checkpoints and at the end (0 = none at all)
@@ -138,6 +139,12 @@ class TrainConfig(OptimGroupConfig):
     resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
     overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
     max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
+
+
+@dataclass(kw_only=True)
+class TrainConfig(CadenceConfig, OptimGroupConfig):
+    micro_batch_size: int = 32  # rows per forward on one rank (at most global_batch_size / world size)
+    global_batch_size: int = 32  # rows per optimizer step = micro x accumulation x world size
 
 
 @dataclass(kw_only=True)
@@ -306,16 +313,7 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
-class PPOTrainConfig:
-    epochs: int = 1  # passes over the prompts
-    max_steps: int = 0  # > 0: exactly this many PPO steps (generation + update)
-    log_every: int = 1  # steps between metrics.jsonl records
-    eval_every: int = 10  # steps between evaluations (0 = only before and after training)
-    save_every: int = 10  # steps between sharded checkpoints and at the end (0 = none at all)
-    keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
-    resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
-    overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
-    max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
+class PPOTrainConfig(CadenceConfig):
     stop_on_alarm: bool = False  # a reward-hacking alarm (alarms.*) saves a checkpoint and ends the run cleanly
 
 
@@ -368,7 +366,9 @@ class PPOConfig:
     reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen scorer of responses
     ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)  # PPO's algorithm settings
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation and batch sizes of each step
-    train: PPOTrainConfig = field(default_factory=PPOTrainConfig)  # step counts, logging and checkpoints
+    train: PPOTrainConfig = field(default_factory=lambda: PPOTrainConfig(
+        log_every=1, eval_every=10, save_every=10,
+    ))  # step counts, logging and checkpoints
     eval: GenerationConfig = field(default_factory=GenerationConfig)  # greedy generations for the gold score
     reward: RewardSourcesConfig = field(default_factory=RewardSourcesConfig)  # the reward: model, judge, answer, function
     alarms: AlarmsConfig = field(default_factory=AlarmsConfig)  # reward-hacking alarms and their thresholds

@@ -15,9 +15,9 @@ from engine.config import EngineConfig, resolve_precision
 from rlhf.algos.preference import LOSS_TYPES
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
 from rlhf.config.schema import (
-    DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, DataConfig, DPOConfig, EvaluateConfig, GenerationConfig, LoggerConfig,
-    ModelConfig, OptimGroupConfig, PPOConfig, PPOTrainConfig, RewardConfig, RewardSourcesConfig, RolloutConfig,
-    SFTConfig, TrainConfig,
+    DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, CadenceConfig, DataConfig, DPOConfig, EvaluateConfig,
+    GenerationConfig, LoggerConfig, ModelConfig, OptimGroupConfig, PPOConfig, RewardConfig, RewardSourcesConfig,
+    RolloutConfig, SFTConfig, StageConfig, TrainConfig,
 )
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import load_function
@@ -126,7 +126,7 @@ def fit_micro(micro: int, batch: int, world: int, key: str, batch_key: str) -> i
     return micro
 
 
-def validate_cadence(t: TrainConfig | PPOTrainConfig, prefix: str = "train") -> None:
+def validate_cadence(t: CadenceConfig, prefix: str = "train") -> None:
     """The keys every stage's train group has: its length, log / eval / save cadence, skips, resume."""
     _need(t.epochs >= 1 or t.max_steps > 0, f"{prefix}.epochs must be >= 1 (or set {prefix}.max_steps), got {t.epochs}")
     _need(t.max_steps >= 0, f"{prefix}.max_steps must be >= 0 (0 = run all epochs), got {t.max_steps}")
@@ -181,34 +181,33 @@ def engine_config(e: EngineConfig, info, *, frozen: bool = False) -> EngineConfi
     return cfg
 
 
-def validate_sft(cfg: SFTConfig, info) -> int:
-    """Everything an SFT run needs, checked before any model loads; returns accumulation steps."""
+def validate_stage(cfg: StageConfig, info) -> int:
+    """The keys every row-trained stage has (output_dir, seed, model, data, logger, train, engine), checked
+    before any model loads; returns the accumulation steps."""
     _need(bool(cfg.output_dir), "output_dir must be set")
     _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
-    validate_generation(cfg.eval, "eval")
     check_optim(cfg.train)
     engine_config(cfg.engine, info)
     return validate_train(cfg.train, info.world_size)
 
 
+def validate_sft(cfg: SFTConfig, info) -> int:
+    """Everything an SFT run needs, checked before any model loads; returns accumulation steps."""
+    validate_generation(cfg.eval, "eval")
+    return validate_stage(cfg, info)
+
+
 def validate_reward(cfg: RewardConfig, info) -> int:
     """Everything a reward run needs, checked before any model loads; returns accumulation steps."""
-    _need(bool(cfg.output_dir), "output_dir must be set")
-    _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
-    validate_model(cfg.model)
-    validate_data(cfg.data)
-    validate_logger(cfg.logger)
     _need(cfg.reward.score_reg >= 0, f"reward.score_reg must be >= 0, got {cfg.reward.score_reg}")
     std = cfg.reward.head_init_std
     _need(std is None or std >= 0, f"reward.head_init_std must be >= 0 (0 = zeros) or null, got {std}")
     f = cfg.reward.head_only_fraction
     _need(0 <= f < 1, f"reward.head_only_fraction must be in [0, 1) (0 = off), got {f}")
-    check_optim(cfg.train)
-    engine_config(cfg.engine, info)
-    return validate_train(cfg.train, info.world_size)
+    return validate_stage(cfg, info)
 
 
 def rollout_rows(r: RolloutConfig) -> int:

@@ -83,13 +83,19 @@ def kl_growth(kl: Sequence[float], window: int, threshold: float) -> Alarm | Non
                  f"alarms.kl_slope={threshold})")
 
 
+def _vs_baseline(xs: Sequence[float], window: int) -> tuple[float, float] | None:
+    """(the first window's mean, the last window's), once there are two windows and both are positive."""
+    if len(xs) < 2 * window:
+        return None
+    base, now = _mean(xs[:window]), _mean(xs[-window:])
+    return None if base is None or now is None or base <= 0 else (base, now)
+
+
 def entropy_collapse(entropy: Sequence[float], window: int, ratio: float) -> Alarm | None:
     """Policy entropy per step: the last window's mean against the first window's."""
-    if len(entropy) < 2 * window:
+    if (means := _vs_baseline(entropy, window)) is None:
         return None
-    base, now = _mean(entropy[:window]), _mean(entropy[-window:])
-    if base is None or now is None or base <= 0:
-        return None
+    base, now = means
     r = now / base
     return Alarm("entropy", r <= ratio, {"ratio": r, "now": now, "baseline": base},
                  f"policy entropy collapsed to {r:.2f}x its start ({now:.4f} vs {base:.4f} over the first "
@@ -98,11 +104,9 @@ def entropy_collapse(entropy: Sequence[float], window: int, ratio: float) -> Ala
 
 def length_drift(lengths: Sequence[float], window: int, drift: float) -> Alarm | None:
     """Mean response length per step: the last window's mean against the first window's."""
-    if len(lengths) < 2 * window:
+    if (means := _vs_baseline(lengths, window)) is None:
         return None
-    base, now = _mean(lengths[:window]), _mean(lengths[-window:])
-    if base is None or now is None or base <= 0:
-        return None
+    base, now = means
     d = now / base - 1
     return Alarm("length", abs(d) >= drift, {"drift": d, "now": now, "baseline": base},
                  f"response length drifted {d:+.0%} ({now:.2f} vs {base:.2f} tokens over the first {window} steps; "
