@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 OWN_MODEL = "tests/test_user_model.py::test_readme_own_model_commands_run runs the block in order, checking each output"
 # Commands shown but not run here, and why.
 NOT_RUN = {
-    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e \".[test]\" "
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 --index-url "
+    "https://download.pytorch.org/whl/cpu && pip install -e \".[test]\" "
     "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
