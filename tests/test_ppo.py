@@ -349,9 +349,9 @@ def test_killed_ppo_run_resumes_exactly(stages, ppo_run, tmp_path, point, comple
 
 CRITIC_FREE = """
 import sys, torch
-from rlhf import ppo_math
+from rlhf.algos.rl import register_advantage
 
-@ppo_math.register_advantage("returns_to_go", needs_critic=False)
+@register_advantage("returns_to_go", needs_critic=False)
 def returns_to_go(x, *, gamma, lam):
     # REINFORCE without a baseline: the sum of this and later rewards (no critic values)
     m = x.mask.float()

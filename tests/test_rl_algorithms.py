@@ -224,26 +224,29 @@ def test_uniform_groups_are_dropped_and_counted():
 ])
 def test_bad_algorithm_settings_name_the_key(overrides, key):
     from rlhf import config as C
+    from rlhf.config.validate import validate_ppo
 
     cfg = C.to_config(C.compose("ppo", overrides), C.PPOConfig)
     with pytest.raises(C.ConfigError, match=None) as e:
-        C.validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
+        validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
     assert key in str(e.value)
 
 
 def test_prompts_are_whole_on_each_rank():
     from rlhf import config as C
+    from rlhf.config.validate import validate_ppo
 
     cfg = C.to_config(C.compose("ppo", ["algorithm=grpo", "rollout.prompts_per_step=3",
                                         "rollout.n_samples_per_prompt=8", "rollout.mini_batch_size=24",
                                         "rollout.micro_batch_size=4"]), C.PPOConfig)
-    C.validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))  # 24 rows, fine on one rank
+    validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))  # 24 rows, fine on one rank
     with pytest.raises(C.ConfigError, match=r"rollout.prompts_per_step \(3\) must be a multiple of the world size \(2\)"):
-        C.validate_ppo(cfg, SimpleNamespace(world_size=2, device=torch.device("cpu")))
+        validate_ppo(cfg, SimpleNamespace(world_size=2, device=torch.device("cpu")))
 
 
 def test_algorithm_group_sets_the_estimator_and_ppo_is_the_default():
     from rlhf import config as C
+    from rlhf.config.validate import rollout_rows, validate_ppo
 
     default = C.as_yaml(C.to_config(C.compose("ppo"), C.PPOConfig))
     assert C.as_yaml(C.to_config(C.compose("ppo", ["algorithm=ppo"]), C.PPOConfig)) == default
@@ -251,8 +254,8 @@ def test_algorithm_group_sets_the_estimator_and_ppo_is_the_default():
     for algo in ("grpo", "rloo", "reinforce_pp"):
         cfg = C.to_config(C.compose("ppo", [f"algorithm={algo}"]), C.PPOConfig)
         assert cfg.ppo.advantage_estimator == algo
-        assert C.rollout_rows(cfg.rollout) == 64  # the same number of sampled responses as PPO's default
-        C.validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
+        assert rollout_rows(cfg.rollout) == 64  # the same number of sampled responses as PPO's default
+        validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
 
 
 # ----------------------------------------------------------------------------- the stage, end to end

@@ -114,14 +114,14 @@ def test_a_fresh_run_into_a_previous_run_is_refused_unless_overwrite(tmp_path):
 def test_ranks_that_disagree_on_the_checkpoint_or_config_stop(monkeypatch):
     """Rank 0's view of the resume checkpoint and the config hash against the other ranks': any
     difference is an error (raised on every rank, as every rank sees every view)."""
-    import engine.distributed as D
     from rlhf.config import ConfigError
+    from rlhf.run import stage
     from rlhf.run.stage import agree
 
     cfg = SFTConfig()
     agree("/ckpt/step_4", cfg)  # one process: nothing to disagree with
     views = {}
-    monkeypatch.setattr(D, "all_gather_object", lambda obj: [obj, views["other"]])
+    monkeypatch.setattr(stage, "all_gather_object", lambda obj: [obj, views["other"]])
     views["other"] = ("/ckpt/step_4", None)
     import hashlib
 
