@@ -104,7 +104,7 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
     prompts = load_eval_prompts(d, tok)
     scorable(prompts, "data.eval_prompts_path")
     feats, stats = tokenize_sft(parse_sft(held_out_sft_rows(d), tok), tok, d.max_len, d.max_prompt_len, d.overlong,
-                                d.add_bos)
+                                d.add_bos, d.assistant_only_loss)
     if not prompts and not feats:
         raise ConfigError("nothing to evaluate: set data.eval_prompts_path (generations) and/or data.eval_path "
                           "or data.path with data.eval_fraction > 0 (perplexity)")

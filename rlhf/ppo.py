@@ -126,7 +126,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         if not cfg.ptx_path:
             raise ConfigError("ppo.ptx_coef > 0 needs ptx_path (SFT data for the pretraining loss)")
         ptx_feats, _ = tokenize_sft(parse_sft(load_rows(cfg.ptx_path), tok), tok, d.max_len, d.max_prompt_len,
-                                    d.overlong, d.add_bos)
+                                    d.overlong, d.add_bos, d.assistant_only_loss)
         ptx_order = StepOrder(len(ptx_feats), r.micro_batch_size * info.world_size, cfg.seed + 1, key="ptx_path")
     logger.info("%s: %d prompts (%s); %d steps of %d prompts x %d samples, %d actor%s updates",
                 p.advantage_estimator, len(feats), stats, total, r.prompts_per_step,

@@ -155,10 +155,16 @@ def build_tokenizer(out_dir: Path) -> None:
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         padding_side="right", model_max_length=256,
     )
+    # hh-rlhf's "Human: ...\n\nAssistant: ..." turns; an assistant turn ends with eos (its end-of-turn
+    # token, trained with it: rlhf/data/chat.py). System and tool turns have their own prefix (issue #29:
+    # they were dropped); another role is an error, not a silently missing turn.
     fast.chat_template = (
         "{% for m in messages %}"
-        "{% if m['role'] == 'user' %}{{ 'Human: ' + m['content'] + '\n\n' }}"
+        "{% if m['role'] in ('system', 'developer') %}{{ 'System: ' + m['content'] + '\n\n' }}"
+        "{% elif m['role'] == 'user' %}{{ 'Human: ' + m['content'] + '\n\n' }}"
         "{% elif m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token + '\n\n' }}"
+        "{% elif m['role'] == 'tool' %}{{ 'Tool: ' + m['content'] + '\n\n' }}"
+        "{% else %}{{ raise_exception('unknown role ' + m['role']) }}"
         "{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
     )

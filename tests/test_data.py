@@ -11,8 +11,13 @@ import logging
 import pytest
 import torch
 
+from rlhf.config import ConfigError, DataConfig, SFTConfig
+from rlhf.config.compose import compose, to_config
+from rlhf.config.validate import validate_data
+from rlhf.core.hub import check_sources
 from rlhf.data import (
     IGNORE_INDEX,
+    ChatExample,
     DataFormatError,
     PairExample,
     PromptExample,
@@ -32,6 +37,8 @@ from rlhf.data import (
     tokenize_prompts,
     tokenize_sft,
 )
+from rlhf.data.mix import mix_indices
+from rlhf.data.stage import stage_rows
 
 PAD, BOS, EOS = 0, 1, 2
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -102,12 +109,15 @@ def test_sft_text_has_loss_on_every_token(tok):
 def test_sft_messages_rendered_with_chat_template(tok):
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     [ex] = parse_sft(rows({"messages": msgs}), tok)
-    assert ex.prompt == "<|system|>S\n<|user|>hi\n<|assistant|>"
-    assert ex.response == "yo"
+    assert ex == ChatExample(msgs, "f.jsonl:1")  # the whole conversation: every assistant turn is trained
     [f], stats = tokenize_sft([ex], tok, 64, 48)
     assert stats["prompt_truncated"] == 0
-    n = 1 + len(ex.prompt)
-    assert [(i, t) for i, t in enumerate(f["labels"]) if t != IGNORE_INDEX] == [(n, VOCAB["y"]), (n + 1, VOCAB["o"]), (n + 2, EOS)]
+    prompt = "<|system|>S\n<|user|>hi\n<|assistant|>"
+    assert f["input_ids"] == [BOS] + ids(prompt + "yo\n")  # the template's rendering, nothing appended
+    n = 1 + len(prompt)
+    # (issue #29) the turn as the template writes it, its end ("\n" here) included; no tokenizer eos
+    assert [(i, t) for i, t in enumerate(f["labels"]) if t != IGNORE_INDEX] == [(n, VOCAB["y"]), (n + 1, VOCAB["o"]),
+                                                                               (n + 2, VOCAB["\n"])]
 
 
 def test_sft_messages_errors(tok):
@@ -310,6 +320,84 @@ def test_json_must_be_a_list_of_objects(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps([{"text": "x"}, "y"]))
     with pytest.raises(DataFormatError, match=r"b\.json row 1: expected an object, got str"):
         load_rows(str(tmp_path / "b.json"))
+
+
+# --------------------------------------------------------------------------- mixtures (data.path=[a,b])
+
+
+def _mix_files(tmp_path):
+    a = tmp_path / "a.jsonl"
+    _write_jsonl(a, [{"prompt": f"p{i}", "response": f" r{i}"} for i in range(100)])
+    b = tmp_path / "b.jsonl"  # another shape: each source's is detected on its own
+    _write_jsonl(b, [{"instruction": f"i{i}", "output": f"o{i}"} for i in range(20)])
+    return str(a), str(b)
+
+
+def _mix(paths, **kw):
+    return stage_rows(DataConfig(path=paths, **kw), stage=0)
+
+
+def test_mixture_counts_per_source(tmp_path, caplog):
+    a, b = _mix_files(tmp_path)
+    with caplog.at_level(logging.INFO, logger="rlhf.data.mix"):
+        train, held = _mix([a, b], weights=[0.7, 0.3], eval_fraction=0.1)
+    # each source's held-out tenth first (10 + 2 rows), then 90 + 18 = 108 training rows shared 0.7 / 0.3
+    assert sorted(r.origin for r in held) == sorted({r.origin for r in held}) and len(held) == 12
+    from_a = [r.origin for r in train if r.dataset == a]
+    from_b = [r.origin for r in train if r.dataset == b]
+    assert (len(from_a), len(from_b)) == (76, 32)  # round(75.6), round(32.4)
+    assert len(set(from_a)) == 76  # enough rows: drawn without replacement
+    assert len(set(from_b)) == 18  # 18 rows for 32: each once or twice
+    assert not {r.origin for r in held} & {r.origin for r in train}  # no held-out row trains
+    assert "2 sources mixed by data.weights=[0.7, 0.3] into 108 training rows" in caplog.text
+    assert f"{a}: 76 of its 90 rows" in caplog.text and f"{b}: 32 of its 18 rows, repeated: each row 1 or 2" in caplog.text
+    examples = parse_sft(train)
+    assert {type(e) for e in examples} == {SFTExample}
+    assert {e.prompt[0] for e in examples} == {"p", "i"}
+    # data.mix_size sets the total; no weights: by the sources' sizes; a string path is one source as before
+    train, _ = _mix([a, b], eval_fraction=0.0, mix_size=60)
+    assert (sum(r.dataset == a for r in train), sum(r.dataset == b for r in train)) == (50, 10)
+    train, _ = _mix([a, b], eval_fraction=0.0)
+    assert [r.origin for r in train] == [r.origin for r in load_rows(a) + load_rows(b)]  # every row once
+    assert [r.origin for r in _mix(a)[0]] == [r.origin for r in _mix([a])[0]]
+
+
+def test_mixture_is_deterministic(tmp_path):
+    a, b = _mix_files(tmp_path)
+    kw = dict(weights=[0.5, 0.5], eval_fraction=0.05, data_split="1,1,1")
+    first, again = _mix([a, b], **kw), _mix([a, b], **kw)
+    assert [[r.origin for r in part] for part in first] == [[r.origin for r in part] for part in again]
+    other = _mix([a, b], **kw, split_seed=7)
+    assert [r.origin for r in other[0]] != [r.origin for r in first[0]]
+
+
+@pytest.mark.parametrize("weights,says", [
+    ([0.7], r"data\.weights needs one weight per data\.path source \(2\), got 1"),
+    ([0.7, -0.3], r"data\.weights must be finite and >= 0"),
+    ([0.0, 0.0], r"data\.weights must not all be zero"),
+    ([float("nan"), 1.0], r"data\.weights must be finite"),
+])
+def test_bad_mixture_weights_are_refused(tmp_path, weights, says):
+    a, b = _mix_files(tmp_path)
+    with pytest.raises(ConfigError, match=says):
+        validate_data(DataConfig(path=[a, b], weights=weights))
+    with pytest.raises(ConfigError, match=says):
+        _mix([a, b], weights=weights)
+    with pytest.raises(ConfigError, match=r"data\.path must be a file, a directory or a datasets hub name, or a list"):
+        validate_data(DataConfig(path=[a, ""]))
+    with pytest.raises(ConfigError, match=r"data\.mix_size must be null"):
+        validate_data(DataConfig(path=[a, b], mix_size=0))
+    with pytest.raises(ConfigError, match=r"data\.path source 'b\.jsonl' has no training rows .* to draw its 3 from"):
+        mix_indices([5, 0], [0.5, 0.5], None, 0, ["a.jsonl", "b.jsonl"])
+
+
+def test_mixture_from_the_command_line_and_hub_names_in_it():
+    cfg = to_config(compose("sft", ["data.path=[a.jsonl,b.jsonl]", "data.weights=[0.7,0.3]"]), SFTConfig)
+    assert (cfg.data.path, cfg.data.weights) == (["a.jsonl", "b.jsonl"], [0.7, 0.3])
+    check_sources(cfg)  # local file names: nothing to look up
+    cfg.data.path = ["a.jsonl", "some-org/some-dataset"]  # the hub does not answer here (conftest)
+    with pytest.raises(ConfigError, match=r"data\.path='some-org/some-dataset' is not a local path"):
+        check_sources(cfg)
 
 
 # --------------------------------------------------------------------------- data_split

@@ -212,6 +212,7 @@ def test_shipped_tokenizer_is_what_the_generator_makes(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in shipped.iterdir())
     for name in ("tokenizer_config.json", "tokenizer.json"):
         assert json.loads((tmp_path / name).read_text()) == json.loads((shipped / name).read_text()), name
+    assert (tmp_path / "chat_template.jinja").read_text() == (shipped / "chat_template.jinja").read_text()
     assert json.loads((shipped / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 

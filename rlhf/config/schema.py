@@ -70,8 +70,14 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    # A .jsonl/.json/.parquet file, a directory, or a `datasets` hub name
-    path: str = field(default="", metadata={"hub": "dataset"})
+    # A .jsonl/.json/.parquet file, a directory, or a `datasets` hub name; or a list of them
+    # ([a.jsonl,b.jsonl]): a mixture by `weights` (rlhf/data/mix.py), each source's shape detected on its own
+    path: Any = field(default="", metadata={"hub": "dataset"})
+    # One weight >= 0 per data.path entry: each source gives round(weight / sum x mix_size) training rows
+    # (drawn without replacement while it has enough, else repeated); [] = by the sources' sizes
+    weights: list[float] = field(default_factory=list)
+    # Training rows of a data.path mixture; null = the sum of the sources' training rows
+    mix_size: int | None = None
     split: str = "train"  # for directories and hub names
     # Held-out rows; null = carve eval_fraction of `path` off
     eval_path: str | None = field(default=None, metadata={"hub": "dataset"})
@@ -86,6 +92,9 @@ class DataConfig:
     max_prompt_len: int = 48  # prompt tokens (+ bos); longer prompts follow `overlong`
     overlong: str = "truncate"  # truncate | drop (see rlhf/data/tokenize.py)
     add_bos: bool = True  # prepend the tokenizer's bos token (when it has one)
+    # Conversations ({messages}, ShareGPT rows): the loss on every assistant turn, with the end-of-turn
+    # tokens its chat template writes (rlhf/data/chat.py); false = on the whole rendered transcript
+    assistant_only_loss: bool = True
     # Padding-free training batches (rlhf/data/packing.py): auto = where the model supports it
     # (rlhf/modeling/load.py PACKABLE_MODEL_TYPES) and a micro-batch packs into fewer token slots than padded;
     # true = every micro-batch packed (a ConfigError on other models); false = padded batches

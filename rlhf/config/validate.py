@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import replace as dataclasses_replace
+from typing import Any
 
 from engine import OptimConfig, validate_engine_config, validate_optim_config
 from engine.config import EngineConfig, resolve_precision
@@ -41,6 +42,31 @@ def parse_data_split(data_split: str | Sequence[float]) -> tuple[float, float, f
     if total <= 0:
         raise ValueError(f"data.data_split weights must not all be zero, got {data_split!r}")
     return tuple(w / total for w in weights)  # type: ignore[return-value]
+
+
+def data_sources(path: Any) -> list[str]:
+    """data.path as its list of sources (a string is one); ConfigError unless each is a non-empty string."""
+    paths = [path] if isinstance(path, str) else list(path) if isinstance(path, (list, tuple)) else None
+    if not paths or not all(isinstance(p, str) and p for p in paths):
+        raise ConfigError("data.path must be a file, a directory or a datasets hub name, or a list of them "
+                          f"([a.jsonl,b.jsonl]), got {path!r}")
+    return paths
+
+
+def mix_weights(d: DataConfig) -> list[float] | None:
+    """data.weights normalised to sum to 1, one per data.path source; None when not given (the sources'
+    sizes weigh them). ConfigError naming data.weights (or data.mix_size)."""
+    n = len(data_sources(d.path))
+    _need(d.mix_size is None or (isinstance(d.mix_size, int) and d.mix_size >= 1),
+          f"data.mix_size must be null (the sum of the sources' rows) or >= 1, got {d.mix_size!r}")
+    if not d.weights:
+        return None
+    w = list(d.weights)
+    _need(len(w) == n, f"data.weights needs one weight per data.path source ({n}), got {len(w)}: {w}")
+    _need(all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in w),
+          f"data.weights must be finite and >= 0, got {w}")
+    _need(sum(w) > 0, f"data.weights must not all be zero, got {w}")
+    return [x / sum(w) for x in w]
 
 
 
@@ -83,6 +109,8 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
 def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: bool = True) -> None:
     if needs_path:
         _need(bool(d.path), "data.path must be set (a file, a directory or a datasets hub name)")
+    if d.path or d.weights:
+        mix_weights(d)  # data.path's sources, data.weights, data.mix_size
     _need(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
     _need(d.num_eval_prompts >= 0, f"data.num_eval_prompts must be >= 0, got {d.num_eval_prompts}")
     _need(d.max_prompt_len >= 1, f"data.max_prompt_len must be >= 1, got {d.max_prompt_len}")

@@ -158,14 +158,19 @@ def ensure_hub(source: str, key: str, repo_type: str = "model", cache_dir: str |
 
 
 def check_sources(config: Any, prefix: str = "", unused: frozenset = frozenset()) -> None:
-    """`ensure_hub` on every key of a typed config marked `field(metadata={"hub": "model"|"dataset"})`,
-    so that an unreachable hub name fails with its exact key before anything starts; the `unused` keys
+    """`ensure_hub` on every key of a typed config marked `field(metadata={"hub": "model"|"dataset"})`
+    (on each entry of a list, as data.path=[a,b]), so that an unreachable hub name fails with its exact
+    key before anything starts; the `unused` keys
     (those the run will not read, e.g. PPO's critic.model without a critic) are left."""
     for f in dataclasses.fields(config):
         value, key = getattr(config, f.name), prefix + f.name
         if dataclasses.is_dataclass(value):
             check_sources(value, key + ".", unused)
-        elif f.metadata.get("hub") and isinstance(value, str) and value and key not in unused:
+        elif f.metadata.get("hub") and key not in unused:
             # NOTE: with fallback_to_config a name_or_path that is not local builds from config (rlhf/modeling/load.py)
-            if not (f.name == "name_or_path" and getattr(config, "fallback_to_config", False)):
-                ensure_hub(value, key, f.metadata["hub"], getattr(config, "cache_dir", None))
+            if f.name == "name_or_path" and getattr(config, "fallback_to_config", False):
+                continue
+            # a list (data.path=[a,b]: a mixture of sources): each of its names
+            for source in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(source, str) and source:
+                    ensure_hub(source, key, f.metadata["hub"], getattr(config, "cache_dir", None))

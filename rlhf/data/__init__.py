@@ -3,6 +3,7 @@
     rows = load_rows("data/default/sft.jsonl")                      # list[Row] (dict + origin)
     rows = take_split(rows, "2,4,4", stage=0, seed=1234)            # DeepSpeed-Chat data_split
     examples = parse_sft(rows, tokenizer)                           # shape detected, checked
+    # (SFTExample, or ChatExample: a conversation trained on every assistant turn, rlhf/data/chat.py)
     features, stats = tokenize_sft(examples, tokenizer, 512, 256)   # over-long rule, counted
     batch = collate_sft(features[:8], pad_id=tokenizer.pad_token_id)
 """
@@ -13,6 +14,7 @@ from rlhf.data.records import (
     PAIR_SHAPES,
     PROMPT_SHAPES,
     SFT_SHAPES,
+    ChatExample,
     PairExample,
     PromptExample,
     Row,
@@ -35,7 +37,7 @@ from rlhf.data.tokenize import (
 
 __all__ = [
     "DataFileNotFoundError", "DataFormatError", "IGNORE_INDEX", "PAIR_SHAPES", "PROMPT_SHAPES",
-    "SFT_SHAPES", "SUPPORTED_EXTENSIONS", "PairExample", "PromptExample", "Row", "SFTExample",
+    "SFT_SHAPES", "SUPPORTED_EXTENSIONS", "ChatExample", "PairExample", "PromptExample", "Row", "SFTExample",
     "collate_pairs", "collate_prompts", "collate_sft", "load_rows", "parse_data_split", "parse_pairs",
     "parse_prompts", "parse_sft", "split_indices", "take_split", "tokenize_pairs", "tokenize_prompts",
     "tokenize_sft",

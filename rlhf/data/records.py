@@ -7,18 +7,26 @@ response are concatenated with nothing in between (Dahoas and hh-rlhf prompts en
 "Assistant:", their responses start with a space).
 
     SFT      {prompt, response}            prompt may also be a message list (chat template)
+             {messages: [{role, content}]} a ChatExample: the whole conversation, rendered with the
+                                           tokenizer's chat template, every assistant turn trained
+                                           (rlhf/data/chat.py); the last message must be "assistant"
+             {conversations: [{from, value}]}  ShareGPT: from system|human|user|gpt|assistant|tool,
+                                           read as {messages} (human -> user, gpt -> assistant)
+             {instruction, input, output}  Alpaca: prompt = instruction (+ "\n\n" + input when it is
+                                           not empty), response = output
              {text}                        no prompt: the loss covers every token
-             {messages: [{role, content}]} prompt = template(messages[:-1]) + generation prompt,
-                                           response = the last message, which must be "assistant"
              any pair shape                prompt + the chosen response (one dataset for all stages)
     pairs    {prompt, chosen, rejected}    responses only (Dahoas/rm-static); prompt may be a
                                            message list, chosen/rejected a one-message list
              {chosen, rejected} strings    hh-rlhf transcripts: prompt = shared text up to and
                                            including the LAST "\\n\\nAssistant:", responses = rest
              {chosen, rejected} messages   whole conversations sharing all but the last message
-    prompts  {prompt} or any of the above  the prompt part is taken ({text} has none)
+    prompts  {prompt} or any of the above  the prompt part is taken ({text} has none; a conversation's
+                                           is all of it but a final assistant turn, + generation prompt)
 
 Message lists are rendered with the tokenizer's chat template; only those shapes need a tokenizer.
+Rows may carry a `dataset` (Row.dataset: which entry of a data.path list they came from): each
+dataset's shape is detected on its own, from its first row here.
 """
 from __future__ import annotations
 
@@ -36,12 +44,21 @@ class Row:
 
     data: dict[str, Any]
     origin: str
+    dataset: str = ""  # the source (a data.path entry) when rows of several are mixed; a shape per dataset
 
 
 @dataclass(slots=True)
 class SFTExample:
     prompt: str  # "" for {text} rows
     response: str
+    origin: str
+
+
+@dataclass(slots=True)
+class ChatExample:
+    """A conversation trained on every assistant turn: rendered and masked by rlhf/data/chat.py."""
+
+    messages: list[dict[str, str]]  # [{role, content}], the last one an assistant turn
     origin: str
 
 
@@ -63,12 +80,15 @@ class PromptExample:
 
 HH_ASSISTANT = "\n\nAssistant:"
 # Fields that make up a record; any other scalar field of a prompt row goes into PromptExample.meta.
-_RECORD_FIELDS = frozenset({"prompt", "response", "text", "messages", "chosen", "rejected", "answer"})
+_RECORD_FIELDS = frozenset({"prompt", "response", "text", "messages", "chosen", "rejected", "answer",
+                            "conversations", "instruction", "input", "output"})
 
 SFT_SHAPES = (
     "{prompt, response} (prompt: str or message list)",
-    "{text}",
     "{messages: [{role, content}, ...]} ending with an assistant message",
+    "ShareGPT {conversations: [{from, value}, ...]} ending with a gpt/assistant turn",
+    "Alpaca {instruction, input, output}",
+    "{text}",
     "any pair shape (prompt + the chosen response)",
 )
 PAIR_SHAPES = (
@@ -79,6 +99,8 @@ PAIR_SHAPES = (
 PROMPT_SHAPES = (
     "{prompt} (str or message list)",
     "{messages: [...]}",
+    "ShareGPT {conversations: [{from, value}, ...]}",
+    "Alpaca {instruction, input}",
     "{chosen, rejected} (hh-rlhf transcripts or message lists)",
 )
 
@@ -131,6 +153,28 @@ def _get_messages(data: Mapping[str, Any], key: str, min_len: int = 1) -> list[d
     return out
 
 
+# ShareGPT's speakers -> chat roles (the role names themselves are accepted too).
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool"}
+
+
+def _get_conversation(data: Mapping[str, Any], key: str = "conversations") -> list[dict[str, str]]:
+    """A ShareGPT conversation ([{from, value}], or [{role, content}]) as {role, content} messages."""
+    value = _get(data, key)
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _RowError(f"field {key!r} must be a non-empty list of {{from, value}} turns, got {value!r:.80}")
+    out = []
+    for i, m in enumerate(value):
+        turn = m if isinstance(m, Mapping) else {}
+        who, text = (turn.get("from"), turn.get("value")) if "from" in turn else (turn.get("role"), turn.get("content"))
+        if not isinstance(who, str) or not isinstance(text, str):
+            raise _RowError(f"field {key!r}[{i}] is not a {{from: str, value: str}} turn: {m!r:.80}")
+        if who not in SHAREGPT_ROLES:
+            raise _RowError(f"field {key!r}[{i}] is from {who!r}; known: {', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": SHAREGPT_ROLES[who], "content": text})
+    return out
+
+
 def _last_assistant(messages: list[dict[str, str]], key: str) -> str:
     if messages[-1]["role"] != "assistant":
         raise _RowError(f"field {key!r}: last message has role {messages[-1]['role']!r}, expected 'assistant'")
@@ -143,12 +187,15 @@ class _Renderer:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
 
-    def prompt(self, messages: list[dict[str, str]]) -> str:
+    def check(self) -> None:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             what = "no tokenizer was given" if tok is None else "the tokenizer has no chat_template"
             raise _RowError(f"message lists are rendered with a chat template, but {what}")
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        self.check()
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _prompt_text(data: Mapping[str, Any], render: _Renderer) -> str:
@@ -206,9 +253,21 @@ def _chosen_is_conversation(d: Mapping[str, Any]) -> bool:
     return _is_messages(d.get("chosen")) and len(d["chosen"]) >= 2
 
 
+def _alpaca_prompt(d: Mapping[str, Any]) -> str:
+    """instruction, + "\n\n" + input when the row has a non-empty one."""
+    instruction, extra = _get_str(d, "instruction"), d.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise _RowError(f"field 'input' must be a string, got {type(extra).__name__}")
+    return instruction + ("\n\n" + extra if extra and extra.strip() else "")
+
+
+# Alpaca rows come before {text}: tatsu-lab/alpaca also has a `text` column (its own prompt format).
 _SFT_TABLE: list[tuple[str, Callable, _Parser]] = [
     ("{prompt, response}", _has("prompt", "response"), lambda d, r: (_prompt_text(d, r), _get_str(d, "response"))),
-    ("{messages}", _has("messages"), lambda d, r: _sft_messages(d, r)),
+    ("{messages}", _has("messages"), lambda d, r: _sft_chat(_get_messages(d, "messages", 2), "messages", r)),
+    ("ShareGPT {conversations}", _has("conversations"), lambda d, r: _sft_chat(_get_conversation(d), "conversations", r)),
+    ("Alpaca {instruction, input, output}", _has("instruction", "output"),
+     lambda d, r: (_alpaca_prompt(d), _get_str(d, "output"))),
     ("{text}", _has("text"), lambda d, r: ("", _get_str(d, "text"))),
     # Preference data used for SFT (e.g. one dataset split between the stages): the chosen response.
     ("pairs (chosen response)", lambda d: any(sel(d) for _, sel, _ in _PAIR_TABLE), lambda d, r: _sft_from_pair(d, r)),
@@ -223,10 +282,13 @@ def _sft_from_pair(d: Mapping[str, Any], render: _Renderer) -> tuple[str, str]:
     raise _RowError("fits no pair shape (prompt/chosen/rejected, hh-rlhf transcripts, message lists)")
 
 
-def _sft_messages(d: Mapping[str, Any], render: _Renderer) -> tuple[str, str]:
-    msgs = _get_messages(d, "messages", 2)
-    response = _last_assistant(msgs, "messages")
-    return render.prompt(msgs[:-1]), response
+def _sft_chat(msgs: list[dict[str, str]], key: str, render: _Renderer) -> list[dict[str, str]]:
+    """A conversation for a ChatExample: at least two messages, the last an assistant turn."""
+    if len(msgs) < 2:
+        raise _RowError(f"field {key!r} must hold at least 2 messages, got {len(msgs)}")
+    _last_assistant(msgs, key)
+    render.check()
+    return msgs
 
 
 _PAIR_TABLE: list[tuple[str, Callable, _Parser]] = [
@@ -240,18 +302,20 @@ _PAIR_TABLE: list[tuple[str, Callable, _Parser]] = [
 ]
 
 
-def _prompt_of_messages(d: Mapping[str, Any], render: _Renderer) -> str:
-    msgs = _get_messages(d, "messages")
+def _prompt_of_messages(msgs: list[dict[str, str]], key: str, render: _Renderer) -> str:
     if msgs[-1]["role"] == "assistant":
         msgs = msgs[:-1]
     if not msgs:
-        raise _RowError("field 'messages' holds only an assistant message, no prompt")
+        raise _RowError(f"field {key!r} holds only an assistant message, no prompt")
     return render.prompt(msgs)
 
 
 _PROMPT_TABLE: list[tuple[str, Callable, _Parser]] = [
     ("{prompt}", _has("prompt"), _prompt_text),
-    ("{messages}", _has("messages"), _prompt_of_messages),
+    ("{messages}", _has("messages"), lambda d, r: _prompt_of_messages(_get_messages(d, "messages"), "messages", r)),
+    ("ShareGPT {conversations}", _has("conversations"),
+     lambda d, r: _prompt_of_messages(_get_conversation(d), "conversations", r)),
+    ("Alpaca {instruction, input}", _has("instruction"), lambda d, r: _alpaca_prompt(d)),
     ("{chosen: [messages], rejected: [messages]}", _chosen_is_conversation, lambda d, r: _message_pair_split(d, r)[0]),
     ("{chosen, rejected} hh-rlhf transcripts", _has("chosen", "rejected"), lambda d, r: _hh_split(d)[0]),
 ]
@@ -261,26 +325,30 @@ def _as_rows(rows: Sequence[Row | Mapping[str, Any]]) -> list[Row]:
     return [r if isinstance(r, Row) else Row(dict(r), f"row {i}") for i, r in enumerate(rows)]
 
 
-def _parse(rows, tokenizer, table, accepted: Sequence[str], kind: str) -> list[tuple[Row, Any]]:
-    rows = _as_rows(rows)
-    if not rows:
-        return []
-    shapes = "; ".join(accepted)
-    first = rows[0]
+def _detect(first: Row, table, shapes: str, kind: str) -> tuple[str, _Parser]:
+    """The shape of the dataset `first` opens: the first table entry whose selector holds."""
     if not isinstance(first.data, Mapping):
         raise DataFormatError(f"{first.origin}: a {kind} row must be an object. Accepted {kind} shapes: {shapes}")
     for name, selects, parser in table:
         if selects(first.data):
-            break
-    else:
-        keys = sorted(k for k, v in first.data.items() if v is not None)
-        raise DataFormatError(
-            f"{first.origin}: fields {keys} fit no {kind} shape (the first row decides the dataset's shape). "
-            f"Accepted {kind} shapes: {shapes}"
-        )
+            return name, parser
+    keys = sorted(k for k, v in first.data.items() if v is not None)
+    raise DataFormatError(
+        f"{first.origin}: fields {keys} fit no {kind} shape (the first row decides the dataset's shape). "
+        f"Accepted {kind} shapes: {shapes}"
+    )
+
+
+def _parse(rows, tokenizer, table, accepted: Sequence[str], kind: str) -> list[tuple[Row, Any]]:
+    rows = _as_rows(rows)
+    shapes = "; ".join(accepted)
+    shape: dict[str, tuple[str, _Parser, Row]] = {}  # per dataset (Row.dataset): name, parser, its first row
     render = _Renderer(tokenizer)
     out = []
     for row in rows:
+        if row.dataset not in shape:
+            shape[row.dataset] = (*_detect(row, table, shapes, kind), row)
+        name, parser, first = shape[row.dataset]
         try:
             if not isinstance(row.data, Mapping):
                 raise _RowError("row is not an object")
@@ -296,9 +364,13 @@ def _parse(rows, tokenizer, table, accepted: Sequence[str], kind: str) -> list[t
 # --------------------------------------------------------------------------- public parsers
 
 
-def parse_sft(rows: Sequence[Row | Mapping[str, Any]], tokenizer: Any = None) -> list[SFTExample]:
-    """Rows -> SFTExample; the tokenizer (with a chat_template) is needed only for message lists."""
-    return [SFTExample(p, r, row.origin) for row, (p, r) in _parse(rows, tokenizer, _SFT_TABLE, SFT_SHAPES, "SFT")]
+def parse_sft(rows: Sequence[Row | Mapping[str, Any]], tokenizer: Any = None) -> list[SFTExample | ChatExample]:
+    """Rows -> SFTExample, or ChatExample for conversations ({messages}, ShareGPT); the tokenizer (with a
+    chat_template) is needed only for message lists."""
+    out: list[SFTExample | ChatExample] = []
+    for row, parsed in _parse(rows, tokenizer, _SFT_TABLE, SFT_SHAPES, "SFT"):
+        out.append(ChatExample(parsed, row.origin) if isinstance(parsed, list) else SFTExample(*parsed, row.origin))
+    return out
 
 
 def parse_pairs(rows: Sequence[Row | Mapping[str, Any]], tokenizer: Any = None) -> list[PairExample]:

@@ -1,5 +1,6 @@
-"""A stage's data: rows from `data.path` (its `data_split` share), a held-out part, and the
-deterministic order in which optimizer steps read them.
+"""A stage's data: rows from `data.path` (its `data_split` share; a list of sources: their mixture by
+`data.weights`, rlhf/data/mix.py), a held-out part, and the deterministic order in which optimizer
+steps read them.
 
     train_rows, eval_rows = stage_rows(cfg.data, stage=0)      # 0 sft, 1 reward, 2 ppo
     order = StepOrder(len(features), global_batch=32, seed=1234)
@@ -20,8 +21,9 @@ from typing import Any
 import torch
 
 from rlhf.config import DataConfig, TrainConfig
-from rlhf.config.validate import STAGES
+from rlhf.config.validate import STAGES, data_sources, mix_weights
 from rlhf.core.errors import ConfigError
+from rlhf.data.mix import mix_rows
 from rlhf.data.records import Row, parse_pairs, parse_sft
 from rlhf.data.sources import load_rows
 from rlhf.data.split import take_split
@@ -30,22 +32,41 @@ from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
 logger = logging.getLogger(__name__)
 
 
-def stage_rows(d: DataConfig, stage: int) -> tuple[list[Row], list[Row]]:
-    """(train rows, held-out rows) of `d.path` for `stage`; eval_path, or eval_fraction carved off."""
-    rows = load_rows(d.path, d.split, d.cache_dir, key="data.path")
+def _source_rows(d: DataConfig, path: str, stage: int, carve: bool, named: bool) -> tuple[list[Row], list[Row], int]:
+    """One source's (train rows, held-out rows, rows read): its data_split share, eval_fraction carved off."""
+    rows = load_rows(path, d.split, d.cache_dir, key="data.path")
     total = len(rows)
     if d.data_split is not None:
         rows = take_split(rows, d.data_split, stage, d.split_seed)
-        logger.info("data.data_split=%s: %s stage takes %d of %d rows", d.data_split, STAGES[stage], len(rows), total)
+        logger.info("data.data_split=%s: %s stage takes %d of %d rows%s", d.data_split, STAGES[stage], len(rows), total,
+                    f" of {path}" if named else "")
+    if not carve:
+        return rows, [], total
+    n_eval = round(d.eval_fraction * len(rows))
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.split_seed)).tolist()
+    held = set(perm[:n_eval])
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held], total
+
+
+def stage_rows(d: DataConfig, stage: int) -> tuple[list[Row], list[Row]]:
+    """(train rows, held-out rows) of `d.path` for `stage`; eval_path, or eval_fraction carved off.
+    A list of sources (data.path=[a,b]): each source's share and held-out part are taken first, then its
+    training rows are mixed by data.weights (rlhf/data/mix.py); the held-out rows are every source's."""
+    paths, weights = data_sources(d.path), mix_weights(d)
+    mixing = len(paths) > 1 or weights is not None or d.mix_size is not None
+    parts = [_source_rows(d, p, stage, not d.eval_path, mixing) for p in paths]
+    if mixing:
+        for p, (train, held, _) in zip(paths, parts):
+            for r in train + held:
+                r.dataset = p  # each source's shape is detected on its own (rlhf/data/records.py)
+        rows = mix_rows([train for train, _, _ in parts], paths, weights, d.mix_size, d.split_seed)
+    else:
+        rows = parts[0][0]
+    eval_rows = [r for _, held, _ in parts for r in held]
     if d.eval_path:
         eval_rows = load_rows(d.eval_path, d.eval_split, d.cache_dir, key="data.eval_path")
-    else:
-        n_eval = round(d.eval_fraction * len(rows))
-        perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.split_seed)).tolist()
-        held = set(perm[:n_eval])
-        eval_rows = [r for i, r in enumerate(rows) if i in held]
-        rows = [r for i, r in enumerate(rows) if i not in held]
     if not rows:
+        total = sum(n for _, _, n in parts)
         raise ConfigError(f"data.path={d.path!r}: no training rows left (of {total}) after data_split/eval_fraction")
     return rows, eval_rows
 
@@ -93,6 +114,8 @@ def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, n
     parse, tokenize, unit = (parse_sft, tokenize_sft, "rows") if stage == 0 else (parse_pairs, tokenize_pairs, "pairs")
     train_rows, eval_rows = stage_rows(d, stage)
     rule = (tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
+    if stage == 0:  # conversations: every assistant turn, or the whole transcript
+        rule = (*rule, d.assistant_only_loss)
     train, stats = tokenize(parse(train_rows, tok), *rule)
     eval_examples = parse(eval_rows, tok)
     held_out, _ = tokenize(eval_examples, *rule)

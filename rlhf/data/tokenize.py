@@ -6,6 +6,17 @@ joined, so the prompt's ids are exactly what the policy is given at generation t
     sequence = [bos] + prompt_ids + response_ids + [eos]
     labels   = -100 ... -100        + response_ids + [eos]     (SFT loss on the response only)
 
+A conversation (ChatExample: {messages} and ShareGPT rows) is the template's own rendering instead,
+tokenized whole, with the loss on every assistant turn including the end-of-turn tokens the template
+writes, and nothing appended (rlhf/data/chat.py):
+
+    sequence = [bos] + ids(template(messages))
+    labels   = -100 on bos and on every token outside the assistant turns
+               (data.assistant_only_loss=false: on bos only, as a {text} row)
+
+and the over-long rule below reads its "prompt part" as the tokens before the first trained one and
+its "response" as everything from there (no eos to cut first: the rendering's own end goes first).
+
 `bos` is added only with `add_bos=True` and when the tokenizer has one (and not twice when the
 prompt text, e.g. from a chat template, already starts with it); `eos` is always added.
 
@@ -34,7 +45,8 @@ from typing import Any
 
 import torch
 
-from rlhf.data.records import PairExample, PromptExample, SFTExample
+from rlhf.data.chat import chat_tokens
+from rlhf.data.records import ChatExample, PairExample, PromptExample, SFTExample
 
 logger = logging.getLogger(__name__)
 
@@ -106,33 +118,69 @@ def _log(fn: str, stats: dict[str, int], max_len: int | None, max_prompt_len: in
 
 
 def tokenize_sft(
-    examples: Sequence[SFTExample],
+    examples: Sequence[SFTExample | ChatExample],
     tokenizer: Any,
     max_len: int,
     max_prompt_len: int,
     overlong: str = "truncate",
     add_bos: bool = True,
+    assistant_only_loss: bool = True,
 ) -> tuple[list[dict[str, list[int]]], dict[str, int]]:
-    """SFT examples -> [{input_ids, labels}] with labels -100 on bos + prompt, and stats."""
+    """SFT examples -> [{input_ids, labels}] with labels -100 on bos + prompt, and stats. Conversations
+    (ChatExample) are trained on every assistant turn, or on every token with assistant_only_loss=False."""
     _check(tokenizer, max_len, max_prompt_len, overlong)
     bos, eos = _bos(tokenizer, add_bos), tokenizer.eos_token_id
-    prompts = _encode(tokenizer, [e.prompt for e in examples])
-    responses = _encode(tokenizer, [e.response for e in examples])
+    plain = [e for e in examples if not isinstance(e, ChatExample)]
+    prompts = _encode(tokenizer, [e.prompt for e in plain])
+    responses = _encode(tokenizer, [e.response for e in plain])
+    chats = iter(chat_tokens(tokenizer, [e for e in examples if isinstance(e, ChatExample)], assistant_only_loss))
+    pairs = iter(zip(prompts, responses))
     stats = dict(rows=len(examples), kept=0, prompt_truncated=0, response_truncated=0, dropped=0)
     out = []
-    for p_ids, r_ids in zip(prompts, responses):
-        prompt = _prompt_part(p_ids, bos, max_prompt_len, overlong)
-        target = None if prompt is None else _target(r_ids, eos, max_len - len(prompt[0]), overlong)
-        if target is None:
+    for ex in examples:
+        if isinstance(ex, ChatExample):
+            made = _chat_feature(*next(chats), bos, max_len, max_prompt_len, overlong)
+        else:
+            p_ids, r_ids = next(pairs)
+            made = None
+            prompt = _prompt_part(p_ids, bos, max_prompt_len, overlong)
+            target = None if prompt is None else _target(r_ids, eos, max_len - len(prompt[0]), overlong)
+            if target is not None:
+                (p, p_cut), (t, t_cut) = prompt, target
+                made = {"input_ids": p + t, "labels": [IGNORE_INDEX] * len(p) + t}, p_cut, t_cut
+        if made is None:
             stats["dropped"] += 1
             continue
-        (p, p_cut), (t, t_cut) = prompt, target
+        feature, p_cut, t_cut = made
         stats["kept"] += 1
         stats["prompt_truncated"] += p_cut
         stats["response_truncated"] += t_cut
-        out.append({"input_ids": p + t, "labels": [IGNORE_INDEX] * len(p) + t})
+        out.append(feature)
     _log("tokenize_sft", stats, max_len, max_prompt_len, overlong)
     return out, stats
+
+
+def _chat_feature(ids: list[int], mask: list[bool], bos: int | None, max_len: int, max_prompt_len: int,
+                  overlong: str) -> tuple[dict[str, list[int]], bool, bool] | None:
+    """A conversation's (ids, mask) under the over-long rule: the tokens before the first trained one are
+    the prompt part (cut from the left), the rest is cut on the right; None = drop."""
+    if bos is not None and ids and ids[0] == bos:  # the template writes it: added once, by _prompt_part
+        ids, mask = ids[1:], mask[1:]
+    first = next((i for i, m in enumerate(mask) if m), None)
+    if first is None:  # nothing to train on
+        return None
+    prompt = _prompt_part(ids[:first], bos, max_prompt_len, overlong)
+    if prompt is None:
+        return None
+    (p, p_cut), rest, rest_mask = prompt, ids[first:], mask[first:]
+    room = max_len - len(p)
+    t_cut = len(rest) > room
+    if t_cut:
+        if overlong == "drop" or room <= 0:
+            return None
+        rest, rest_mask = rest[:room], rest_mask[:room]
+    labels = [IGNORE_INDEX] * len(p) + [t if m else IGNORE_INDEX for t, m in zip(rest, rest_mask)]
+    return {"input_ids": p + rest, "labels": labels}, p_cut, t_cut
 
 
 def tokenize_pairs(
