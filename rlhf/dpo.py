@@ -17,9 +17,10 @@ The reference is the starting model, scored without dropout (disabled in the pol
       base with its adapters disabled (peft `disable_adapter`), else a second, frozen copy of the model.
   dpo.loss_type=simpo needs no reference at all.
 Evaluation (before, every `train.eval_every`, after): the loss, implicit rewards, margin and
-preference accuracy on the held-out pairs; the gold score of greedy generations on
-`data.eval_prompts_path`. Writes to `output_dir`: config.yaml, metrics.jsonl, dpo.png, checkpoints/,
-model/ (HF), summary.json (with the process's peak RSS, to compare the reference modes).
+preference accuracy on the held-out pairs (data.eval_path, else data.eval_size of data.path); the gold
+score of greedy generations on `data.eval_prompts_path` where a judge applies (rlhf/evaluation/gold.py).
+Writes to `output_dir`: config.yaml, metrics.jsonl, dpo.png, checkpoints/, model/ (HF), eval_rows.jsonl
+(the held-out pairs), summary.json (with the process's peak RSS, to compare the reference modes).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from rlhf.data import collate_pairs
 from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, packs
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
-from rlhf.evaluation.gold import eval_line, gold_of, gold_summary, load_eval_prompts
+from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.modeling.export import export_model
 from rlhf.modeling.load import check_context, disable_dropout, load_causal_lm, load_tokenizer, use_packing
 from rlhf.modeling.roles import Policy
@@ -168,7 +169,8 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     tok = load_tokenizer(cfg.model)
     pad, mb = tok.pad_token_id, cfg.train.micro_batch_size
     data = stage_data(d, cfg.train, cfg.seed, tok, 1, "DPO")  # the reward stage's pairs and data_split share
-    prompts = load_eval_prompts(d, tok)
+    held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
+    prompts, gold = gold_set(d, tok)
 
     # ---- policy (+ reference) and engines
     model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels)
@@ -219,6 +221,8 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         "reference": "none" if not needs_ref else p.reference,
         "train_pairs": len(data.train),
         "eval_pairs": len(data.eval),
+        **held_out,
+        **gold,
         "final_train_loss": last.get("loss"),
         "final_train_accuracy": last.get("accuracy"),
         **{f"eval_{k}_{when}": ev.get(k) for k in ("loss", "accuracy", "margin") for when, ev in

@@ -14,9 +14,12 @@ stage's own held-out figures (same names in summary.json). mode=policy: `gold_ev
 `data.eval_prompts_path` (a prompt is scored by exact match with its `answer` field, else by the default
 task's judge; a file none of whose prompts can be scored is an error, some unscorable ones a warning)
 and `perplexity` on SFT rows (`data.eval_path`, else the held-out share of `data.path` carved as the SFT
-stage carves it). mode=reward: the reward stage's held-out pair figures on `data.eval_path` (null =
-`default_pairs_path`, the shipped held-out pairs in conf/evaluate.yaml).
-Writes to `output_dir`: config.yaml, metrics.jsonl, samples.jsonl (every prompt or pair), summary.json.
+stage carves it: data.eval_size, data.split_seed). mode=reward: the reward stage's held-out pair figures
+on `data.eval_path`, else `default_pairs_path` (conf/evaluate.yaml: the shipped held-out pairs while
+data.path is the shipped file), else the reward stage's held-out share of `data.path`. A stage's
+output_dir/eval_rows.jsonl, as data.eval_path, is the rows that stage evaluated on.
+Writes to `output_dir`: config.yaml, metrics.jsonl, samples.jsonl (every prompt or pair), summary.json
+(eval_source / eval_rows and eval_prompts_source name what was scored).
 """
 from __future__ import annotations
 
@@ -36,8 +39,8 @@ from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.core.task import judge
 from rlhf.data import load_rows, parse_pairs, parse_sft, tokenize_pairs, tokenize_sft
-from rlhf.data.stage import stage_rows
-from rlhf.evaluation.gold import EvalPrompt, gold_eval, load_eval_prompts
+from rlhf.data.stage import held_out_line, held_out_source, stage_rows
+from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, load_eval_prompts
 from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path
@@ -74,11 +77,14 @@ def detect_mode(m: ModelConfig) -> str:
     return "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "policy"
 
 
-def held_out_sft_rows(d: DataConfig) -> list:
-    """SFT rows for perplexity: data.eval_path, else the SFT stage's held-out share of data.path."""
+def held_out_rows(d: DataConfig, stage: int) -> tuple[list, str | None]:
+    """Held-out rows and where they come from (`held_out_source`): data.eval_path, else `stage`'s held-out
+    share of data.path (0: the SFT stage's rows, 1: the reward stage's pairs); none without either."""
     if d.eval_path:
-        return load_rows(d.eval_path, d.eval_split, d.cache_dir)
-    return stage_rows(d, stage=0)[1] if d.path else []
+        return load_rows(d.eval_path, d.eval_split, d.cache_dir, key="data.eval_path"), held_out_source(d, stage)
+    if not d.path:
+        return [], None
+    return stage_rows(d, stage=stage)[1], held_out_source(d, stage)
 
 
 def scorable(prompts: Sequence[EvalPrompt], key: str) -> None:
@@ -103,15 +109,19 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
     d = cfg.data
     prompts = load_eval_prompts(d, tok)
     scorable(prompts, "data.eval_prompts_path")
-    feats, stats = tokenize_sft(parse_sft(held_out_sft_rows(d), tok), tok, d.max_len, d.max_prompt_len, d.overlong,
-                                d.add_bos, d.assistant_only_loss)
+    rows, source = held_out_rows(d, stage=0)
+    feats, stats = tokenize_sft(parse_sft(rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos,
+                                d.assistant_only_loss)
     if not prompts and not feats:
         raise ConfigError("nothing to evaluate: set data.eval_prompts_path (generations) and/or data.eval_path "
-                          "or data.path with data.eval_fraction > 0 (perplexity)")
+                          "or data.path with data.eval_size > 0 (perplexity)")
     logger.info("evaluating a policy: %d eval prompts, %d held-out SFT rows (%s)", len(prompts), len(feats), stats)
+    logger.info(held_out_line(len(feats), "rows", source if rows else None))
+    gold = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None)
     engine = eval_engine(Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), fused=cfg.engine.kernels),
                          cfg, info)
-    out: dict[str, Any] = {"eval_prompts": len(prompts), "gold_score": None, "eval_rows": len(feats),
+    out: dict[str, Any] = {"eval_prompts": len(prompts), "eval_prompts_source": gold["eval_prompts_source"],
+                           "gold_score": None, "eval_source": source if rows else None, "eval_rows": len(feats),
                            "eval_loss": None, "perplexity": None}
     samples: list[dict] = []
     if feats:
@@ -130,14 +140,20 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
 
 def evaluate_reward(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
     d = cfg.data
-    path = d.eval_path or cfg.default_pairs_path
-    if not path:
-        raise ConfigError("mode=reward needs preference pairs: set data.eval_path (or default_pairs_path)")
-    examples = parse_pairs(load_rows(path, d.eval_split, d.cache_dir), tok)
+    if not d.eval_path and cfg.default_pairs_path:
+        rows, source = load_rows(cfg.default_pairs_path, d.eval_split, d.cache_dir, key="default_pairs_path"), \
+            f"default_pairs_path={cfg.default_pairs_path}"
+    else:
+        rows, source = held_out_rows(d, stage=1)
+    if not rows:
+        raise ConfigError("mode=reward needs preference pairs: set data.eval_path (e.g. a reward stage's "
+                          "output_dir/eval_rows.jsonl), or data.path with data.eval_size > 0 (its held-out share)")
+    examples = parse_pairs(rows, tok)
     feats, stats = tokenize_pairs(examples, tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
     if not feats:
-        raise ConfigError(f"{path}: no pairs left to score ({stats})")
-    logger.info("evaluating a reward model: %d held-out pairs from %s (%s)", len(feats), path, stats)
+        raise ConfigError(f"{source}: no pairs left to score ({stats})")
+    logger.info("evaluating a reward model: %d held-out pairs (%s)", len(feats), stats)
+    logger.info(held_out_line(len(feats), "pairs", source))
     model = load_value_model(cfg.model, tok, seed=cfg.seed, lora=False)
     base = hf_base_model(model)
     if base.config.num_labels != 1:
@@ -149,7 +165,8 @@ def evaluate_reward(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
     engine = eval_engine(ValueModel(model), cfg, info)
     scored = score_pairs(engine, feats, tok.pad_token_id, cfg.batch_size)
     ev = pair_metrics(scored, examples)
-    out = {"eval_pairs": len(feats), **held_out_summary(ev), "eval_score_std": ev["score_std"]}
+    out = {"eval_pairs": len(feats), "eval_source": source, "eval_rows": len(feats), **held_out_summary(ev),
+           "eval_score_std": ev["score_std"]}
     samples = [{"prompt": examples[i].prompt, "chosen": examples[i].chosen, "rejected": examples[i].rejected,
                 "chosen_score": c, "rejected_score": r} for i, c, r in scored]
     return out, samples

@@ -15,9 +15,12 @@ critic, or critic-free grpo / rloo / reinforce_pp; `algorithm=` sets it with its
 update (`ppo.ppo_epochs` passes of mini-batches; rlhf/rl/update.py) -> metrics and the reward-hacking
 alarms (rlhf/rl/alarms.py; `train.stop_on_alarm`). Without a critic or the `model` reward source those
 models are not loaded.
+Held-out prompts (KL to the reference, reward, and the greedy gold score where a judge applies): the first
+`data.num_eval_prompts` of `data.eval_prompts_path` (the shipped task's while data.path is the shipped
+file), else of `data.eval_path`, else of `data.eval_size` of data.path's prompts, held out of training.
 Dropout is disabled in all four models, so old and new log-probs come from the same function.
 Writes to `output_dir`: config.yaml, metrics.jsonl, ppo.png, checkpoints/, model/ (the actor, HF),
-critic/, model_ema/ (with ppo.ema_decay), summary.json.
+critic/, model_ema/ (with ppo.ema_decay), eval_rows.jsonl (the held-out prompt rows), summary.json.
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from rlhf.config.validate import rollout_rows, validate_ppo
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
-from rlhf.data.stage import StepOrder, stage_rows
-from rlhf.evaluation.gold import eval_line, gold_eval, gold_summary, load_eval_prompts
+from rlhf.data.stage import StepOrder, held_out_source, stage_rows
+from rlhf.evaluation.gold import eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
 from rlhf.modeling.load import load_tokenizer
 from rlhf.rl import alarms, rewards
 from rlhf.rl.experience import build_experience
@@ -63,9 +66,11 @@ def sampling(cfg: PPOConfig) -> SamplingParams:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offset: int = 0) -> dict[str, Any]:
-    """Greedy gold score, and the sampled policy's KL to the reference and reward score, on held-out prompts
-    (prompt i is row `group_offset + i` of the reward source's table; a row it fails on is left out)."""
+def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offset: int = 0,
+             gold: bool = True) -> dict[str, Any]:
+    """Greedy gold score (with `gold`: a judge applies to the prompts), and the sampled policy's KL to the
+    reference and reward score, on held-out prompts (prompt i is row `group_offset + i` of the reward
+    source's table; a row it fails on is left out)."""
     info = models.actor.info
     if not prompts:
         return {}
@@ -74,7 +79,7 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
     batch = collate_prompts([{"input_ids": p.ids} for p in mine], tok.pad_token_id)
     ids, mask = batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device)
     with models.actor.generation() as gen:
-        out = gold_eval(gen, prompts, tok, cfg.eval, info)
+        out = gold_eval(gen, prompts, tok, cfg.eval, info) if gold else {}
         with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
             torch.manual_seed(cfg.seed + 1)
             g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -114,9 +119,18 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
     d = cfg.data
-    rows, _ = stage_rows(d, stage=2)
+    # the held-out prompts: data.eval_prompts_path's, else data.eval_path's or data.eval_size of data.path's
+    rows, held = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
     feats, stats = tokenize_prompts(parse_prompts(rows, tok), tok, d.max_prompt_len, d.overlong, d.add_bos)
-    eval_prompts = load_eval_prompts(d, tok)
+    if d.eval_prompts_path:
+        held = load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir, key="data.eval_prompts_path")
+        eval_source = f"data.eval_prompts_path={d.eval_prompts_path}"
+    else:
+        eval_source = held_out_source(d, stage=2)
+    held = held[: d.num_eval_prompts] if d.num_eval_prompts else held
+    eval_prompts = eval_prompts_of(held, d, tok)
+    held_out = run.held_out(held, len(eval_prompts), "prompts", eval_source)
+    gold = gold_applies(eval_prompts, eval_source)
     order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
     total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
     minis = rollout_rows(r) // r.mini_batch_size  # the batch sizes count rows: prompts x n_samples_per_prompt
@@ -136,7 +150,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
     eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
     rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
-    rewards.check_rows(cfg.reward.sources, eval_table, f"data.eval_prompts_path={d.eval_prompts_path!r}")
+    rewards.check_rows(cfg.reward.sources, eval_table, f"the held-out prompts ({eval_source})")
     source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
     logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
 
@@ -148,7 +162,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     monitor = alarms.Monitor(cfg.alarms)
 
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
-        ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table)))
+        ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table),
+                                                               gold=bool(gold["eval_prompts_source"])))
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         return ev
 
@@ -200,6 +215,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     out_dir, model_dir = cfg.output_dir, models.export(tok, cfg)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
+        **held_out,
+        **gold,
         **gold_summary(before, after),
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),

@@ -14,9 +14,11 @@ A sequence's score is the head's value at its last real token, found from the at
 regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass,
 packed end to end without padding where the model supports it (`data.packing`, rlhf/data/packing.py;
 a row's score is then the value at its own last token).
-Held-out evaluation: pair accuracy, mean chosen/rejected scores, and where a gold judge exists,
-agreement with it (pairs) and the AUC of scores separating correct from incorrect responses.
-Writes to `output_dir`: config.yaml, metrics.jsonl, reward.png, checkpoints/, model/ (HF), summary.json.
+Held-out evaluation (data.eval_path, else data.eval_size of data.path): pair accuracy, mean
+chosen/rejected scores, and where a gold judge exists, agreement with it (pairs) and the AUC of scores
+separating correct from incorrect responses.
+Writes to `output_dir`: config.yaml, metrics.jsonl, reward.png, checkpoints/, model/ (HF), eval_rows.jsonl
+(the held-out pairs: `rlhf.evaluate data.eval_path=` it gives the same figures), summary.json.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     run, accum = Run.open("reward", "Reward model", cfg, cfg.train, validate_reward)
     tok, d, r = load_tokenizer(cfg.model), cfg.data, cfg.reward
     data = stage_data(d, cfg.train, cfg.seed, tok, 1, "reward")
+    held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
 
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=r.head_init_std))
     check_context(model, d.max_len, "data.max_len")
@@ -86,6 +89,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     return run.finish({
         "train_pairs": len(data.train),
         "eval_pairs": len(data.eval),
+        **held_out,
         "final_train_loss": last.get("loss"),
         "final_train_accuracy": last.get("accuracy"),
         **held_out_summary(after),

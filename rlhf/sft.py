@@ -10,8 +10,10 @@ DeepSpeed-Chat. With `data.packing` (auto: where the model supports it) a micro-
 packed end to end without padding (rlhf/data/packing.py); the loss and its normalisation are the same. Global batch = micro batch x accumulation x world size; rows are read in a
 seeded per-epoch order (rlhf/data/stage.py), so a resumed run sees exactly the rows it would have.
 Evaluation before training, every `train.eval_every` steps and at the end: perplexity on the
-held-out rows and the gold score of greedy generations on `data.eval_prompts_path`.
-Writes to `output_dir`: config.yaml, metrics.jsonl, sft.png, checkpoints/, model/ (HF), summary.json.
+held-out rows (data.eval_path, else data.eval_size of data.path) and the gold score of greedy
+generations on `data.eval_prompts_path` where a judge applies (rlhf/evaluation/gold.py).
+Writes to `output_dir`: config.yaml, metrics.jsonl, sft.png, checkpoints/, model/ (HF), eval_rows.jsonl
+(the held-out rows), summary.json (with eval_source / eval_rows and eval_prompts_source: what it evaluated on).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from rlhf.config.validate import engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft
 from rlhf.data.packing import pack_length_of, pack_sft, packs
 from rlhf.data.stage import stage_data
-from rlhf.evaluation.gold import eval_line, gold_of, gold_summary, load_eval_prompts
+from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.export import export_model
 from rlhf.modeling.forward import sft_loss
@@ -49,7 +51,9 @@ def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, pr
 def run(cfg: SFTConfig) -> dict[str, Any]:
     run, accum = Run.open("sft", "SFT", cfg, cfg.train, validate_sft)
     tok, d = load_tokenizer(cfg.model), cfg.data
-    data, prompts = stage_data(d, cfg.train, cfg.seed, tok, 0, "SFT"), load_eval_prompts(d, tok)
+    data = stage_data(d, cfg.train, cfg.seed, tok, 0, "SFT")
+    held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
+    prompts, gold = gold_set(d, tok)
 
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
     check_context(model, d.max_len, "data.max_len")
@@ -71,6 +75,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     before, after = run.before, run.evaluate_after()
     return run.finish({
         "train_rows": len(data.train),
+        **held_out,
+        **gold,
         "final_train_loss": last.get("loss"),
         "eval_loss_before": before.get("loss"),
         "eval_loss_after": after.get("loss"),

@@ -17,9 +17,10 @@ MODEL = ["model.config.hidden_size=64", "model.config.intermediate_size=128", "m
          "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2"]
 # SFT memorises the correct answers of the first 6 eval prompts (a few steps from a random init score 0
 # on the shipped task, which would make "equal gold scores" an empty check): its gold score is ~50.
+EVAL_PROMPTS = f"data.eval_prompts_path={ROOT / 'data/default/eval_prompts.jsonl'}"  # with data of our own: named
 SFT = [*MODEL, "train.max_steps=45", "train.lr=1e-2", "train.scheduler=constant", "train.warmup_steps=0",
        "train.eval_every=0", "train.save_every=0", "train.micro_batch_size=16", "train.global_batch_size=16",
-       "data.eval_fraction=0.1", f"data.num_eval_prompts={N_PROMPTS}"]
+       "data.eval_fraction=0.1", f"data.num_eval_prompts={N_PROMPTS}", EVAL_PROMPTS]
 REWARD = ["model.fallback_to_config=false", "train.max_steps=8", "train.eval_every=0", "train.micro_batch_size=16",
           "train.global_batch_size=16"]
 PPO = ["train.max_steps=2", "train.eval_every=0", "rollout.prompts_per_step=8", "rollout.mini_batch_size=8",
@@ -64,7 +65,7 @@ def sft_eval(stages):
     out = root / "eval_sft"
     # the SFT stage's held-out rows: the same data.path and data.eval_fraction (carved the same way)
     proc = evaluate(out, f"model.name_or_path={root / 'sft'}", f"data.path={memo}", "data.eval_fraction=0.1",
-                    f"data.num_eval_prompts={N_PROMPTS}", "batch_size=16")
+                    f"data.num_eval_prompts={N_PROMPTS}", "batch_size=16", EVAL_PROMPTS)
     return out, proc
 
 
@@ -181,7 +182,7 @@ def test_torchrun_two_ranks_match_one_process(stages, sft_eval, tmp_path):
     out = tmp_path / "two"
     root, memo, _ = stages
     run_stage("evaluate", f"output_dir={out}", f"model.name_or_path={root / 'sft'}", f"data.path={memo}",
-              "data.eval_fraction=0.1", f"data.num_eval_prompts={N_PROMPTS}", "batch_size=16", torchrun=2)
+              "data.eval_fraction=0.1", f"data.num_eval_prompts={N_PROMPTS}", "batch_size=16", EVAL_PROMPTS, torchrun=2)
     one, two = summary(out_one), summary(out)
     assert two["gold_score"] == one["gold_score"]
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-6)

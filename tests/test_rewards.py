@@ -184,8 +184,10 @@ def test_every_source_summed_with_a_failing_user_function_through_the_cli(tiny_s
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "o"
-    proc = ppo(tiny_stages, out, f"data.path={data}", "reward.sources=[model,judge,answer,function]",
-               "reward.weights=[0,1,1,0.5]", "reward.function=user_rewards:score")
+    # held-out: the first prompts of the same file (own data.path: no shipped eval prompts by default)
+    proc = ppo(tiny_stages, out, f"data.path={data}", f"data.eval_prompts_path={data}",
+               "reward.sources=[model,judge,answer,function]", "reward.weights=[0,1,1,0.5]",
+               "reward.function=user_rewards:score")
     log = (proc.stdout + proc.stderr).replace("\r", "")
     assert "reward: 0 x model + 1 x judge + 1 x answer + 0.5 x user_rewards:score\n" in log  # the model is loaded
     assert "reward function failed on" in log  # one WARN line per step, naming the function and the exception

@@ -263,7 +263,8 @@ def default_outputs(tmp_path_factory):
             f.write(json.dumps({"prompt": r["prompt"], "response": " " + r["answer"]}) + "\n")
     run_stage("sft", f"output_dir={sft}", f"data.path={root / 'memorise.jsonl'}", "data.eval_fraction=0",
               "train.max_steps=80", "train.save_every=0", "train.eval_every=0", "train.lr=3e-3",
-              "train.warmup_steps=5", f"data.num_eval_prompts={EVAL_PROMPTS}")
+              "train.warmup_steps=5", f"data.num_eval_prompts={EVAL_PROMPTS}",
+              f"data.eval_prompts_path={ROOT / 'data/default/eval_prompts.jsonl'}")  # own data.path: named
     # fp32: scores are compared with plain transformers in fp32 (under the default, auto = bf16 on a
     # bf16-capable CPU, the run scores in bf16 and a pair or two of 400 can flip: 0.575 vs 0.5825)
     run_stage("reward", f"output_dir={rm}", f"model.name_or_path={sft}", "train.max_steps=40", "train.save_every=0",

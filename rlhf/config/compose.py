@@ -1,8 +1,8 @@
 """Hydra composition: conf/<stage>.yaml + overrides -> the typed dataclass of rlhf/config/schema.py.
 
 Each stage's dataclass is stored in Hydra's ConfigStore as `<stage>_schema` (on import), the first
-entry of conf/<stage>.yaml's defaults list; the `${root:...}` and `${tokenizer_unless_model:...}`
-resolvers are registered here too. A key the schema lacks or a value of the wrong type raises
+entry of conf/<stage>.yaml's defaults list; the `${root:...}`, `${tokenizer_unless_model:...}` and
+`${shipped_eval:...}` resolvers are registered here too. A key the schema lacks or a value of the wrong type raises
 ConfigError naming the key, at composition (`compose`) or conversion (`to_config`).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlhf.config.schema import SCHEMAS
 from rlhf.core.errors import ConfigError
-from rlhf.core.paths import CONF_DIR, root_path
+from rlhf.core.paths import CONF_DIR, is_root_file, root_path
 
 T = TypeVar("T")
 
@@ -31,12 +31,23 @@ def _tokenizer_unless_model(name_or_path: str | None, fallback_to_config: bool, 
     return None
 
 
+def _shipped_eval(path: str | None, shipped: str, eval_file: str) -> str | None:
+    """The shipped task's evaluation file `eval_file` while data.path is the shipped `shipped` file (or
+    empty), else null: with data of your own, a stage evaluates on your held-out rows (data.eval_size
+    of data.path, or data.eval_path), never on the toy task's. An explicit override of the key wins."""
+    if not path or is_root_file(path, shipped):
+        return root_path(eval_file)
+    return None
+
+
 if not OmegaConf.has_resolver("root"):
     # ${root:data/default/sft_train.jsonl} -> an absolute path inside the checkout, so the shipped
     # data is found from any working directory.
     OmegaConf.register_new_resolver("root", root_path)
     # The tiny preset's tokenizer: ${tokenizer_unless_model:${.name_or_path},${.fallback_to_config},...}
     OmegaConf.register_new_resolver("tokenizer_unless_model", _tokenizer_unless_model)
+    # conf/data/*.yaml: eval_path: ${shipped_eval:${.path},data/default/pairs_train.jsonl,data/default/pairs_eval.jsonl}
+    OmegaConf.register_new_resolver("shipped_eval", _shipped_eval)
 
 
 def register_schemas() -> None:

@@ -79,15 +79,19 @@ class DataConfig:
     # Training rows of a data.path mixture; null = the sum of the sources' training rows
     mix_size: int | None = None
     split: str = "train"  # for directories and hub names
-    # Held-out rows; null = carve eval_fraction of `path` off
+    # Held-out rows; null = hold eval_size of `path` out (the conf/data defaults name the shipped
+    # task's held-out file only while `path` is the shipped file)
     eval_path: str | None = field(default=None, metadata={"hub": "dataset"})
     eval_split: str = "test"  # split of eval_path when it is a directory or hub name
-    eval_fraction: float = 0.02  # share of `path` held out when eval_path is null
-    # Prompts (with `answer` or default-task) for the gold score
+    # Held out of `path` when eval_path is null: a fraction in [0, 1) or a number of rows (>= 1); 0 = none
+    eval_size: float = 0.02
+    eval_fraction: float | None = None  # the former name of eval_size (a fraction); when set, it wins
+    # Prompts (with `answer` or default-task) for the gold score; the conf/data defaults name the
+    # shipped task's only while `path` is the shipped file
     eval_prompts_path: str | None = field(default=None, metadata={"hub": "dataset"})
-    num_eval_prompts: int = 200  # first N of eval_prompts_path; 0 = all
+    num_eval_prompts: int = 200  # first N of eval_prompts_path (PPO: of its held-out prompts); 0 = all
     data_split: Any = None  # "2,4,4" or [2,4,4]: this stage takes its share (DeepSpeed-Chat)
-    split_seed: int = 1234  # seed of the data_split shares and the eval_fraction hold-out
+    split_seed: int = 1234  # seed of the data_split shares and the eval_size hold-out
     max_len: int = 64  # tokens of prompt + response (+ bos/eos)
     max_prompt_len: int = 48  # prompt tokens (+ bos); longer prompts follow `overlong`
     overlong: str = "truncate"  # truncate | drop (see rlhf/data/tokenize.py)
@@ -391,7 +395,9 @@ class EvaluateConfig:
     mode: str = "auto"  # auto (reward when the model's architectures end in ForSequenceClassification) | policy | reward
     seed: int = 1234  # seeds torch before loading (and the draws of eval.greedy=false)
     batch_size: int = 32  # rows per forward (perplexity, pair scoring); a stage's micro batch gives its figures exactly
-    default_pairs_path: str | None = None  # mode=reward with data.eval_path=null scores these pairs
+    # mode=reward with data.eval_path=null scores these pairs (conf/evaluate.yaml: the shipped held-out
+    # pairs while data.path is the shipped file); null = the reward stage's held-out share of data.path
+    default_pairs_path: str | None = None  # mode=reward without data.eval_path: these pairs (null: data.path's held-out share)
     model: ModelConfig = field(default_factory=ModelConfig)  # a stage's output_dir, a HF dir or hub name; its tokenizer
     data: DataConfig = field(default_factory=DataConfig)  # eval_prompts_path, eval_path, tokenization as the stages
     engine: EngineConfig = field(default_factory=stage_engine)  # sharding, precision, generation path

@@ -111,7 +111,10 @@ def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: boo
         _need(bool(d.path), "data.path must be set (a file, a directory or a datasets hub name)")
     if d.path or d.weights:
         mix_weights(d)  # data.path's sources, data.weights, data.mix_size
-    _need(0 <= d.eval_fraction < 1, f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
+    _need(d.eval_size == 0 or 0 < d.eval_size < 1 or (d.eval_size >= 1 and float(d.eval_size).is_integer()),
+          f"data.eval_size must be a fraction in [0, 1) or a whole number of rows (>= 1), got {d.eval_size}")
+    _need(d.eval_fraction is None or 0 <= d.eval_fraction < 1,
+          f"data.eval_fraction must be in [0, 1) (or null: data.eval_size), got {d.eval_fraction}")
     _need(d.num_eval_prompts >= 0, f"data.num_eval_prompts must be >= 0, got {d.num_eval_prompts}")
     _need(d.max_prompt_len >= 1, f"data.max_prompt_len must be >= 1, got {d.max_prompt_len}")
     if needs_response:

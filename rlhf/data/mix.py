@@ -43,7 +43,7 @@ def mix_indices(sizes: Sequence[int], weights: Sequence[float] | None, total: in
         k = math.floor(w * total + 0.5)
         if k and not n:
             name = repr(names[i]) if names else str(i)
-            raise ConfigError(f"data.path source {name} has no training rows (after data_split/eval_fraction) "
+            raise ConfigError(f"data.path source {name} has no training rows (after data_split/eval_size) "
                               f"to draw its {k} from (data.weights)")
         perm = np.random.RandomState(seed + i).permutation(n).tolist() if k else []
         full, rest = divmod(k, n) if n else (0, 0)

@@ -11,6 +11,8 @@ Line numbers are 1-based (as an editor shows them); row numbers are 0-based (as 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,16 @@ def load_rows(source: str, split: str = "train", cache_dir: str | None = None, k
         if source.startswith(("/", "./", "../", "~")):
             raise DataFileNotFoundError(f"data path not found: {path}")
     return _load_dataset(source, split, cache_dir, key)
+
+
+def write_rows(path: str, rows: Sequence[Row]) -> str:
+    """`rows` as a .jsonl file that `load_rows` reads back as the same records (atomically: temp file +
+    rename); a value JSON has no type for is written as its string. Returns `path`."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r.data, ensure_ascii=False, default=str) + "\n" for r in rows)
+    os.replace(tmp, path)
+    return path
 
 
 def _read_jsonl(path: Path) -> list[Row]:

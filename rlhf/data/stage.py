@@ -3,6 +3,7 @@
 steps read them.
 
     train_rows, eval_rows = stage_rows(cfg.data, stage=0)      # 0 sft, 1 reward, 2 ppo
+    held_out_source(cfg.data)  # "data.path=/x/pairs.jsonl (eval_size=0.05, split_seed=1234)" or "data.eval_path=..."
     order = StepOrder(len(features), global_batch=32, seed=1234)
     order.steps_per_epoch; order.rank_rows(step, rank, world, accum) -> accum lists of indices
     data = stage_data(cfg.data, cfg.train, cfg.seed, tok, 1, "reward")  # tokenized; SFT, reward, DPO
@@ -11,10 +12,15 @@ The order is a pure function of (step, seed): epoch e = step // steps_per_epoch 
 `torch.randperm(n, generator=seed + e)` order, global batch after global batch (the last partial
 batch of an epoch is left out); each rank takes a contiguous 1/world slice of the global batch and
 cuts it into `accum` micro-batches. Resuming at step s therefore needs nothing but s.
+
+The held-out rows are `data.eval_path`'s, else `data.eval_size` of the stage's rows (a fraction, or a
+number of rows) taken by `torch.randperm(n, generator=data.split_seed)`: the same rows on every rank,
+on resume, and in `rlhf.evaluate` (the stages also write them to output_dir/eval_rows.jsonl).
 """
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +38,19 @@ from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
 logger = logging.getLogger(__name__)
 
 
+def eval_size(d: DataConfig) -> tuple[str, float]:
+    """(key, value) of the hold-out size: data.eval_fraction where set (its former name), else data.eval_size."""
+    return ("eval_fraction", d.eval_fraction) if d.eval_fraction is not None else ("eval_size", d.eval_size)
+
+
+def held_out_count(size: float, n: int) -> int:
+    """Rows held out of `n`: a fraction (< 1) of them, rounded, or a number of rows (>= 1)."""
+    return round(size * n) if size < 1 else int(size)
+
+
 def _source_rows(d: DataConfig, path: str, stage: int, carve: bool, named: bool) -> tuple[list[Row], list[Row], int]:
-    """One source's (train rows, held-out rows, rows read): its data_split share, eval_fraction carved off."""
+    """One source's (train rows, held-out rows, rows read): its data_split share, then (`carve`) its
+    eval_size taken out by a permutation seeded with data.split_seed."""
     rows = load_rows(path, d.split, d.cache_dir, key="data.path")
     total = len(rows)
     if d.data_split is not None:
@@ -42,19 +59,24 @@ def _source_rows(d: DataConfig, path: str, stage: int, carve: bool, named: bool)
                     f" of {path}" if named else "")
     if not carve:
         return rows, [], total
-    n_eval = round(d.eval_fraction * len(rows))
+    key, size = eval_size(d)
+    n_eval = held_out_count(size, len(rows))
+    if n_eval >= len(rows) > 0:
+        raise ConfigError(f"data.{key}={size:g} holds out {n_eval} of the {len(rows)} rows of data.path={path!r}, "
+                          "leaving none to train on: hold out fewer, or name data.eval_path")
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(d.split_seed)).tolist()
     held = set(perm[:n_eval])
     return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held], total
 
 
-def stage_rows(d: DataConfig, stage: int) -> tuple[list[Row], list[Row]]:
-    """(train rows, held-out rows) of `d.path` for `stage`; eval_path, or eval_fraction carved off.
+def stage_rows(d: DataConfig, stage: int, *, hold_out: bool = True) -> tuple[list[Row], list[Row]]:
+    """(train rows, held-out rows) of `d.path` for `stage`: the held-out rows are eval_path's, else
+    eval_size of the stage's rows taken out (see the module docstring); `hold_out=False`: none at all.
     A list of sources (data.path=[a,b]): each source's share and held-out part are taken first, then its
     training rows are mixed by data.weights (rlhf/data/mix.py); the held-out rows are every source's."""
     paths, weights = data_sources(d.path), mix_weights(d)
     mixing = len(paths) > 1 or weights is not None or d.mix_size is not None
-    parts = [_source_rows(d, p, stage, not d.eval_path, mixing) for p in paths]
+    parts = [_source_rows(d, p, stage, hold_out and not d.eval_path, mixing) for p in paths]
     if mixing:
         for p, (train, held, _) in zip(paths, parts):
             for r in train + held:
@@ -63,12 +85,26 @@ def stage_rows(d: DataConfig, stage: int) -> tuple[list[Row], list[Row]]:
     else:
         rows = parts[0][0]
     eval_rows = [r for _, held, _ in parts for r in held]
-    if d.eval_path:
+    if hold_out and d.eval_path:
         eval_rows = load_rows(d.eval_path, d.eval_split, d.cache_dir, key="data.eval_path")
     if not rows:
         total = sum(n for _, _, n in parts)
-        raise ConfigError(f"data.path={d.path!r}: no training rows left (of {total}) after data_split/eval_fraction")
+        key, _ = eval_size(d)
+        raise ConfigError(f"data.path={d.path!r}: no training rows left (of {total}) after data_split/{key}")
     return rows, eval_rows
+
+
+def held_out_source(d: DataConfig, stage: int | None = None) -> str | None:
+    """Where `stage_rows`' held-out rows come from, as the log and summary.json's `eval_source` name it:
+    "data.eval_path=<path>", or "data.path=<path> (eval_size=0.05, split_seed=1234[, data_split=..., <stage>
+    share])"; None when nothing is held out."""
+    if d.eval_path:
+        return f"data.eval_path={d.eval_path}" + (f" (split {d.eval_split})" if not os.path.isfile(d.eval_path) else "")
+    key, size = eval_size(d)
+    if not size or not d.path:
+        return None
+    share = f", data_split={d.data_split}: the {STAGES[stage]} share" if d.data_split is not None and stage is not None else ""
+    return f"data.path={d.path} ({key}={size:g}, split_seed={d.split_seed}{share})"
 
 
 class StepOrder:
@@ -105,6 +141,9 @@ class StageData:
     eval_examples: list  # the held-out examples before tokenizing (a feature's "index" points here)
     order: StepOrder
     total: int  # optimizer steps: train.max_steps, else train.epochs x steps per epoch
+    eval_rows: list[Row]  # the held-out rows as read (what output_dir/eval_rows.jsonl holds)
+    eval_source: str | None  # where they come from (`held_out_source`)
+    unit: str  # "rows" (SFT) or "pairs"
 
 
 def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, name: str) -> StageData:
@@ -123,4 +162,11 @@ def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, n
     total = t.max_steps or t.epochs * order.steps_per_epoch
     logger.info("%s data: %d train %s (%s), %d held-out %s; %d steps of %d %s (%d per epoch)", name,
                 len(train), unit, stats, len(held_out), unit, total, t.global_batch_size, unit, order.steps_per_epoch)
-    return StageData(train, held_out, eval_examples, order, total)
+    return StageData(train, held_out, eval_examples, order, total, eval_rows, held_out_source(d, stage), unit)
+
+
+def held_out_line(n: int, unit: str, source: str | None) -> str:
+    """The log line naming a stage's held-out set: "held-out: 37 pairs from data.path=... (eval_size=...)"."""
+    if source is None:
+        return "held-out: none (no data.eval_path, and nothing held out of data.path)"
+    return f"held-out: {n} {unit} from {source}"

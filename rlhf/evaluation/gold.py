@@ -1,9 +1,14 @@
 """The gold score: generations on held-out prompts, scored by the gold judge (exact match with a
 prompt's `answer` field, else the embedded task's judge: rlhf/core/task.py).
 
-    prompts = load_eval_prompts(cfg.data, tok)            # data.eval_prompts_path, first num_eval_prompts
+    prompts, fields = gold_set(cfg.data, tok)             # data.eval_prompts_path, first num_eval_prompts
     ev = gold_of(engine, prompts, tok, cfg.eval)          # in the engine's generation mode
     ev["gold_score"], ev["gold_score/reverse"], ev["samples"]
+
+The gold score runs only where a judge applies: prompts with an `answer` field, or the shipped task's
+prompts. The conf/data defaults name the shipped task's prompts only while data.path is the shipped file,
+so with data of your own a stage has no gold score (logged once, with how to get one) unless
+data.eval_prompts_path names prompts with answers.
 
 `gold_eval` runs on the gathered (unsharded) model and splits its prompts over the ranks, so ranks may
 take different numbers of decode steps without any collective in between; results are all-gathered.
@@ -21,7 +26,7 @@ from engine.distributed import all_gather_object
 from engine.generation import SamplingParams
 from rlhf.config import DataConfig, GenerationConfig
 from rlhf.core.task import judge
-from rlhf.data import collate_prompts, load_rows, parse_prompts, tokenize_prompts
+from rlhf.data import Row, collate_prompts, load_rows, parse_prompts, tokenize_prompts
 
 logger = logging.getLogger("rlhf.evaluate")
 
@@ -34,16 +39,57 @@ class EvalPrompt:
     task: str | None
 
 
+def eval_prompts_of(rows: Sequence[Row], d: DataConfig, tokenizer: Any) -> list[EvalPrompt]:
+    """The prompts of the first `d.num_eval_prompts` of `rows` (0: all), tokenized under the over-long rule."""
+    examples = parse_prompts(rows, tokenizer)
+    if d.num_eval_prompts:
+        examples = examples[: d.num_eval_prompts]
+    feats, _ = tokenize_prompts(examples, tokenizer, d.max_prompt_len, d.overlong, d.add_bos)
+    return [EvalPrompt(f["prompt"], f["input_ids"], f["answer"], f["meta"].get("task")) for f in feats]
+
+
 def load_eval_prompts(d: DataConfig, tokenizer: Any) -> list[EvalPrompt]:
     """The first `d.num_eval_prompts` of `d.eval_prompts_path` (none when it is null)."""
     if not d.eval_prompts_path:
         return []
-    examples = parse_prompts(load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir), tokenizer)
-    if d.num_eval_prompts:
-        examples = examples[: d.num_eval_prompts]
-    feats, _ = tokenize_prompts(examples, tokenizer, d.max_prompt_len, d.overlong, d.add_bos)
-    logger.info("%d eval prompts from %s", len(feats), d.eval_prompts_path)
-    return [EvalPrompt(f["prompt"], f["input_ids"], f["answer"], f["meta"].get("task")) for f in feats]
+    return eval_prompts_of(load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir, key="data.eval_prompts_path"),
+                           d, tokenizer)
+
+
+def judged(prompts: Sequence[EvalPrompt]) -> list[EvalPrompt]:
+    """The prompts a gold judge can score: those with an `answer`, and the shipped task's."""
+    return [p for p in prompts if judge(p.text, "", p.answer) is not None]
+
+
+NO_GOLD_HINT = ("for one, set data.eval_prompts_path to held-out prompts with an `answer` field (a response "
+                "scores 100 when it equals the answer, stripped)")
+
+
+def gold_applies(prompts: Sequence[EvalPrompt], source: str | None) -> dict[str, Any]:
+    """Whether the gold score runs on `prompts` (from `source`, e.g. "data.eval_prompts_path=..."): only
+    where a judge applies to at least one of them. Logs which (once: call it at a stage's start) and
+    returns the summary.json fields: eval_prompts_source (None: no gold score) and eval_prompts."""
+    if source is None:
+        logger.info("no gold score: data.eval_prompts_path is null (the shipped task's prompts are its default "
+                    "only while data.path is the shipped data); %s", NO_GOLD_HINT)
+        return {"eval_prompts_source": None, "eval_prompts": 0}
+    n_judged = len(judged(prompts))
+    if not n_judged:
+        logger.info("no gold score: none of the %d prompts from %s has an `answer` field or is a prompt of the "
+                    "shipped task (rlhf/core/task.py), so no judge can score them; %s", len(prompts), source,
+                    NO_GOLD_HINT)
+        return {"eval_prompts_source": None, "eval_prompts": 0}
+    logger.info("gold score: %d prompts from %s%s", len(prompts), source,
+                "" if n_judged == len(prompts) else f" ({n_judged} of them judged: the others have no judge)")
+    return {"eval_prompts_source": source, "eval_prompts": len(prompts)}
+
+
+def gold_set(d: DataConfig, tokenizer: Any) -> tuple[list[EvalPrompt], dict[str, Any]]:
+    """A stage's gold-score prompts (SFT, DPO): the first `d.num_eval_prompts` of `d.eval_prompts_path`
+    where a judge applies to them, else none; and `gold_applies`' summary fields."""
+    prompts = load_eval_prompts(d, tokenizer)
+    fields = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None)
+    return (prompts if fields["eval_prompts_source"] else []), fields
 
 
 def sampling_params(g: GenerationConfig) -> SamplingParams:

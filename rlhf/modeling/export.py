@@ -62,6 +62,32 @@ def export_tokenizer(tokenizer: Any, *, add_bos: bool, add_eos: bool) -> Any:
     return tok
 
 
+def scoring_pad(tok: Any) -> int | None:
+    """Give a value model's exported tokenizer (`export_tokenizer`'s copy, changed in place) a pad token
+    that is not eos, so that plain transformers scores as the run does; returns the new pad id, or None
+    when the pad token already differs from eos (nothing changes).
+
+    The run scores a sequence at its last real token, found from the attention mask (rlhf/algos/
+    reward_model.py), which for the exported tokenizer is always the eos it appends. transformers'
+    `*ForSequenceClassification` pools at the last token that is not `config.pad_token_id` instead: with
+    pad == eos (the Qwen convention, and what `load_tokenizer` sets for a tokenizer without a pad token)
+    that is the token before eos. So the export pads with another token the vocabulary already has (the
+    vocabulary, the embeddings and every other id stay as trained; padding is masked, so what it holds
+    never reaches a real token's score): unk, else a special token (not bos), else bos, else the first id.
+    """
+    eos = tok.eos_token_id
+    if tok.pad_token_id is not None and tok.pad_token_id != eos:
+        return None
+    specials = sorted(i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    candidates = [tok.unk_token_id, *(i for i in specials if i != tok.bos_token_id), tok.bos_token_id, 0, 1]
+    pad = next(i for i in candidates if i is not None and i != eos and i < len(tok))
+    tok.pad_token = tok.convert_ids_to_tokens(pad)
+    logger.info("export: the tokenizer's pad token was its eos token %r; the exported value model pads with %r "
+                "(id %d), so that transformers' sequence classification, which scores the last token that is not "
+                "pad, scores at eos as training did", tok.eos_token, tok.pad_token, pad)
+    return pad
+
+
 def export_model(engine: Any, tokenizer: Any, output_dir: str, cfg: ModelConfig, *, add_bos: bool) -> str:
     """A stage's final export: the engine's model as `output_dir/model` (HF). Collective: every rank
     calls it (the state dict is consolidated), rank 0 writes. Returns the model directory."""
@@ -90,8 +116,10 @@ def export_hf(
     (`lora.merge_on_save`) or saved as a peft adapter naming its base by absolute path (a stage's
     merged adapter input, when there was one: see `_merge_adapter`). Weights are cast to
     `cfg.save_dtype`. The tokenizer is saved so that it encodes as training did (`export_tokenizer`;
-    `add_bos` = the run's `data.add_bos`). `atomic=False`: into `out_dir` as is (a temporary directory
-    of `engine.atomic_directories`, which publishes several exports together).
+    `add_bos` = the run's `data.add_bos`); a merged value model's pads with a token other than eos
+    (`scoring_pad`), so that transformers' sequence classification scores as the run does.
+    `atomic=False`: into `out_dir` as is (a temporary directory of `engine.atomic_directories`, which
+    publishes several exports together).
     """
     dtype = TORCH_DTYPES[cfg.save_dtype]
     peft_cfg = getattr(like, "peft_config", None)
@@ -123,6 +151,8 @@ def export_hf(
         skeleton.tie_weights()
     is_value_model = "ForSequenceClassification" in type(base_like).__name__
     tok = export_tokenizer(tokenizer, add_bos=add_bos, add_eos=is_value_model)
+    if is_value_model and not (peft_cfg and not cfg.lora.merge_on_save) and scoring_pad(tok) is not None:
+        skeleton.config.pad_token_id = tok.pad_token_id  # what transformers' pooling compares ids with
     with atomic_directory(out_dir) if atomic else contextlib.nullcontext(out_dir) as tmp:
         skeleton.save_pretrained(tmp)
         tok.save_pretrained(tmp)

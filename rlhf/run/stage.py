@@ -46,7 +46,10 @@ from engine.checkpoint import remove_leftovers
 from engine.distributed import all_gather_object, all_reduce_sum
 from rlhf.config import as_yaml
 from rlhf.core.errors import ConfigError, TrainingError
+from rlhf.data import Row
 from rlhf.data.packing import batch_tokens
+from rlhf.data.sources import write_rows
+from rlhf.data.stage import held_out_line
 from rlhf.run.app import (
     checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything, setup_logging,
 )
@@ -55,6 +58,7 @@ from rlhf.run.runlog import RunLog, format_summary, plot_series, read_metrics, s
 logger = logging.getLogger("rlhf")
 
 Plot = Sequence[tuple[str, Sequence[tuple[str, str, str]]]]  # [(panel ylabel, [(label, kind, key), ...]), ...]
+EVAL_ROWS = "eval_rows.jsonl"  # in output_dir: the held-out rows a stage evaluated on
 
 
 class Checkpointable(Protocol):
@@ -174,6 +178,23 @@ class Run:
             replace_previous_run(run.out_dir, train.overwrite, run.info.is_main)
         seed_everything(cfg.seed)
         return run, checked
+
+    # ------------------------------------------------------------------ data
+
+    def held_out(self, rows: Sequence[Row], n: int, unit: str, source: str | None) -> dict[str, Any]:
+        """The stage's held-out set (`rows` as read, `n` of them evaluated after the over-long rule, from
+        `source`): one log line naming it, the rows written to output_dir/eval_rows.jsonl (main rank), so
+        that `rlhf.evaluate data.eval_path=<that file>` scores the same rows, and its summary.json fields:
+        eval_source, eval_rows (n), eval_rows_file (None without held-out rows)."""
+        logger.info(held_out_line(n, unit, source))
+        path = os.path.join(self.out_dir, EVAL_ROWS)
+        if self.info.is_main:
+            if rows:
+                os.makedirs(self.out_dir, exist_ok=True)
+                write_rows(path, rows)
+            elif os.path.exists(path):  # a previous run's, in the same output_dir
+                os.remove(path)
+        return {"eval_source": source, "eval_rows": n, "eval_rows_file": path if rows else None}
 
     # ------------------------------------------------------------------ start
 
