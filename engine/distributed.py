@@ -6,8 +6,11 @@ train step then run the same code at world size 1 as under `torchrun`.
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,28 @@ class DistInfo:
 
 
 _INFO: DistInfo | None = None
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> bool:
+    """Under torchrun on Linux: this worker gets SIGTERM when its launcher dies, however it dies.
+
+    NOTE: torchrun forwards SIGINT/SIGTERM to its workers, but `kill -9` on the launcher cannot be
+    forwarded: without this the workers train on, orphaned, until a collective times out (issue #29).
+    The parent-death signal is set once, then the parent is checked again (it may have died before).
+    Returns whether it was set."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def init_distributed(timeout_s: float | None = None) -> DistInfo:
@@ -46,6 +71,7 @@ def init_distributed(timeout_s: float | None = None) -> DistInfo:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            die_with_launcher()
             timeout = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
             dist.init_process_group(backend, **timeout)  # env:// rendezvous set up by torchrun
         else:
