@@ -28,7 +28,7 @@ from rlhf.evaluation.gold import eval_line, gold_of, gold_summary, load_eval_pro
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.export import export_model
 from rlhf.modeling.forward import sft_loss
-from rlhf.modeling.load import check_context, load_causal_lm, load_tokenizer, use_packing
+from rlhf.modeling.load import check_causal_lm, check_context, load_causal_lm, load_tokenizer, use_packing
 from rlhf.modeling.roles import Policy
 from rlhf.run.app import stage_main
 from rlhf.run.stage import Run
@@ -48,6 +48,7 @@ def evaluate(engine: TrainEngine, cfg: SFTConfig, tok: Any, eval_feats: list, pr
 
 def run(cfg: SFTConfig) -> dict[str, Any]:
     run, accum = Run.open("sft", "SFT", cfg, cfg.train, validate_sft)
+    check_causal_lm(cfg.model.name_or_path, "model")  # a reward model's directory: refused before the data
     tok, d = load_tokenizer(cfg.model), cfg.data
     data, prompts = stage_data(d, cfg.train, cfg.seed, tok, 0, "SFT"), load_eval_prompts(d, tok)
 
