@@ -45,7 +45,9 @@ from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.modeling.export import export_model
-from rlhf.modeling.load import check_context, disable_dropout, load_causal_lm, load_tokenizer, use_packing
+from rlhf.modeling.load import (
+    check_causal_lm, check_context, disable_dropout, load_causal_lm, load_tokenizer, use_packing,
+)
 from rlhf.modeling.roles import Policy
 from rlhf.run.app import stage_main
 from rlhf.run.stage import Run
@@ -166,6 +168,7 @@ def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DP
 def run(cfg: DPOConfig) -> dict[str, Any]:
     run, accum = Run.open("dpo", "DPO", cfg, cfg.train, validate_dpo)
     info, p, d = run.info, cfg.dpo, cfg.data
+    check_causal_lm(cfg.model.name_or_path, "model")  # a reward model's directory: refused before the data
     tok = load_tokenizer(cfg.model)
     pad, mb = tok.pad_token_id, cfg.train.micro_batch_size
     data = stage_data(d, cfg.train, cfg.seed, tok, 1, "DPO")  # the reward stage's pairs and data_split share

@@ -43,7 +43,7 @@ from rlhf.data.stage import held_out_line, held_out_source, stage_rows
 from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, load_eval_prompts
 from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
 from rlhf.evaluation.perplexity import perplexity
-from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path
+from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path, value_model_reason
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.run.app import save_config, seed_everything, setup_logging, stage_main
 from rlhf.run.runlog import RunLog, format_summary, write_summary
@@ -59,21 +59,14 @@ def detect_mode(m: ModelConfig) -> str:
     directory: task_type SEQ_CLS), else 'policy'."""
     path = m.name_or_path
     if os.path.isdir(path):
-        path = resolve_model_path(path)
-        adapter = os.path.join(path, "adapter_config.json")
-        if os.path.exists(adapter):
-            with open(adapter) as f:
-                return "reward" if json.load(f).get("task_type") == "SEQ_CLS" else "policy"
-        with open(os.path.join(path, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
-    else:
-        from transformers import AutoConfig
+        return "reward" if value_model_reason(resolve_model_path(path)) else "policy"
+    from transformers import AutoConfig
 
-        try:
-            archs = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code).architectures or []
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.name_or_path={path!r}: cannot read its config ({e}); set mode=policy or "
-                              "mode=reward") from None
+    try:
+        archs = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code).architectures or []
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.name_or_path={path!r}: cannot read its config ({e}); set mode=policy or "
+                          "mode=reward") from None
     return "reward" if any(a.endswith("ForSequenceClassification") for a in archs) else "policy"
 
 

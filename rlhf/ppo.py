@@ -40,7 +40,7 @@ from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
-from rlhf.modeling.load import load_tokenizer
+from rlhf.modeling.load import check_causal_lm, load_tokenizer
 from rlhf.rl import alarms, rewards
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
@@ -115,6 +115,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
         if key == "actor.model" or est.needs_critic or (needs_rm and cfg.reward_model.model is None):
             check_local(path, key)  # names the stage to run first
+    for key, path in (("actor", cfg.actor.model), ("reference", cfg.reference.model)):
+        check_causal_lm(path, key)  # a reward model as the policy: refused before the data and any weights
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
@@ -151,6 +153,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
     rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
     rewards.check_rows(cfg.reward.sources, eval_table, f"the held-out prompts ({eval_source})")
+    if "function" in cfg.reward.sources:  # called on the first prompt rows: one that scores nothing stops here
+        rewards.check_function(cfg.reward, tok, table, f"data.path={d.path!r}")
     source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
     logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
 

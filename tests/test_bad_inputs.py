@@ -153,3 +153,136 @@ def test_a_cut_last_line_of_metrics_jsonl_is_not_a_record(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "ki\n{"step": 2, "kind": "train"}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:1: not a JSON record"):
         read_metrics(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- issue #29: nothing silently a no-op
+#
+# A user's own models, data, functions and habits that used to run and do nothing (or fail late, or with a
+# traceback): each stops at once with exit code 2 and one `error (...)` line naming the key or the file.
+
+FUNCTIONS = '''
+import math
+
+def per_row(prompt, response, row):
+    return float(len(response))
+
+def trl_style(completions, **kwargs):  # TRL's batched convention, used as it is
+    return [float(len(c)) for c in completions]
+
+def strings(prompt, response, row):
+    return "good"
+
+def raises(prompt, response, row):
+    raise KeyError("solution")
+
+def nan(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+def wrong_length(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) + 1)
+
+def two_args(prompt, response):
+    return 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    """One tiny workspace for the table below: a causal LM and a reward model (tiny Llamas with the shipped
+    tokenizer), a plain file, a directory of .txt files and a module of reward functions."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig
+
+    from conftest import ROOT
+
+    w = tmp_path_factory.mktemp("refusals")
+    tok = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    rm_config = LlamaConfig(**config.to_dict(), num_labels=1)
+    for name, cls, cfg in (("policy", AutoModelForCausalLM, config), ("rm", AutoModelForSequenceClassification, rm_config)):
+        cls.from_config(cfg).save_pretrained(w / name)
+        for f in (ROOT / "data" / "tokenizer").iterdir():
+            shutil.copy(f, w / name)
+    (w / "afile").write_text("not a directory\n")
+    _write(w / "txtdata" / "a.txt", "Human: hi\n")
+    _write(w / "txtdata" / "b.txt", "Assistant: hello\n")
+    _write(w / "fns" / "user_fns.py", FUNCTIONS)
+    return w
+
+
+PPO_MODELS = ["actor.model={W}/policy", "critic.model={W}/rm"]
+PPO_FN = [*PPO_MODELS, "reward.sources=[function]", "ppo.kl_coef=0.05"]
+
+# (stage, overrides ({W}: the workspace), what the one error line must say)
+REFUSALS = [
+    # 1. a reward model where a causal LM is needed
+    ("ppo", ["actor.model={W}/rm", "critic.model={W}/rm"], "actor.model="),
+    ("ppo", [*PPO_MODELS, "reference.model={W}/rm"], "reference.model="),
+    ("sft", ["model.name_or_path={W}/rm"], "model.name_or_path="),
+    ("dpo", ["model.name_or_path={W}/rm"], "model.name_or_path="),
+    # 2. a group-relative estimator with groups of one
+    ("ppo", [*PPO_MODELS, "algorithm=grpo", "rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=64"],
+     "rollout.n_samples_per_prompt"),
+    ("ppo", [*PPO_MODELS, "algorithm=rloo", "rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=64"],
+     "rollout.n_samples_per_prompt"),
+    # 3. resume=true with nothing to resume
+    ("sft", ["train.resume=true"], "train.resume=auto"),
+    # 4. a reward function that cannot score: checked on the first prompt rows before any model loads
+    ("ppo", [*PPO_FN, "reward.function=user_fns:strings"], "reward.function=user_fns:strings"),
+    ("ppo", [*PPO_FN, "reward.function=user_fns:raises"], "KeyError"),
+    ("ppo", [*PPO_FN, "reward.function=user_fns:nan"], "nan"),
+    ("ppo", [*PPO_FN, "reward.function=user_fns:wrong_length"], "9 scores for 8"),
+    ("ppo", [*PPO_FN, "reward.function=user_fns:two_args"], "fits neither"),
+    # 5. TRL / transformers flags
+    ("sft", ["--model_name_or_path", "X"], "write model.name_or_path=X"),
+    ("sft", ["--learning_rate=1e-5", "--num_train_epochs", "2"], "write train.lr=1e-5 train.epochs=2"),
+    ("ppo", ["--learning_rate", "1e-5"], "write actor.lr=1e-5"),
+    ("sft", ["--output_dir", "d"], "write output_dir=d"),
+    ("sft", ["--bogus_flag", "1"], "write key=value (python -m rlhf.sft --help lists the keys)"),
+    # 6. bad inputs that escaped as tracebacks or misleading messages
+    ("sft", ["output_dir={W}/afile"], "output_dir="),
+    ("sft", ["model.lora.r=8", "model.lora.target_modules=q_proj,v_proj"],
+     "write model.lora.target_modules=[q_proj,v_proj]"),
+    ("sft", ["model.name_or_path={W}/afile"], "is a file: it must be a model directory"),
+    ("sft", ["data.path={W}/txtdata"], "no .jsonl, .json or .parquet file"),
+]
+
+
+@pytest.mark.parametrize("stage,overrides,says", REFUSALS, ids=[" ".join(c[1][-2:]) + f" ({c[0]})" for c in REFUSALS])
+def test_a_silent_no_op_is_refused_with_one_line(stage, overrides, says, ws, tmp_path):
+    import os
+
+    from conftest import ROOT
+
+    args = [o.replace("{W}", str(ws)) for o in overrides]
+    env = {"PYTHONPATH": f"{ws / 'fns'}{os.pathsep}{ROOT}"}
+    proc = run_stage(stage, f"output_dir={tmp_path / 'o'}", *args, check=False, timeout=300, env=env)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error (")]
+    assert len(errors) == 1 and says.replace("{W}", str(ws)) in errors[0], proc.stderr[-3000:]
+    assert "usage:" not in proc.stderr  # not Hydra's usage page
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_the_accepted_reward_functions_run_and_score_every_row(ws, tmp_path):
+    """The counterpart of the refusals above: a TRL-style batched function (`fn(completions, **kwargs) ->
+    list[float]`), which used to fail on every row, now scores every row of a PPO run."""
+    import os
+
+    from conftest import ROOT, metrics, summary
+
+    out = tmp_path / "o"
+    run_stage("ppo", f"output_dir={out}", f"actor.model={ws / 'policy'}", f"critic.model={ws / 'policy'}",
+              "reward.sources=[function]", "reward.function=user_fns:trl_style", "train.max_steps=1",
+              "train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=4", "rollout.prompts_per_step=8",
+              "rollout.mini_batch_size=8", "rollout.micro_batch_size=8", "rollout.max_new_tokens=6",
+              "eval.max_new_tokens=6", "alarms.enabled=false", timeout=300,
+              env={"PYTHONPATH": f"{ws / 'fns'}{os.pathsep}{ROOT}"})
+    (train,) = metrics(out, "train")
+    assert train["reward_errors"] == 0 and train.get("nonfinite_rows", 0) == 0, train
+    assert train["reward"] > 0  # the mean length of the responses
+    assert summary(out)["reward_errors"] == 0

@@ -126,6 +126,63 @@ def test_a_wrong_type_or_a_key_below_a_link_is_caught_before_hydra():
                            PPOConfig, conf, "rlhf.ppo") == {"model.config.x=1": "++model.config.x=1"}
 
 
+def test_trl_flags_name_the_override_to_write_instead():
+    """`python -m rlhf.sft --model_name_or_path X` printed Hydra's usage page (#29): TRL's and transformers'
+    flags are translated to this stage's keys (PPO's policy keys are actor.*), in one line."""
+    from rlhf.config import ConfigError
+    from rlhf.config.cli import check_foreign_flags
+
+    def says(argv, schema=SFTConfig, app="rlhf.sft"):
+        foreign = {w.partition("=")[0] for w in argv if w.startswith("-")}
+        with pytest.raises(ConfigError) as e:
+            check_foreign_flags(argv, foreign, schema, app)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert says(["--model_name_or_path", "X", "train.max_steps=3"]) == (
+        "--model_name_or_path X: python -m rlhf.sft takes Hydra overrides (key=value, no dashes), not flags: "
+        "write model.name_or_path=X")
+    assert says(["--learning_rate=1e-5", "--num_train_epochs", "2", "--per_device_train_batch_size", "4"]).endswith(
+        "write train.lr=1e-5 train.epochs=2 train.micro_batch_size=4")
+    assert says(["--output_dir", "d", "--seed", "3", "--max_steps", "5", "--dataset_name", "x.jsonl"]).endswith(
+        "write output_dir=d seed=3 train.max_steps=5 data.path=x.jsonl")
+    assert says(["--model_name_or_path", "m", "--learning_rate", "1e-6", "--per_device_train_batch_size", "4",
+                 "--num_generations", "8"], PPOConfig, "rlhf.ppo").endswith(
+        "write actor.model=m actor.lr=1e-6 rollout.micro_batch_size=4 rollout.n_samples_per_prompt=8")
+    assert says(["--beta", "0.2"], DPOConfig, "rlhf.dpo").endswith("write dpo.beta=0.2")
+    assert says(["--bf16", "--gradient_checkpointing", "--train.lr=3e-4"]).endswith(
+        "write engine.precision=bf16 engine.activation_checkpointing=true train.lr=3e-4")
+    assert says(["--report_to", "none"]) == ("--report_to none: python -m rlhf.sft takes Hydra overrides (key=value, "
+                                             "no dashes), not flags: for --report_to write key=value (python -m "
+                                             "rlhf.sft --help lists the keys)")
+    assert says(["--learning_rate", "1"], EvaluateConfig, "rlhf.evaluate").endswith(  # no such key there
+        "for --learning_rate write key=value (python -m rlhf.evaluate --help lists the keys)")
+    check_foreign_flags(["train.lr=1", "--cfg", "job"], set(), SFTConfig, "rlhf.sft")  # Hydra's own: fine
+
+
+def test_a_comma_list_without_brackets_and_an_output_dir_that_is_a_file(tmp_path):
+    """Hydra reads `key=a,b` as a sweep and stopped with several lines (exit 1); an output_dir that is a
+    file was a traceback from Hydra making it its run directory (#29)."""
+    from rlhf.config import ConfigError
+    from rlhf.config.cli import check_overrides
+
+    conf = str(ROOT / "conf")
+    with pytest.raises(ConfigError) as e:
+        check_overrides(["model.lora.target_modules=q_proj,v_proj"], SFTConfig, conf, "rlhf.sft")
+    assert "write model.lora.target_modules=[q_proj,v_proj] for a list" in str(e.value)
+    with pytest.raises(ConfigError, match="choose one option of the config group 'engine'"):
+        check_overrides(["engine=zero2,zero3"], SFTConfig, conf, "rlhf.sft")
+    assert check_overrides(["train.lr=1e-3,1e-4"], SFTConfig, conf, "rlhf.sft", multirun=True) == {}  # a real sweep
+    assert check_overrides(["model.lora.target_modules=[q_proj,v_proj]", "data.data_split='2,4,4'"], SFTConfig, conf,
+                           "rlhf.sft") == {}
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=r"output_dir='.*/f' is a file, not a directory"):
+        check_overrides([f"output_dir={tmp_path / 'f'}"], SFTConfig, conf, "rlhf.sft")
+    with pytest.raises(ConfigError, match=r"output_dir='.*/f/sub/run': .*/f is a file, so no directory can be made"):
+        check_overrides([f"output_dir={tmp_path / 'f' / 'sub' / 'run'}"], PPOConfig, conf, "rlhf.ppo")
+    assert check_overrides([f"output_dir={tmp_path / 'new' / 'run'}"], SFTConfig, conf, "rlhf.sft") == {}
+
+
 def test_keys_below_a_dict_key_are_free(tmp_path):
     # model.config holds HF config kwargs: a key the YAML lacks is added (not a Hydra struct error)
     proc = run_stage("ppo", "model.config.rope_theta=500.0", "--cfg", "job")

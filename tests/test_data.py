@@ -313,6 +313,29 @@ def test_missing_file_and_unknown_extension(tmp_path):
         load_rows(str(tmp_path / "no_such_dir"))
 
 
+def test_a_directory_without_data_files_says_what_it_holds(tmp_path):
+    """datasets.load_dataset(dir) reads .txt files as one-column text rows, which then failed as "global_batch_size
+    exceeds the 1 training rows" (#29): a directory must hold .jsonl, .json or .parquet files."""
+    d = tmp_path / "txt"
+    d.mkdir()
+    for name in ("b.txt", "a.txt", "README.md"):
+        (d / name).write_text("Human: hi\n")
+    with pytest.raises(DataFormatError) as e:
+        load_rows(str(d))
+    assert str(e.value) == (f"{d}: no .jsonl, .json or .parquet file in this directory (it holds README.md, a.txt, "
+                            "b.txt): name a data file, or a directory of them")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataFormatError, match=r"empty: no \.jsonl, \.json or \.parquet file in this directory \(it is empty"):
+        load_rows(str(empty))
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(12):
+        (many / f"{i:02d}.txt").write_text("x")
+    with pytest.raises(DataFormatError, match=r"\(it holds 00\.txt, 01\.txt, .*, 07\.txt and 4 more\)"):
+        load_rows(str(many))
+
+
 def test_json_must_be_a_list_of_objects(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"a": 1, "b": 2}))
     with pytest.raises(DataFormatError, match="expected a list of objects"):

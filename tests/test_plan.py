@@ -120,6 +120,24 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
 
 
+def test_a_directory_holding_only_config_json_is_enough(tmp_path):
+    """The docs say the planner needs only config.json; with no tokenizer files beside it, it used to fail
+    asking for sentencepiece / tiktoken (#29): the vocabulary comes from config.json, no tokenizer is loaded."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=4099, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256).save_pretrained(tmp_path / "llama")
+    assert os.listdir(tmp_path / "llama") == ["config.json"]
+    sft, _ = run_plan(["stage=sft", f"model.name_or_path={tmp_path / 'llama'}", "device=cpu"])
+    m = sft["models"]["model"]
+    embedding = 4099 * 64
+    assert m["total_params"] == 2 * embedding + 2 * (4 * 64 * 64 - 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    ppo, _ = run_plan(["stage=ppo", f"actor.model={tmp_path / 'llama'}", f"critic.model={tmp_path / 'llama'}",
+                       "device=cpu"])
+    assert list(ppo["models"]) == ["actor", "critic", "reference", "reward_model"]
+    assert ppo["models"]["actor"]["total_params"] == m["total_params"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["stage=bogus"], "stage='bogus': the planner knows the stages sft, reward, dpo, ppo"),
     (["model.name_or_path=/nonexistent/model"], "model.name_or_path"),

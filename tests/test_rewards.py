@@ -120,6 +120,94 @@ def test_a_raising_or_nonfinite_function_is_a_counted_row_error(caplog):
     assert src.score(rollout(["Paris"], [2])).tolist() == [2.0] and src.errors == 0  # counted per call
 
 
+def test_a_trl_style_batched_function_is_called_as_trl_calls_it():
+    """TRL's reward-function convention, `fn(prompts, completions, **kwargs) -> list[float]` with the dataset's
+    other columns as keyword lists, failed on every row as a per-row call (#29): told apart by its signature."""
+    from rlhf.rl.rewards import BATCHED, PER_ROW, FunctionReward, calling_convention
+
+    seen = {}
+
+    def trl(prompts, completions, answer, **kwargs):  # TRL: the extra columns arrive as lists
+        seen.update(prompts=prompts, completions=completions, answer=answer, **kwargs)
+        return [float(c.strip() == (a or "").strip()) for c, a in zip(completions, answer)]
+
+    def lengths(completions, **kwargs):
+        return [len(c) for c in completions]
+
+    def only_named(completions, task):  # no **kwargs: only the keywords it names are passed
+        return [0.5 if t else 0.0 for t in task]
+
+    assert [calling_convention(f, "m:f") for f in (trl, lengths, only_named, lambda **kw: [], answer_reward,
+                                                   lambda p, r, row=None: 0.0, lambda *a: 0.0)] == \
+        [BATCHED, BATCHED, BATCHED, BATCHED, PER_ROW, PER_ROW, PER_ROW]
+    for bad in (lambda prompt, response: 0.0, lambda x: 0.0, lambda a, b, c, d: 0.0):
+        with pytest.raises(ConfigError, match=r"reward.function=m:bad: its signature .* fits neither"):
+            calling_convention(bad, "m:bad")
+    tok = CharTokenizer()
+    ro = rollout([" cba", " AB", "Paris", " abc"], group=[0, 1, 2, 0])
+    src = FunctionReward("m:trl", trl, tok, ROWS)
+    assert src.score(ro).tolist() == [0.0, 0.0, 1.0, 0.0] and src.errors == 0
+    assert seen["prompts"] == [ROWS[g]["prompt"] for g in (0, 1, 2, 0)]
+    assert seen["completions"] == [" cba", " AB", "Paris", " abc"]
+    assert seen["completion_ids"][2] == [ord(c) for c in "Paris"] + [EOS]  # the response's tokens, EOS included
+    assert seen["answer"] == [None, None, "Paris", None] and seen["task"] == [None, "upper", "geo", None]
+    assert FunctionReward("m:len", lengths, tok, ROWS).score(ro).tolist() == [4.0, 3.0, 5.0, 4.0]
+    assert FunctionReward("m:named", only_named, tok, ROWS).score(ro).tolist() == [0.0, 0.5, 0.5, 0.0]
+    # a whole call that fails fails its rows; a bad element fails its row
+    bad = FunctionReward("m:short", lambda completions, **kw: [1.0], tok, ROWS)
+    assert all(math.isnan(x) for x in bad.score(ro).tolist()) and bad.errors == 4
+    assert bad.first_error.startswith("m:short: ValueError: returned 1 scores for 4 completions")
+    mixed = FunctionReward("m:mixed", lambda completions, **kw: [1, None, "2", math.inf], tok, ROWS)
+    assert mixed.score(ro).tolist()[0] == 1.0 and mixed.errors == 3
+    assert mixed.first_error.startswith("m:mixed: TypeError: returned NoneType None, not a number")
+    # through build(), as the run builds it
+    cfg = RewardSourcesConfig(sources=["function"], function="os.path:join")
+    assert isinstance(build(cfg, tok, ROWS), FunctionReward)
+
+
+def test_a_function_that_scores_nothing_is_refused_at_the_start(tmp_path, monkeypatch):
+    """Called on the first prompt rows before any model loads: a function that fails on every one of them
+    (raises, returns a string, NaN, a list of the wrong length) stops the run naming reward.function, where it
+    used to fail on every row of every step; one that fails on some rows only runs (those rows counted)."""
+    from rlhf.rl.rewards import check_function
+
+    (tmp_path / "probe_fns.py").write_text(
+        "import math\n"
+        "def good(prompt, response, row):\n    return float(response == row.get('answer'))\n"
+        "def trl(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+        "def strings(prompt, response, row):\n    return 'good'\n"
+        "def raises(completions, solution, **kwargs):\n    return [1.0] * len(completions)\n"
+        "def nan(prompt, response, row):\n    return math.nan\n"
+        "def long(prompts, completions):\n    return [1.0] * (len(completions) + 1)\n"
+        "def some(prompt, response, row):\n    return 1.0 if row.get('task') == 'geo' else 1 / 0\n"
+        "def two(prompt, response):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Tok(CharTokenizer):
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    def check(name):
+        check_function(RewardSourcesConfig(sources=["function"], function=f"probe_fns:{name}"), Tok(), ROWS,
+                       "data.path='qa.jsonl'")
+
+    for ok in ("good", "trl", "some"):
+        check(ok)
+    for name, says in (("strings", "TypeError: returned str 'good', not a number"),
+                       ("raises", "TypeError: ") ,  # a required column the prompt rows lack: `solution`
+                       ("nan", "ValueError: returned nan"),
+                       ("long", "ValueError: returned 4 scores for 3 completions"),
+                       ("two", "fits neither")):
+        with pytest.raises(ConfigError) as e:
+            check(name)
+        msg = str(e.value)
+        assert msg.startswith(f"reward.function=probe_fns:{name}: ") and says in msg and "\n" not in msg, msg
+        if name != "two":
+            assert "on the first 3 prompt rows of data.path='qa.jsonl'" in msg and "scored none of them" in msg
+    with pytest.raises(ConfigError, match="solution"):
+        check("raises")
+
+
 def test_load_function_and_config_errors_name_the_key():
     assert load_function("os.path:join") is __import__("os").path.join
     for spec, says in (("os.path", "module:function"), ("no_such_module_xyz:f", "cannot import"),

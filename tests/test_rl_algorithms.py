@@ -25,6 +25,7 @@ from rlhf.algos.rl import (
     rloo_advantages,
     uniform_groups,
 )
+from rlhf.config.validate import rollout_rows, validate_ppo
 
 
 def close(actual, expected, atol=1e-5):
@@ -103,6 +104,9 @@ def test_registered_without_a_critic():
         assert not advantage_estimator(name).needs_critic
     assert advantage_estimator("gae").needs_critic
     assert not advantage_estimator("grpo").token_rewards and advantage_estimator("reinforce_pp").token_rewards
+    # relative to the prompt's group: declared, so the config refuses groups of one (#29)
+    assert [n for n in ("gae", "grpo", "rloo", "reinforce_pp") if advantage_estimator(n).needs_group] == \
+        ["grpo", "rloo"]
     x = ppo_math.AdvantageInputs(rewards=torch.zeros(7, 3), score=SCORE, values=None, mask=MASK, group=GROUP)
     adv, ret = advantage_estimator("grpo").fn(x, gamma=1.0, lam=1.0, norm_by_std=False)
     assert ret is None and torch.equal(adv, grpo_advantages(SCORE, GROUP, MASK, norm_by_std=False))
@@ -217,6 +221,11 @@ def test_uniform_groups_are_dropped_and_counted():
     (["algorithm=grpo", "rollout.n_samples_per_prompt=3"], "rollout.n_samples_per_prompt (8 x 3 = 24)"),
     (["algorithm=grpo", "rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt must be >= 1"),
     (["ppo.dynamic_sampling=true"], "rollout.n_samples_per_prompt >= 2"),
+    # a group of one is its own baseline: every advantage 0, actor_loss 0 every step (#29)
+    (["algorithm=grpo", "rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=64"],
+     "ppo.advantage_estimator=grpo scores each response against the others of its prompt"),
+    (["algorithm=rloo", "rollout.n_samples_per_prompt=1", "rollout.prompts_per_step=64"],
+     "needs rollout.n_samples_per_prompt >= 2, got 1"),
     (["algorithm=grpo", "ppo.loss_agg=sum"], "ppo.loss_agg"),
     (["ppo.cliprange_high=0"], "ppo.cliprange_high"),
     (["ppo.kl_loss_coef=-1"], "ppo.kl_loss_coef"),
@@ -224,7 +233,6 @@ def test_uniform_groups_are_dropped_and_counted():
 ])
 def test_bad_algorithm_settings_name_the_key(overrides, key):
     from rlhf import config as C
-    from rlhf.config.validate import validate_ppo
 
     cfg = C.to_config(C.compose("ppo", overrides), C.PPOConfig)
     with pytest.raises(C.ConfigError, match=None) as e:
@@ -234,7 +242,6 @@ def test_bad_algorithm_settings_name_the_key(overrides, key):
 
 def test_prompts_are_whole_on_each_rank():
     from rlhf import config as C
-    from rlhf.config.validate import validate_ppo
 
     cfg = C.to_config(C.compose("ppo", ["algorithm=grpo", "rollout.prompts_per_step=3",
                                         "rollout.n_samples_per_prompt=8", "rollout.mini_batch_size=24",
@@ -246,7 +253,6 @@ def test_prompts_are_whole_on_each_rank():
 
 def test_algorithm_group_sets_the_estimator_and_ppo_is_the_default():
     from rlhf import config as C
-    from rlhf.config.validate import rollout_rows, validate_ppo
 
     default = C.as_yaml(C.to_config(C.compose("ppo"), C.PPOConfig))
     assert C.as_yaml(C.to_config(C.compose("ppo", ["algorithm=ppo"]), C.PPOConfig)) == default

@@ -105,10 +105,35 @@ def test_a_fresh_run_into_a_previous_run_is_refused_unless_overwrite(tmp_path):
     assert not any((tmp_path / f).exists() for f in ("checkpoints", "model", "summary.json"))
     run.begin(FakeState(), 1, lambda: {}, str)
     assert dataclasses.is_dataclass(run.cfg)
-    # resume=true with nothing to resume from is a fresh run too: refused again over a finished run
+    # resume=auto with nothing to resume from is a fresh run too: refused again over a finished run
     (tmp_path / "summary.json").write_text("{}")
-    with pytest.raises(ConfigError, match="summary.json"):
-        make_run(tmp_path, resume=True)
+    with pytest.raises(ConfigError, match="summary.json") as e:
+        make_run(tmp_path, resume="auto")
+    assert "train.resume=true" not in str(e.value)  # no checkpoint: resuming is not a way on
+
+
+def test_resume_true_needs_a_checkpoint_and_auto_resumes_only_when_there_is_one(tmp_path, caplog):
+    """train.resume=true with nothing to resume used to start from scratch with a warning (#29): it is
+    refused, naming the key, the directory and train.resume=auto, which resumes when it can."""
+    import logging
+
+    from rlhf.config import ConfigError
+    from rlhf.run.app import resolve_resume
+
+    root = tmp_path / "checkpoints"
+    for value in (True, "true", "True"):
+        with pytest.raises(ConfigError) as e:
+            resolve_resume(value, str(tmp_path))
+        assert str(e.value).startswith("train.resume=true: ") and str(root) in str(e.value)
+        assert "train.resume=auto" in str(e.value)
+    with caplog.at_level(logging.INFO, logger="rlhf"):
+        assert resolve_resume("auto", str(tmp_path)) is None
+    assert "train.resume=auto" in caplog.text and "starting fresh" in caplog.text
+    drive(make_run(tmp_path), FakeState(), [])  # checkpoints step 4 and 5 (keep_last_n=2)
+    assert resolve_resume("auto", str(tmp_path)) == resolve_resume(True, str(tmp_path)) == str(root / "step_0000005")
+    assert resolve_resume(False, str(tmp_path)) is None and resolve_resume("false", str(tmp_path)) is None
+    run = make_run(tmp_path, resume="auto")
+    assert run.resume_path == str(root / "step_0000005")
 
 
 def test_ranks_that_disagree_on_the_checkpoint_or_config_stop(monkeypatch):

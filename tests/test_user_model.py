@@ -374,3 +374,78 @@ def test_readme_own_model_commands_run(user_model, tmp_path):
         exec(snippet.replace('"runs/', f'"{tmp_path}/runs/'), {})
     printed = buf.getvalue().splitlines()
     assert printed[0].startswith("[") and printed[1].startswith("tensor(")
+
+
+# ----------------------------------------------------------------------------- issue #29: a model in the wrong place
+
+
+def test_a_reward_model_is_refused_where_a_causal_lm_is_needed(user_model, tmp_path):
+    """A *ForSequenceClassification directory (a reward stage's output) as the policy used to load as a causal
+    LM with a random LM head and train (#29): refused from its config.json / adapter_config.json, before any
+    weights load, naming the key; a model file instead of its directory is refused at validation."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf.config import ConfigError, ModelConfig
+    from rlhf.config.validate import validate_model
+    from rlhf.modeling.load import check_causal_lm, load_causal_lm, value_model_reason
+
+    rm = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(user_model, num_labels=1).save_pretrained(rm)
+    AutoTokenizer.from_pretrained(user_model).save_pretrained(rm)
+    (tmp_path / "stage" / "model").parent.mkdir()
+    os.symlink(rm, tmp_path / "stage" / "model")  # a stage's output_dir holding it
+    assert value_model_reason(str(user_model)) is None
+    assert "architectures ['OPTForSequenceClassification']" in value_model_reason(str(rm))
+    assert value_model_reason(str(tmp_path / "stage")) and value_model_reason("facebook/opt-125m") is None
+    with pytest.raises(ConfigError, match=r"^actor.model='.*rm' is a reward / value model \(.*config.json has "
+                                          r"architectures \['OPTForSequenceClassification'\]\), not a causal LM"):
+        check_causal_lm(str(rm), "actor")
+    (rm / "model.safetensors").unlink()  # no weights were needed to tell
+    for key, named in (("model", "model.name_or_path="), ("reference", "reference.model=")):
+        with pytest.raises(ConfigError, match=named):
+            load_causal_lm(ModelConfig(name_or_path=str(rm)), AutoTokenizer.from_pretrained(rm), seed=0, key=key)
+    # a file where a model directory belongs: a clear message, not a hub repo-id error
+    with pytest.raises(ConfigError, match=r"model.name_or_path='.*config.json' is a file: it must be a model "
+                                          "directory"):
+        validate_model(ModelConfig(name_or_path=str(user_model / "config.json")))
+
+
+def test_a_moved_adapter_chain_loads_and_a_missing_base_is_named(tmp_path):
+    """An adapter-only output (model.lora.merge_on_save=false) records its base by absolute path in
+    adapter_config.json (plain peft reads it) and relative to itself in adapter_base.json (read first): a runs
+    folder moved whole still loads; a copy elsewhere falls back to the absolute path; a base that is gone is a
+    ConfigError naming adapter_config.json and the path it records (#29)."""
+    import shutil
+
+    from rlhf.config import ConfigError, ModelConfig
+    from rlhf.modeling.load import adapter_chain, load_causal_lm, load_tokenizer
+
+    runs = tmp_path / "runs"
+    base = user_model_dir(runs)
+    run_stage("sft", f"output_dir={runs / 'sft'}", f"model.name_or_path={base}", *LORA, "train.max_steps=1",
+              *SFT[1:])
+    adapter = runs / "sft" / "model"
+    assert json.load(open(adapter / "adapter_config.json"))["base_model_name_or_path"] == str(base)  # for peft
+    assert json.load(open(adapter / "adapter_base.json"))["relative_path"] == "../../opt-user"
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = _logits(load_causal_lm(ModelConfig(name_or_path=str(runs / "sft")), load_tokenizer(
+        ModelConfig(name_or_path=str(runs / "sft"))), seed=0), ids)
+
+    def logits(path):
+        cfg = ModelConfig(name_or_path=str(path))
+        return _logits(load_causal_lm(cfg, load_tokenizer(cfg), seed=0), ids)
+
+    moved = tmp_path / "moved"
+    shutil.move(runs, moved)  # the whole runs folder: the absolute path is gone, the relative one holds
+    assert adapter_chain(str(moved / "sft" / "model")) == (str(moved / "opt-user"), [str(moved / "sft" / "model")])
+    torch.testing.assert_close(logits(moved / "sft"), want, rtol=0, atol=0)
+    copy = tmp_path / "elsewhere" / "deep"
+    shutil.copytree(moved / "sft", copy)  # the copy's relative path finds nothing: adapter_config.json's is used
+    base.parent.mkdir()
+    shutil.move(moved / "opt-user", base)  # the base back where adapter_config.json says
+    torch.testing.assert_close(logits(copy), want, rtol=0, atol=0)
+    shutil.rmtree(base)
+    with pytest.raises(ConfigError) as e:
+        logits(copy)
+    assert str(e.value).startswith(f"{copy / 'model' / 'adapter_config.json'} records base_model_name_or_path="
+                                   f"'{base}', which does not exist (nor '../../opt-user' relative to the adapter")

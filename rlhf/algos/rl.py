@@ -595,21 +595,25 @@ class AdvantageEstimator:
     needs_critic: bool
     token_rewards: bool  # reads x.rewards (so the KL penalty in the reward, ppo.kl_coef, reaches it)
     options: tuple[str, ...]  # extra keyword arguments it takes (see `build_experience`)
+    needs_group: bool = False  # a response against the others of its prompt: groups of one give advantage 0
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage(name: str, *, needs_critic: bool, token_rewards: bool = True, options: tuple[str, ...] = ()):
+def register_advantage(name: str, *, needs_critic: bool, token_rewards: bool = True, options: tuple[str, ...] = (),
+                       needs_group: bool = False):
     """Register `fn(x: AdvantageInputs, *, gamma, lam, **options) -> (advantages, returns | None)` as
     `name`. `token_rewards=False`: it reads only x.score (an outcome estimator), so a KL penalty in
     the reward would be ignored (the config then refuses ppo.kl_coef > 0). `options` names the
     keyword arguments besides gamma and lam it takes: `norm_by_std` (ppo.norm_by_std),
-    `all_reduce_sum` (a sum over every rank's tensors, identity in one process)."""
+    `all_reduce_sum` (a sum over every rank's tensors, identity in one process). `needs_group=True`:
+    a response's advantage is relative to the other responses to its prompt (x.group), so a group of
+    one has advantage 0 and nothing is learnt (the config then refuses rollout.n_samples_per_prompt=1)."""
     def deco(fn):
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_critic, token_rewards, tuple(options))
+        ADVANTAGE_ESTIMATORS[name] = AdvantageEstimator(fn, needs_critic, token_rewards, tuple(options), needs_group)
         return fn
     return deco
 
@@ -628,13 +632,13 @@ def gae(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[torch.Tensor, 
     return gae_advantages(x.rewards, x.values, x.mask, gamma, lam)
 
 
-@register_advantage("grpo", needs_critic=False, token_rewards=False, options=("norm_by_std",))
+@register_advantage("grpo", needs_critic=False, token_rewards=False, options=("norm_by_std",), needs_group=True)
 def grpo(x: AdvantageInputs, *, gamma: float, lam: float, norm_by_std: bool = True) -> tuple[torch.Tensor, None]:
     """GRPO (`grpo_advantages`); ppo.norm_by_std=false is Dr. GRPO."""
     return grpo_advantages(x.score, x.group, x.mask, norm_by_std=norm_by_std), None
 
 
-@register_advantage("rloo", needs_critic=False, token_rewards=False)
+@register_advantage("rloo", needs_critic=False, token_rewards=False, needs_group=True)
 def rloo(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[torch.Tensor, None]:
     """RLOO (`rloo_advantages`)."""
     return rloo_advantages(x.score, x.group, x.mask), None

@@ -126,11 +126,14 @@ def _as_phrase(sentence: str) -> str:
 # ----------------------------------------------------------------------------- command-line keys
 
 
-def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str) -> dict[str, str]:
+def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str, *,
+                    multirun: bool = False) -> dict[str, str]:
     """Raise ConfigError for an override naming a key that `schema` does not have (with `+` or
     without), suggesting the closest valid key, a value of the wrong type for its key (Hydra, which
-    composes onto the schema, would stop with its own report), or a config-group option that does
-    not exist; hydra.* passes through. Returns {override: rewritten} for keys below a dict-valued key
+    composes onto the schema, would stop with its own report), a config-group option that does
+    not exist, a sweep without `multirun` (`key=a,b`: Hydra's several-line "Ambiguous value"; a list is
+    `key=[a,b]`), or an `output_dir` that is a file (Hydra would fail making it its run directory);
+    hydra.* passes through. Returns {override: rewritten} for keys below a dict-valued key
     (`model.config.rope_theta=1e4` -> `++...`: set or add, as the dict's contents are the user's)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import OverrideParseException
@@ -147,6 +150,10 @@ def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str)
         name = o.key_or_group
         if name == "hydra" or name.startswith(("hydra.", "hydra/")) or o.package is not None:
             continue
+        if o.is_sweep_override() and not multirun:
+            _refuse_sweep(o, group=os.path.isdir(os.path.join(conf_dir, name)))
+        if name == "output_dir" and isinstance(o.value(), str):
+            check_output_dir(o.value())
         if os.path.isdir(os.path.join(conf_dir, name)):  # a config group choice: model=llama
             _check_option(o, conf_dir)
             continue
@@ -173,6 +180,38 @@ def check_overrides(overrides: list[str], schema: type, conf_dir: str, app: str)
             + f" (python -m {app} --help lists every key)"
         )
     return rewrites
+
+
+def _refuse_sweep(o: Any, group: bool) -> None:
+    """`model.lora.target_modules=q_proj,v_proj`: Hydra reads a comma as a sweep over values (runs with
+    --multirun), and without it stops with several lines; the intended list is `key=[q_proj,v_proj]`."""
+    from hydra.core.override_parser.types import ChoiceSweep
+
+    key, value = o.input_line.lstrip("+~").split("=", 1)
+    if group:
+        raise ConfigError(f"{o.input_line}: choose one option of the config group {key!r} (several are a sweep "
+                          "over runs, for --multirun)")
+    if isinstance(o.value(), ChoiceSweep) and o.value().simple_form:  # `a,b`, not `choice(a,b)`
+        raise ConfigError(f"{o.input_line}: a comma-separated value is a sweep over runs for Hydra (--multirun): "
+                          f"write {key}=[{value}] for a list, or {key}='{value}' for one string")
+    raise ConfigError(f"{o.input_line}: a sweep over runs needs --multirun; a stage runs one value per key")
+
+
+def check_output_dir(value: str, key: str = "output_dir") -> None:
+    """`output_dir` must be (or become) a directory: an existing file there, or above it, is an error
+    naming the key (Hydra makes it its run directory before the stage starts: a traceback)."""
+    if "${" in value:  # an interpolation, resolved by Hydra
+        return
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={value!r} is a file, not a directory: the run writes its outputs (config.yaml, "
+                          "metrics.jsonl, checkpoints/, model/) into a directory; choose another path")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{key}={value!r}: {parent} is a file, so no directory can be made below it; choose "
+                          "another path")
 
 
 def _check_not_below_interpolation(typed: Any, key: str, line: str) -> None:
@@ -226,6 +265,93 @@ def suggest(name: str, valid: list[str]) -> list[str]:
     if near:
         return best([k for k in valid if k.rsplit(".", 1)[-1] == near[0]])
     return difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+
+
+# ----------------------------------------------------------------------------- flags of other tools
+
+# TRL's and transformers' TrainingArguments flags (`--learning_rate 1e-5`) -> our keys: the first
+# candidate that the stage's schema has (PPO's policy is actor.*, the others' model.* and train.*).
+FOREIGN_FLAGS: dict[str, tuple[str, ...]] = {
+    "model_name_or_path": ("actor.model", "model.name_or_path"),
+    "output_dir": ("output_dir",),
+    "seed": ("seed",),
+    "dataset_name": ("data.path",),
+    "learning_rate": ("train.lr", "actor.lr"),
+    "num_train_epochs": ("train.epochs",),
+    "max_steps": ("train.max_steps",),
+    "per_device_train_batch_size": ("train.micro_batch_size", "rollout.micro_batch_size"),
+    "warmup_steps": ("train.warmup_steps", "actor.warmup_steps"),
+    "weight_decay": ("train.weight_decay", "actor.weight_decay"),
+    "lr_scheduler_type": ("train.scheduler", "actor.scheduler"),
+    "max_grad_norm": ("train.grad_clip", "actor.grad_clip"),
+    "logging_steps": ("train.log_every",),
+    "eval_steps": ("train.eval_every",),
+    "save_steps": ("train.save_every",),
+    "save_total_limit": ("train.keep_last_n",),
+    "resume_from_checkpoint": ("train.resume",),
+    "max_length": ("data.max_len",),
+    "max_seq_length": ("data.max_len",),
+    "max_prompt_length": ("data.max_prompt_len",),
+    "max_completion_length": ("rollout.max_new_tokens",),
+    "num_generations": ("rollout.n_samples_per_prompt",),
+    "temperature": ("rollout.temperature",),
+    "beta": ("dpo.beta", "ppo.kl_loss_coef"),
+    "loss_type": ("dpo.loss_type",),
+    "lora_r": ("model.lora.r",),
+    "lora_alpha": ("model.lora.alpha",),
+    "lora_dropout": ("model.lora.dropout",),
+    "lora_target_modules": ("model.lora.target_modules",),
+    "torch_dtype": ("model.dtype",),
+    "dtype": ("model.dtype",),
+    "attn_implementation": ("model.attn_implementation",),
+    "trust_remote_code": ("model.trust_remote_code",),
+    "gradient_checkpointing": ("engine.activation_checkpointing",),
+    "deepspeed": ("engine.ds_config",),
+}
+FOREIGN_SWITCHES = {"bf16": "engine.precision=bf16", "fp16": "engine.precision=fp16"}  # a fixed override
+FOREIGN_DERIVED = {"gradient_accumulation_steps": ("train.global_batch_size",
+                                                   "<train.micro_batch_size x {} x the number of ranks>")}
+
+
+def check_foreign_flags(argv: list[str], foreign: set[str], schema: type, app: str) -> None:
+    """Raise ConfigError for the words of `argv` named in `foreign` (flags that Hydra's parser does not
+    know, e.g. TRL's `--model_name_or_path X` or `--learning_rate=1e-5`, on which Hydra prints its usage
+    page): one line with the override to write instead, for the flags that have a key in this stage's
+    `schema`, and `key=value` with the --help pointer for the others. A flag's value is its `=value` or
+    the next word (unless that is a flag or an override); a flag without one is a switch (`true`)."""
+    keys = {k.path for k in schema_keys(schema) if k.group is None}
+    given, write, unknown = [], [], []
+    i = 0
+    while i < len(argv):
+        word, i = argv[i], i + 1
+        name, eq, value = word.partition("=")
+        if name not in foreign:
+            continue
+        if not eq and i < len(argv) and not argv[i].startswith("-") and "=" not in argv[i]:
+            value, i = argv[i], i + 1
+        given.append(f"{name}={value}" if eq else f"{name} {value}".strip())
+        bare = name.lstrip("-")
+        key = next((k for k in FOREIGN_FLAGS.get(bare, ()) if k in keys), None)
+        if bare in keys:  # one of ours, written as a flag: --train.lr=1e-5
+            key = bare
+        if key is not None:
+            write.append(f"{key}={value or 'true'}")
+        elif bare in FOREIGN_SWITCHES:
+            write.append(FOREIGN_SWITCHES[bare])
+        elif bare in FOREIGN_DERIVED and FOREIGN_DERIVED[bare][0] in keys:
+            k, form = FOREIGN_DERIVED[bare]
+            write.append(f"{k}={form.format(value or 'N')}")
+        else:
+            unknown.append(name)
+    if not given:
+        return
+    msg = f"{' '.join(given)}: python -m {app} takes Hydra overrides (key=value, no dashes), not flags: "
+    if write:
+        msg += "write " + " ".join(write)
+    if unknown:
+        msg += ("; for " if write else "for ") + ", ".join(unknown) + f" write key=value (python -m {app} --help " \
+               "lists the keys)"
+    raise ConfigError(msg)
 
 
 # ----------------------------------------------------------------------------- --help

@@ -149,7 +149,7 @@ class CadenceConfig:
     eval_every: int = 0  # steps between evaluations (0 = only before and after training)
     save_every: int = 0  # steps between sharded checkpoints and at the end (0 = none at all)
     keep_last_n: int = 2  # sharded checkpoints kept in output_dir/checkpoints (older ones deleted)
-    resume: Any = False  # false | true (latest in output_dir/checkpoints) | a checkpoint path
+    resume: Any = False  # false | true (continue from output_dir's latest checkpoint) | auto (if there is one) | a path
     overwrite: bool = False  # a fresh run into an output_dir holding a previous run replaces it (else: refused)
     max_consecutive_skips: int = 20  # non-finite steps in a row before the run stops with an error
 

@@ -87,6 +87,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
               f"{prefix}.config and {prefix}.tokenizer to build a model instead")
         return
     _need(m.name_or_path is not None or bool(m.config), f"{prefix}.name_or_path or {prefix}.config must be set")
+    check_model_path(m.name_or_path, f"{prefix}.name_or_path")
     _need(m.name_or_path is not None or "model_type" in m.config,
           f"{prefix}.config needs a model_type (e.g. llama) to build a model without {prefix}.name_or_path")
     _need(m.name_or_path is not None or m.tokenizer is not None,
@@ -104,6 +105,14 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         _need(lo.merge_on_save or m.name_or_path is not None,
               f"{prefix}.lora.merge_on_save=false saves only the adapter, which needs a base model on disk: "
               f"set {prefix}.name_or_path (a model built from {prefix}.config has none)")
+
+
+def check_model_path(path: str | None, key: str) -> None:
+    """A model is a directory (config.json, or an adapter's adapter_config.json) or a hub name, never a
+    file: a weights or config file named directly would fail later as a malformed hub repo id."""
+    _need(path is None or not os.path.isfile(os.path.expanduser(path)),
+          f"{key}={path!r} is a file: it must be a model directory (holding config.json, or an adapter's "
+          f"adapter_config.json), a stage's output_dir, or a hub name; name the directory that holds it")
 
 
 def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: bool = True) -> None:
@@ -165,7 +174,8 @@ def validate_cadence(t: CadenceConfig, prefix: str = "train") -> None:
         _need(getattr(t, key) >= 0, f"{prefix}.{key} must be >= 0, got {getattr(t, key)}")
     _need(t.log_every >= 1, f"{prefix}.log_every must be >= 1, got {t.log_every}")
     _need(t.max_consecutive_skips >= 1, f"{prefix}.max_consecutive_skips must be >= 1, got {t.max_consecutive_skips}")
-    _need(isinstance(t.resume, (bool, str)), f"{prefix}.resume must be true, false or a checkpoint path, got {t.resume!r}")
+    _need(isinstance(t.resume, (bool, str)),
+          f"{prefix}.resume must be true, false, auto or a checkpoint path, got {t.resume!r}")
 
 
 def validate_train(t: TrainConfig, world_size: int, prefix: str = "train") -> int:
@@ -267,9 +277,12 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     for key in ("actor", "critic"):
         group = getattr(cfg, key)
         _need(bool(group.model), f"{key}.model must be set (a HF directory, hub name or a stage's output_dir)")
+        check_model_path(group.model, f"{key}.model")
         validate_model(dataclasses_replace(cfg.model, name_or_path=group.model, lora=group.lora,
                                            fallback_to_config=False), prefix=key)
         check_optim(group, prefix=key)
+    for key in ("reference", "reward_model"):
+        check_model_path(getattr(cfg, key).model, f"{key}.model")
     validate_data(cfg.data, needs_response=False)
     validate_logger(cfg.logger)
     validate_generation(cfg.eval, "eval")
@@ -306,6 +319,11 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     w = info.world_size
     for key in ("prompts_per_step", "n_samples_per_prompt", "mini_batch_size", "micro_batch_size"):
         _need(getattr(r, key) >= 1, f"rollout.{key} must be >= 1, got {getattr(r, key)}")
+    if est.needs_group:  # a group of one is its own baseline: advantage 0, actor_loss 0 every step
+        _need(r.n_samples_per_prompt >= 2, f"ppo.advantage_estimator={p.advantage_estimator} scores each response "
+              "against the others of its prompt, so with one response per prompt every advantage is 0 and nothing "
+              f"is learnt: it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt} (algorithm="
+              f"{p.advantage_estimator} sets 8)")
     if p.dynamic_sampling:
         _need(r.n_samples_per_prompt >= 2, "ppo.dynamic_sampling drops prompt groups whose scores are all equal: "
               f"it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")

@@ -39,7 +39,13 @@ def load_rows(source: str, split: str = "train", cache_dir: str | None = None, k
             "files, a directory of them, or a datasets hub name"
         )
     if path.is_dir():
-        kinds = sorted({f.suffix.lower() for f in path.rglob("*") if f.is_file() and f.suffix.lower() in SUPPORTED_EXTENSIONS})
+        files = sorted(f for f in path.rglob("*") if f.is_file())
+        kinds = sorted({f.suffix.lower() for f in files if f.suffix.lower() in SUPPORTED_EXTENSIONS})
+        if not kinds:  # datasets.load_dataset(dir) would read .txt lines (or .csv rows) as rows of another shape
+            names = [str(f.relative_to(path)) for f in files]
+            held = f"it holds {_some(names)}" if names else "it is empty"
+            raise DataFormatError(f"{path}: no {', '.join(SUPPORTED_EXTENSIONS[:-1])} or {SUPPORTED_EXTENSIONS[-1]} "
+                                  f"file in this directory ({held}): name a data file, or a directory of them")
         if len(kinds) > 1:  # datasets.load_dataset(dir) would read one kind and silently drop the others
             raise DataFormatError(f"{path}: a directory of mixed formats ({', '.join(kinds)}): keep one kind of "
                                   "file in it, or name a single file")
@@ -64,6 +70,11 @@ def write_rows(path: str, rows: Sequence[Row]) -> str:
         f.writelines(json.dumps(r.data, ensure_ascii=False, default=str) + "\n" for r in rows)
     os.replace(tmp, path)
     return path
+
+
+def _some(names: list[str], n: int = 8) -> str:
+    """"a, b and 3 more": the first `n` names."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def _read_jsonl(path: Path) -> list[Row]:

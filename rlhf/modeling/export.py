@@ -18,7 +18,7 @@ from torch import nn
 
 from engine import TORCH_DTYPES, atomic_directory
 from rlhf.config import ModelConfig
-from rlhf.modeling.load import MODEL_SUBDIR
+from rlhf.modeling.load import ADAPTER_BASE_FILE, MODEL_SUBDIR
 
 logger = logging.getLogger(__name__)
 
@@ -108,18 +108,21 @@ def export_hf(
     *,
     add_bos: bool = True,
     atomic: bool = True,
+    final_dir: str | None = None,
 ) -> str:
     """Write a consolidated state dict as a Hugging Face directory, atomically; returns out_dir.
 
     `state_dict`: clean names of `like` (the unwrapped training module, possibly a peft model), as
     `engine.full_state_dict()` returns on rank 0. LoRA: merged into the base weights
-    (`lora.merge_on_save`) or saved as a peft adapter naming its base by absolute path (a stage's
-    merged adapter input, when there was one: see `_merge_adapter`). Weights are cast to
-    `cfg.save_dtype`. The tokenizer is saved so that it encodes as training did (`export_tokenizer`;
-    `add_bos` = the run's `data.add_bos`); a merged value model's pads with a token other than eos
-    (`scoring_pad`), so that transformers' sequence classification scores as the run does.
-    `atomic=False`: into `out_dir` as is (a temporary directory of `engine.atomic_directories`, which
-    publishes several exports together).
+    (`lora.merge_on_save`) or saved as a peft adapter naming its base (a stage's merged adapter
+    input, when there was one: see `_merge_adapter`): by absolute path in adapter_config.json, for
+    plain peft, and relative to the adapter in adapter_base.json, which our loader reads first
+    (`_record_adapter_base`). Weights are cast to `cfg.save_dtype`. The tokenizer is saved so that it
+    encodes as training did (`export_tokenizer`; `add_bos` = the run's `data.add_bos`); a merged value
+    model's pads with a token other than eos (`scoring_pad`), so that transformers' sequence
+    classification scores as the run does. `atomic=False`: into `out_dir` as is (a temporary directory
+    of `engine.atomic_directories`, which publishes several exports together; `final_dir` is then the
+    directory it becomes, which relative paths start from).
     """
     dtype = TORCH_DTYPES[cfg.save_dtype]
     peft_cfg = getattr(like, "peft_config", None)
@@ -157,20 +160,29 @@ def export_hf(
         skeleton.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if peft_cfg and not cfg.lora.merge_on_save:
-            _absolute_adapter_base(tmp)
+            _record_adapter_base(tmp, final_dir or out_dir)
         for name, text in (extra_files or {}).items():
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
     return out_dir
 
 
-def _absolute_adapter_base(adapter_dir: str) -> None:
-    """A local base path in adapter_config.json made absolute, so the adapter loads from any cwd."""
+def _record_adapter_base(adapter_dir: str, final_dir: str) -> None:
+    """A local base path made absolute in adapter_config.json, so that plain peft loads the adapter from
+    any working directory, and written relative to the adapter's `final_dir` in adapter_base.json (read
+    first by rlhf/modeling/load.py), so that a runs folder moved or copied whole keeps its chain. A hub
+    name is left as it is (no adapter_base.json)."""
     path = os.path.join(adapter_dir, "adapter_config.json")
     with open(path) as f:
         meta = json.load(f)
     base = meta.get("base_model_name_or_path")
-    if base and os.path.exists(base):
-        meta["base_model_name_or_path"] = os.path.abspath(base)
-        with open(path, "w") as f:
-            json.dump(meta, f, indent=2)
+    if not (base and os.path.exists(base)):
+        return
+    meta["base_model_name_or_path"] = os.path.abspath(base)
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=2)
+    relative = os.path.relpath(os.path.abspath(base), os.path.abspath(final_dir))
+    with open(os.path.join(adapter_dir, ADAPTER_BASE_FILE), "w") as f:
+        json.dump({"relative_path": relative, "note": "the base model relative to this directory (read before "
+                                                      "adapter_config.json's absolute base_model_name_or_path)"},
+                  f, indent=2)

@@ -24,7 +24,7 @@ from torch import nn
 from engine import TORCH_DTYPES, hf_base_model
 from rlhf.config import ModelConfig
 from rlhf.core.errors import ConfigError
-from rlhf.core.hub import check_local, ensure_hub
+from rlhf.core.hub import check_local, ensure_hub, looks_local
 from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES
 
 logger = logging.getLogger(__name__)
@@ -117,12 +117,69 @@ def check_context(model: nn.Module, length: int, what: str) -> None:
                           "lower it, or use a model with a longer context")
 
 
+# Beside adapter_config.json (which keeps the absolute base path that plain peft reads): the base as a
+# path relative to the adapter's directory, so that a runs folder moved or copied whole still loads.
+ADAPTER_BASE_FILE = "adapter_base.json"
+
+
 def _adapter_base(path: str) -> str:
-    with open(os.path.join(path, "adapter_config.json")) as f:
+    """The base model of the adapter directory `path`: adapter_base.json's path relative to `path` when
+    it exists there (written by our exports), else adapter_config.json's base_model_name_or_path (an
+    absolute path, a path relative to the working directory as peft reads it, or a hub name). A local
+    base that exists nowhere is a ConfigError naming adapter_config.json and the path it records."""
+    config = os.path.join(path, "adapter_config.json")
+    with open(config) as f:
         base = json.load(f).get("base_model_name_or_path")
     if not base:
-        raise ConfigError(f"{path}: adapter_config.json names no base_model_name_or_path")
-    return base
+        raise ConfigError(f"{config} names no base_model_name_or_path")
+    relative = None
+    if os.path.exists(os.path.join(path, ADAPTER_BASE_FILE)):
+        with open(os.path.join(path, ADAPTER_BASE_FILE)) as f:
+            relative = json.load(f).get("relative_path")
+        if relative and os.path.exists(os.path.join(path, relative)):
+            return os.path.normpath(os.path.join(os.path.abspath(path), relative))
+    if os.path.exists(os.path.expanduser(base)) or not (looks_local(base) or relative):
+        return base  # where it was, or a hub name
+    also = f" (nor {relative!r} relative to the adapter, from {ADAPTER_BASE_FILE})" if relative else ""
+    raise ConfigError(f"{config} records base_model_name_or_path={base!r}, which does not exist{also}: the adapter's "
+                      "base model was moved or deleted; put it back, or set base_model_name_or_path there to where "
+                      "it is now")
+
+
+def _path_key(key: str) -> str:
+    """The config key of a model role's path: actor -> actor.model (PPO's roles), model -> model.name_or_path."""
+    return f"{key}.model" if key in ("actor", "critic", "reference", "reward_model") else f"{key}.name_or_path"
+
+
+def value_model_reason(path: str) -> str | None:
+    """Why the local model directory `path` (or a stage's output_dir) is a reward / value model rather
+    than a causal LM, read from its files before any weights load: its outermost adapter's task_type is
+    SEQ_CLS, or its config.json's architectures name a *ForSequenceClassification. None otherwise (and
+    for what cannot be read here: a hub name, a directory without a model)."""
+    if not os.path.isdir(path):
+        return None
+    path = resolve_model_path(path, require_model=False)
+    if _is_adapter(path):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            task = json.load(f).get("task_type")
+        return f"{path}/adapter_config.json has task_type {task!r}" if task == "SEQ_CLS" else None
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return None
+    with open(os.path.join(path, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    if any(a.endswith("ForSequenceClassification") for a in archs):
+        return f"{path}/config.json has architectures {archs}"
+    return None
+
+
+def check_causal_lm(path: str | None, key: str) -> None:
+    """A policy (SFT, DPO, PPO's actor and reference) must be a causal LM: a reward model's directory would
+    load as one with a random LM head, and train or score as if nothing were wrong."""
+    why = value_model_reason(path) if path else None
+    if why:
+        k = _path_key(key)
+        raise ConfigError(f"{k}={path!r} is a reward / value model ({why}), not a causal LM: {k} must be a "
+                          "policy, e.g. the SFT stage's output_dir or a *ForCausalLM model")
 
 
 # ----------------------------------------------------------------------------- models
@@ -264,6 +321,7 @@ def load_causal_lm(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model",
     """A causal LM (fp32 unless `cfg.dtype` says otherwise), with LoRA applied when configured."""
     from transformers import AutoModelForCausalLM
 
+    check_causal_lm(cfg.name_or_path, key)  # before any weights load (a path that does not exist passes)
     model = _build(cfg, tok, AutoModelForCausalLM, {}, key, seed)
     model.config.pad_token_id = tok.pad_token_id
     return apply_lora(model, cfg, key, seed) if lora else model

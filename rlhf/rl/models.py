@@ -131,8 +131,9 @@ class Models:
                 (critic_sd, self.critic and self.critic.inner, "critic", model_cfg(cfg, cfg.critic.model, cfg.critic.lora)),
                 (ema_sd, self.actor.inner, "model_ema", actor_cfg)) if sd is not None]
             with atomic_directories(*(os.path.join(cfg.output_dir, e[2]) for e in exports)) as tmps:
-                for tmp, (sd, like, _, mcfg) in zip(tmps, exports):
-                    export_hf(sd, like, tok, tmp, mcfg, add_bos=cfg.data.add_bos, atomic=False)
+                for tmp, (sd, like, name, mcfg) in zip(tmps, exports):
+                    export_hf(sd, like, tok, tmp, mcfg, add_bos=cfg.data.add_bos, atomic=False,
+                              final_dir=os.path.join(cfg.output_dir, name))
         return os.path.join(cfg.output_dir, MODEL_SUBDIR)
 
     def load_checkpoint(self, path: str) -> dict:

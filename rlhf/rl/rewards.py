@@ -18,18 +18,29 @@ the source was built with. The sources (`reward.sources`, weights `reward.weight
     answer    exact match with the row's `answer` field after `normalize_answer` (surrounding
               whitespace stripped, inner runs of whitespace collapsed to one space; case is kept,
               since it can be the task: "Uppercase kqzt." -> "KQZT"); every prompt row needs `answer`
-    function  `reward.function=module:function`, called once per response as
-              `fn(prompt: str, response: str, row: dict) -> float`, where `response` is the decoded
-              response (special tokens dropped) and `row` the prompt row's fields: `prompt`, `answer`
-              (when the row has one) and its other scalar fields (e.g. `task`)
+    function  `reward.function=module:function` (`FunctionReward`), called in one of two ways, told
+              apart by its signature (`calling_convention`):
+              per row: `fn(prompt: str, response: str, row: dict) -> float`, once per response, where
+                `response` is the decoded response (special tokens dropped) and `row` the prompt row's
+                fields: `prompt`, `answer` (when the row has one) and its other scalar fields (`task`);
+              batched, TRL's reward-function convention (a parameter named `completions`, or only
+                `**kwargs`): `fn(prompts=[...], completions=[...], completion_ids=[...], **columns)
+                -> list[float]`, once per step over this rank's responses, each of the prompt rows'
+                other fields passed as a keyword list (`answer=[...]`, `task=[...]`; None where a row
+                lacks it); only the keywords it names, unless it takes **kwargs
 
 A function that raises, or returns something that is not a finite number, is an error for that row
-only: its score is NaN, so `mask_nonfinite` drops the row from the step's update, and the step logs
-one WARN line naming the function, the count and the first exception (`errors`, `first_error`).
-Several sources give `sum_k weights[k] * score_k` (a NaN in any one drops the row).
+(batched: a call that raises, or returns other than one number per completion, fails all its rows):
+its score is NaN, so `mask_nonfinite` drops the row from the step's update, and the step logs one
+WARN line naming the function, the count and the first exception (`errors`, `first_error`). Before
+any model loads, `check_function` calls it on the first prompt rows: one that fits neither
+signature, or fails on every one of them, stops the run (ConfigError naming reward.function) rather
+than training on nothing but dropped rows. Several sources give `sum_k weights[k] * score_k` (a NaN in
+any one drops the row).
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -176,17 +187,136 @@ class TextReward:
 
     def _call(self, prompt: str, response: str, row: dict) -> float:
         try:
-            value = self.fn(prompt, response, dict(row))  # a copy: the function may not change the table
-            if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):  # numbers, bools, 0-d tensors
-                raise TypeError(f"returned {type(value).__name__} {value!r}, not a number")
-            if not math.isfinite(float(value)):
-                raise ValueError(f"returned {float(value)}")
-            return float(value)
+            return as_score(self.fn(prompt, response, dict(row)))  # a copy: the function may not change the table
         except Exception as e:
-            self.errors += 1
-            if self.first_error is None:
-                self.first_error = f"{self.name}: {type(e).__name__}: {e} (prompt {prompt!r}, response {response!r})"
-            return math.nan
+            return self._fail(e, prompt, response)
+
+    def _fail(self, e: Exception, prompt: str, response: str, rows: int = 1) -> float:
+        """`rows` rows failed with `e`: counted, the first kept (on one line); their score is NaN."""
+        self.errors += rows
+        if self.first_error is None:
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            self.first_error = f"{self.name}: {why} (prompt {prompt!r}, response {response!r})"
+        return math.nan
+
+
+def as_score(value: Any) -> float:
+    """A reward function's result as a finite float: numbers, bools and 0-d tensors; else TypeError (a
+    string, None, a list) or ValueError (NaN, inf), naming what was returned."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"returned {type(value).__name__} {value!r:.80}, not a number")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"returned {float(value)}")
+    return float(value)
+
+
+PER_ROW, BATCHED = "per row", "batched"
+CONVENTIONS = ("fn(prompt, response, row) -> float, called once per response, or TRL's batched "
+               "fn(prompts, completions, **kwargs) -> list[float] (keyword lists; a parameter named `completions`)")
+
+
+def calling_convention(fn: Callable, spec: str) -> str:
+    """PER_ROW or BATCHED, from `fn`'s signature: a parameter named `completions`, or only keyword
+    parameters (`**kwargs`), is TRL's batched call; one that takes (prompt, response, row) positionally
+    is called per row (also a callable without a readable signature, as always). ConfigError naming
+    reward.function for a signature that fits neither."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return PER_ROW
+    params = sig.parameters.values()
+    if "completions" in sig.parameters:
+        return BATCHED
+    try:
+        sig.bind("prompt", "response", {})
+        return PER_ROW
+    except TypeError:
+        pass
+    if any(p.kind is p.VAR_KEYWORD for p in params) and not any(
+            p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        return BATCHED
+    raise ConfigError(f"reward.function={spec}: its signature {sig} fits neither way a reward function is called: "
+                      f"{CONVENTIONS}")
+
+
+class FunctionReward(TextReward):
+    """`reward.function`: the user's function, per row or batched (`calling_convention`), guarded: a
+    failure is NaN for its rows, counted (see TextReward)."""
+
+    def __init__(self, spec: str, fn: Callable, tokenizer: Any, rows: Sequence[dict]):
+        super().__init__(spec, fn, tokenizer, rows, guarded=True)
+        self.convention = calling_convention(fn, spec)
+        sig = None if self.convention == PER_ROW else inspect.signature(fn)
+        self.accepts = None if sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) else \
+            set(sig.parameters)  # the keywords it names (None: all, it takes **kwargs)
+
+    def score(self, rollout) -> torch.Tensor:
+        self.errors, self.first_error = 0, None
+        rows = [self.rows[g] for g in rollout.group.tolist()]
+        ids = [] if self.convention == PER_ROW else [
+            r[m.bool()].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+        out = self.call(rows, self.texts(rollout), ids)
+        return torch.tensor(out, dtype=torch.float32, device=rollout.sequences.device)
+
+    def call(self, rows: Sequence[dict], responses: Sequence[str], ids: Sequence[list[int]]) -> list[float]:
+        """One score per (prompt row, response): NaN where the function failed (counted in `errors`)."""
+        if self.convention == PER_ROW:
+            return [self._call(row["prompt"], response, row) for row, response in zip(rows, responses)]
+        kwargs = batched_kwargs(rows, responses, ids)
+        if self.accepts is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.accepts}
+        n = len(rows)
+        try:
+            out = self.fn(**kwargs)
+            if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__"):
+                raise TypeError(f"returned {type(out).__name__} {out!r:.80}, not a list of {n} numbers")
+            if len(out) != n:
+                raise ValueError(f"returned {len(out)} scores for {n} completions")
+        except Exception as e:
+            self._fail(e, rows[0]["prompt"], responses[0], rows=n)
+            return [math.nan] * n
+        scores = []
+        for row, response, value in zip(rows, responses, list(out)):
+            try:
+                scores.append(as_score(value))
+            except Exception as e:
+                scores.append(self._fail(e, row["prompt"], response))
+        return scores
+
+
+def batched_kwargs(rows: Sequence[dict], responses: Sequence[str], ids: Sequence[list[int]]) -> dict[str, list]:
+    """TRL's keyword lists for a batched reward function: prompts, completions, completion_ids, and
+    every other field of the prompt rows (None where a row lacks it)."""
+    kwargs: dict[str, list] = {"prompts": [r["prompt"] for r in rows], "completions": list(responses),
+                               "completion_ids": [list(i) for i in ids]}
+    for column in sorted({k for r in rows for k in r} - {"prompt"}):
+        kwargs.setdefault(column, [r.get(column) for r in rows])
+    return kwargs
+
+
+PROBE_ROWS = 8
+
+
+def check_function(cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict], where: str) -> None:
+    """Call reward.function on the first PROBE_ROWS prompt rows (from `where`, e.g. "data.path=..."), each
+    with its `answer` as the response (else an empty one), before any model loads: ConfigError naming
+    reward.function when its signature fits neither convention, or it scores none of them (it raises,
+    returns a non-number, NaN, or, batched, not one number per completion). A function that fails on
+    some rows only runs, those rows counted as errors each step."""
+    source = FunctionReward(cfg.function, load_function(cfg.function), tokenizer, rows)
+    probe = list(rows[:PROBE_ROWS])
+    if not probe:
+        return
+    responses = [str(r["answer"]) if r.get("answer") is not None else "" for r in probe]
+    ids = [] if source.convention == PER_ROW else [
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in responses]
+    scores = source.call(probe, responses, ids)
+    if all(math.isnan(x) for x in scores):
+        how = "fn(prompt, response, row)" if source.convention == PER_ROW else \
+            "fn(prompts=[...], completions=[...], **columns)"
+        raise ConfigError(f"reward.function={cfg.function}: called as {how} on the first {len(probe)} prompt rows "
+                          f"of {where} (the row's answer, else '', as the response), it scored none of them: "
+                          f"{source.first_error.removeprefix(source.name + ': ')}")
 
 
 class WeightedSum:
@@ -220,7 +350,7 @@ def build(cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict],
         "model": lambda: reward_model,
         "judge": lambda: TextReward("judge", judge_reward, tokenizer, rows),
         "answer": lambda: TextReward("answer", answer_reward, tokenizer, rows),
-        "function": lambda: TextReward(cfg.function, load_function(cfg.function), tokenizer, rows, guarded=True),
+        "function": lambda: FunctionReward(cfg.function, load_function(cfg.function), tokenizer, rows),
     }
     if ("model" in cfg.sources) != (reward_model is not None):
         raise ValueError("build() needs the reward model's source exactly when 'model' is a source")

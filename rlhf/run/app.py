@@ -55,15 +55,21 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
     checked (rlhf/core/hub.py), then `run` gets the config. Around Hydra: `--help` lists every key of
     `schema` with its current value and description (rlhf/config/cli.py); an override naming a key that
     `schema` lacks (`train.lrr=1`, `+train.lrr=1`) stops with exit code 2 and the closest valid key,
-    before Hydra would suggest `+key` or merge it; `--cfg` prints values resolved (no `${root:...}`).
+    before Hydra would suggest `+key` or merge it; so do a flag Hydra does not know (TRL's
+    `--learning_rate 1e-5`: the override to write instead), a comma list without brackets and an
+    output_dir that is a file; `--cfg` prints values resolved (no `${root:...}`).
     """
     module = _stage_module(run)
-    args = get_args_parser().parse_args(sys.argv[1:])
+    parser = get_args_parser()
+    with user_errors():  # `--learning_rate 1e-5` (TRL's habit): the override to write, not Hydra's usage page
+        foreign = {w.partition("=")[0] for w in parser.parse_known_args(sys.argv[1:])[1] if w.startswith("-")}
+        cli.check_foreign_flags(sys.argv[1:], foreign, schema, module)
+    args = parser.parse_args(sys.argv[1:])
     with user_errors():
         if args.help:
             print(_help_page(args.config_name or config_name, schema, module, args.overrides, run), end="")
             return
-        rewrites = cli.check_overrides(args.overrides, schema, CONF_DIR, module)
+        rewrites = cli.check_overrides(args.overrides, schema, CONF_DIR, module, multirun=args.multirun)
         ds_args, ds_report = _ds_config(args.overrides, schema, module)
     sys.argv[1:] = [rewrites.get(a, a) for a in sys.argv[1:]]
     if ds_args:  # before the user's first override, so that the command line wins
@@ -163,15 +169,22 @@ def checkpoint_root(output_dir: str) -> str:
 
 
 def resolve_resume(resume: bool | str, output_dir: str, key: str = "train.resume") -> str | None:
-    """`false` -> None; `true` -> the latest complete checkpoint (None, with a warning, if there is
-    none); a path -> that checkpoint, which must be complete."""
-    if resume is False or (isinstance(resume, str) and resume.lower() in ("false", "")):
+    """The checkpoint a run continues from, or None for a fresh start: `false` -> None; `true` -> the
+    latest complete checkpoint in output_dir/checkpoints, which must exist (a ConfigError naming `auto`
+    otherwise: "continue" with nothing to continue is a mistake, not a fresh run); `auto` -> that
+    checkpoint if there is one, else None (logged); a path -> that checkpoint, which must be complete."""
+    word = resume.lower() if isinstance(resume, str) else resume
+    if word in (False, "false", ""):
         return None
-    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
-        path = latest_checkpoint(checkpoint_root(output_dir))
-        if path is None:
-            logger.warning("%s=true but %s holds no complete checkpoint: starting from scratch",
-                           key, checkpoint_root(output_dir))
+    if word in (True, "true", "auto"):
+        root = checkpoint_root(output_dir)
+        path = latest_checkpoint(root)
+        if path is None and word == "auto":
+            logger.info("%s=auto: %s holds no complete checkpoint: starting fresh", key, root)
+        elif path is None:
+            raise ConfigError(f"{key}=true: {root} holds no complete checkpoint to continue from (checkpoints are "
+                              f"written every train.save_every steps and at the end); {key}=auto resumes when there "
+                              f"is one and starts fresh otherwise, {key}=false starts fresh")
         return path
     if not os.path.isfile(os.path.join(resume, META)):
         raise ConfigError(f"{key}={resume!r} is not a complete checkpoint directory (no {META})")
@@ -188,14 +201,15 @@ def replace_previous_run(output_dir: str, overwrite: bool, is_main: bool) -> Non
     an error naming the two ways on (nothing is deleted), or with `overwrite` are removed first (so
     `resume=true` later, or the next stage, never picks up a different run's state or model)."""
     root = checkpoint_root(output_dir)
-    found = [f"checkpoints/{os.path.basename(c)}" for c in list_checkpoints(root)[-1:]]
-    found += [f for f in PREVIOUS_OUTPUTS if os.path.exists(os.path.join(output_dir, f))]
+    checkpoints = [f"checkpoints/{os.path.basename(c)}" for c in list_checkpoints(root)[-1:]]
+    found = checkpoints + [f for f in PREVIOUS_OUTPUTS if os.path.exists(os.path.join(output_dir, f))]
     if not found:
         return
     if not overwrite:
+        resume = "train.resume=true continues it from its last checkpoint, " if checkpoints else ""
         raise ConfigError(
-            f"output_dir={output_dir} holds a previous run ({', '.join(found)}): train.resume=true continues it "
-            "from its last checkpoint, train.overwrite=true deletes it and starts afresh, or choose another output_dir"
+            f"output_dir={output_dir} holds a previous run ({', '.join(found)}): {resume}train.overwrite=true "
+            "deletes it and starts afresh, or choose another output_dir"
         )
     if is_main:
         logger.warning("train.overwrite=true: removing the previous run in %s (%s)", output_dir, ", ".join(found))

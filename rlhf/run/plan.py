@@ -9,7 +9,8 @@ FSDP shards). Every other key is the stage's own (`python -m rlhf.<stage> --help
 or no budget), 1 (does not fit), 2 (a bad input: one line naming it).
 
 Each model is built on the meta device from its config alone (a local HF or stage output directory's
-config.json, or model.config), so parameter counts are exact, and parameter / gradient / optimizer
+config.json, which is all the directory needs to hold: no weights, no tokenizer; or model.config, whose
+vocabulary comes from the tokenizer), so parameter counts are exact, and parameter / gradient / optimizer
 bytes are the engine's layout exactly (engine.memory.planned_bytes: what a run's memory report logs
 at its first step). The rest are estimates, with b rows per micro-batch, s tokens, h hidden, i MLP
 width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute dtype (2 or 4):
@@ -35,7 +36,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -87,15 +90,18 @@ class Arch:
 _MEMO: dict[str, object] = {}  # models and tokenizers: re-planning a changed engine / batch config builds none again
 
 
-def build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
-    """`mcfg` (a ModelConfig) built on the meta device: no weights read, exact parameter shapes."""
+def build_arch(mcfg, tok: Callable[[], Any], key: str, *, value: bool, lora: bool) -> Arch:
+    """`mcfg` (a ModelConfig) built on the meta device: no weights read, exact parameter shapes. `tok()`
+    gives the tokenizer, asked for only by a model built from `mcfg.config` (its vocabulary size and
+    special ids); a model directory's config.json has its own, so a directory holding only config.json
+    is planned without a tokenizer."""
     memo = repr((mcfg, key, value, lora))
     if memo not in _MEMO:
         _MEMO[memo] = _build_arch(mcfg, tok, key, value=value, lora=lora)
     return _MEMO[memo]
 
 
-def _build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
+def _build_arch(mcfg, tok: Callable[[], Any], key: str, *, value: bool, lora: bool) -> Arch:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = mcfg.name_or_path
@@ -107,7 +113,7 @@ def _build_arch(mcfg, tok, key: str, *, value: bool, lora: bool) -> Arch:
         except (OSError, ValueError) as e:
             raise ConfigError(f"{key}.name_or_path={path!r}: cannot read a model config ({e})") from None
     else:
-        kw = from_config_kwargs(mcfg, tok)
+        kw = from_config_kwargs(mcfg, tok())
         hf = AutoConfig.for_model(kw.pop("model_type"), **kw)
     if value:
         hf.num_labels = 1
@@ -150,7 +156,7 @@ class Role:
 def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
     """The models a `stage` run holds, and (generation rows per rank, generation length) for PPO."""
     if stage != "ppo":
-        tok = _tokenizer(cfg.model, "model")
+        tok = lambda: _tokenizer(cfg.model, "model")  # noqa: E731 (only a model built from model.config asks)
         rows = cfg.train.micro_batch_size * (1 if stage == "sft" else 2)  # chosen + rejected in one forward
         arch = build_arch(cfg.model, tok, "model", value=stage == "reward", lora=True)
         out = [Role("model", arch, True, cfg.engine.offload, rows, cfg.data.max_len, stage != "reward")]
@@ -162,7 +168,7 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
     r, est = cfg.rollout, ADVANTAGE_ESTIMATORS.get(cfg.ppo.advantage_estimator)
     if est is None:
         raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} is not registered")
-    tok = _tokenizer(model_cfg(cfg, cfg.actor.model), "actor")
+    tok = lambda: _tokenizer(model_cfg(cfg, cfg.actor.model), "actor")  # noqa: E731
     seq = cfg.data.max_prompt_len + r.max_new_tokens
     unused = unused_sources(cfg)
     wanted = [("actor", cfg.actor.model, cfg.actor.lora, True, False, False),
