@@ -182,6 +182,21 @@ def test_pairs_hh_multi_turn():
     assert p.prompt == shared
 
 
+def test_ultrafeedback_binarized_rows_are_pairs_of_conversations(tmp_path, tok):
+    """HuggingFaceH4/ultrafeedback_binarized's shape: a `prompt` string beside `chosen`/`rejected` message
+    lists (and `messages`, scores, ids): the pair is the shared conversation + each final answer."""
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    row = {"prompt": "What is 2+2?", "prompt_id": "a1", "score_chosen": 8.0, "score_rejected": 3.0,
+           "chosen": conv + [{"role": "assistant", "content": "4"}],
+           "rejected": conv + [{"role": "assistant", "content": "5, I think"}],
+           "messages": conv + [{"role": "assistant", "content": "4"}]}
+    path = tmp_path / "uf.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    [ex] = parse_pairs(load_rows(str(path)), tok)
+    assert ex.prompt == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert (ex.chosen.strip(), ex.rejected.strip()) == ("4", "5, I think") and ex.origin.endswith("uf.jsonl:1")
+
+
 def test_pairs_hh_differing_prefixes_is_an_error():
     with pytest.raises(DataFormatError, match=r"f\.jsonl:2: 'chosen' and 'rejected' differ before their last"):
         parse_pairs(rows(
