@@ -173,7 +173,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     pad, mb = tok.pad_token_id, cfg.train.micro_batch_size
     data = stage_data(d, cfg.train, cfg.seed, tok, 1, "DPO")  # the reward stage's pairs and data_split share
     held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
-    prompts, gold = gold_set(d, tok)
+    prompts, gold = gold_set(d, tok, cfg.eval)
 
     # ---- policy (+ reference) and engines
     model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels)

@@ -33,14 +33,13 @@ from typing import Any
 import torch
 
 from engine import OptimConfig, TrainEngine, hf_base_model, init_distributed
-from rlhf.config import DataConfig, EvaluateConfig, ModelConfig
+from rlhf.config import DataConfig, EvaluateConfig, GenerationConfig, ModelConfig
 from rlhf.config.validate import engine_config, validate_evaluate
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
-from rlhf.core.task import judge
 from rlhf.data import load_rows, parse_pairs, parse_sft, tokenize_pairs, tokenize_sft
 from rlhf.data.stage import held_out_line, held_out_source, stage_rows
-from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, load_eval_prompts
+from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, judged, load_eval_prompts
 from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path, value_model_reason
@@ -80,14 +79,16 @@ def held_out_rows(d: DataConfig, stage: int) -> tuple[list, str | None]:
     return stage_rows(d, stage=stage)[1], held_out_source(d, stage)
 
 
-def scorable(prompts: Sequence[EvalPrompt], key: str) -> None:
-    """Error when no prompt can be scored (no `answer` field and not a default-task prompt); a warning
-    when some cannot (the gold score is then the mean over those that can, as in the stages)."""
-    unscored = [p for p in prompts if judge(p.text, "", p.answer) is None]
+def scorable(prompts: Sequence[EvalPrompt], key: str, g: GenerationConfig) -> None:
+    """Error when no prompt can be scored (no eval.judge, no `answer` field and not a default-task
+    prompt); a warning when some cannot (the gold score is then the mean over those that can, as in
+    the stages)."""
+    scored = {id(p) for p in judged(prompts, g)}
+    unscored = [p for p in prompts if id(p) not in scored]
     if prompts and len(unscored) == len(prompts):
         raise ConfigError(f"{key}: none of its {len(prompts)} prompts can be scored: give each an `answer` "
-                          "field (exact match) or use the default task's prompts (the gold judge), or set "
-                          f"{key}=null to measure perplexity only")
+                          "field (exact match), use the default task's prompts (the gold judge) or name your "
+                          f"own judge (eval.judge=module:fn), or set {key}=null to measure perplexity only")
     if unscored:
         logger.warning("%s: %d of %d prompts have no `answer` and no gold judge: the gold score is over the other %d",
                        key, len(unscored), len(prompts), len(prompts) - len(unscored))
@@ -101,7 +102,7 @@ def eval_engine(model: torch.nn.Module, cfg: EvaluateConfig, info) -> TrainEngin
 def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
     d = cfg.data
     prompts = load_eval_prompts(d, tok)
-    scorable(prompts, "data.eval_prompts_path")
+    scorable(prompts, "data.eval_prompts_path", cfg.eval)
     rows, source = held_out_rows(d, stage=0)
     feats, stats = tokenize_sft(parse_sft(rows, tok), tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos,
                                 d.assistant_only_loss)
@@ -110,7 +111,8 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
                           "or data.path with data.eval_size > 0 (perplexity)")
     logger.info("evaluating a policy: %d eval prompts, %d held-out SFT rows (%s)", len(prompts), len(feats), stats)
     logger.info(held_out_line(len(feats), "rows", source if rows else None))
-    gold = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None)
+    gold = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None,
+                        cfg.eval)
     engine = eval_engine(Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), fused=cfg.engine.kernels),
                          cfg, info)
     out: dict[str, Any] = {"eval_prompts": len(prompts), "eval_prompts_source": gold["eval_prompts_source"],

@@ -132,7 +132,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     held = held[: d.num_eval_prompts] if d.num_eval_prompts else held
     eval_prompts = eval_prompts_of(held, d, tok)
     held_out = run.held_out(held, len(eval_prompts), "prompts", eval_source)
-    gold = gold_applies(eval_prompts, eval_source)
+    gold = gold_applies(eval_prompts, eval_source, cfg.eval)
     order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
     total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
     minis = rollout_rows(r) // r.mini_batch_size  # the batch sizes count rows: prompts x n_samples_per_prompt

@@ -54,7 +54,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     tok, d = load_tokenizer(cfg.model), cfg.data
     data = stage_data(d, cfg.train, cfg.seed, tok, 0, "SFT")
     held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
-    prompts, gold = gold_set(d, tok)
+    prompts, gold = gold_set(d, tok, cfg.eval)
 
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
     check_context(model, d.max_len, "data.max_len")

@@ -224,6 +224,34 @@ def test_sft_gold_score_on_the_user_s_prompts_with_answers(tmp_path):
     assert f"gold score: 4 prompts from data.eval_prompts_path={prompts}" in proc.stdout + proc.stderr
 
 
+def test_a_judge_of_your_own_scores_prompts_without_answers(tmp_path):
+    """eval.judge=module:fn: every held-out prompt scored by the user's function (here 0.25 each, and an
+    error on the prompts that say "fail", which are left unscored and counted); not importable: exit 2."""
+    data = _own_sft(tmp_path)
+    prompts = tmp_path / "open.jsonl"  # no `answer`, not the shipped task: no built-in judge applies
+    prompts.write_text("".join(json.dumps({"prompt": f"Human: {q}\n\nAssistant:"}) + "\n"
+                               for q in ("Say hi.", "Please fail.", "Say yes.", "Fail again.")))
+    (tmp_path / "my_judge.py").write_text(
+        "def score(prompt, response, row):\n"
+        "    assert row['prompt'] == prompt and 'answer' not in row\n"
+        "    if 'ail' in prompt:\n        raise RuntimeError('no verdict')\n"
+        "    return 0.25\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    out = tmp_path / "sft"
+    proc = run_stage("sft", f"output_dir={out}", f"data.path={data}", f"data.eval_prompts_path={prompts}",
+                     "eval.judge=my_judge:score", *SFT, env=env)
+    s = summary(out)
+    assert s["eval_prompts_source"] == f"data.eval_prompts_path={prompts}" and s["eval_prompts"] == 4
+    assert s["gold_score_before"] == s["gold_score_after"] == 25.0  # over the 2 prompts it scored
+    log = proc.stdout + proc.stderr
+    assert "judged by eval.judge=my_judge:score" in log
+    assert "eval.judge=my_judge:score failed on 2 of this rank's 4 prompts" in log and "no verdict" in log
+    bad = run_stage("sft", f"output_dir={tmp_path / 'bad'}", f"data.path={data}", "eval.judge=my_judge:nothing",
+                    *SFT, env=env, check=False)
+    assert bad.returncode == 2 and "eval.judge='my_judge:nothing'" in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0
+
+
 def test_dpo_on_own_pairs_holds_them_out_and_skips_the_gold_score(tmp_path):
     rows = [json.loads(line) for line in open(SHIPPED / "pairs_train.jsonl")][:40]
     pairs = tmp_path / "my_pairs.jsonl"

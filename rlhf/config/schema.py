@@ -170,6 +170,9 @@ class GenerationConfig:
     top_k: int = 0  # sample among the k most likely tokens (0 = off)
     top_p: float = 1.0  # nucleus sampling: the smallest set with this probability (1 = off)
     batch_size: int = 100  # prompts per generation batch on one rank
+    # Your own gold judge, module:function, called as fn(prompt, response, row) -> a score (1 = right, 0 =
+    # wrong) on every held-out prompt; null = the built-in judge (an `answer` field, or the shipped task)
+    judge: str | None = None
 
 
 @dataclass(kw_only=True)

@@ -153,6 +153,8 @@ def validate_generation(g: GenerationConfig, prefix: str) -> None:
     _need(g.top_k >= 0, f"{prefix}.top_k must be >= 0 (0 = off), got {g.top_k}")
     _need(0 < g.top_p <= 1, f"{prefix}.top_p must be in (0, 1], got {g.top_p}")
     _need(g.batch_size >= 1, f"{prefix}.batch_size must be >= 1, got {g.batch_size}")
+    if g.judge is not None:
+        load_function(g.judge, f"{prefix}.judge")  # ConfigError naming eval.judge when not importable / callable
 
 
 def fit_micro(micro: int, batch: int, world: int, key: str, batch_key: str) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,3 +26,13 @@ def load_function(spec: str | None, key: str = "reward.function") -> Callable[..
     if not callable(fn):
         raise ConfigError(f"{key}={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def as_score(value: Any) -> float:
+    """A reward function's result as a finite float: numbers, bools and 0-d tensors; else TypeError (a
+    string, None, a list) or ValueError (NaN, inf), naming what was returned."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"returned {type(value).__name__} {value!r:.80}, not a number")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"returned {float(value)}")
+    return float(value)

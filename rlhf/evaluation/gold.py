@@ -25,6 +25,7 @@ import torch
 from engine.distributed import all_gather_object
 from engine.generation import SamplingParams
 from rlhf.config import DataConfig, GenerationConfig
+from rlhf.core.plugins import as_score, load_function
 from rlhf.core.task import judge
 from rlhf.data import Row, collate_prompts, load_rows, parse_prompts, tokenize_prompts
 
@@ -56,16 +57,43 @@ def load_eval_prompts(d: DataConfig, tokenizer: Any) -> list[EvalPrompt]:
                            d, tokenizer)
 
 
-def judged(prompts: Sequence[EvalPrompt]) -> list[EvalPrompt]:
-    """The prompts a gold judge can score: those with an `answer`, and the shipped task's."""
+def judged(prompts: Sequence[EvalPrompt], g: GenerationConfig | None = None) -> list[EvalPrompt]:
+    """The prompts a gold judge can score: every one with `eval.judge`, else those with an `answer` and
+    the shipped task's."""
+    if g is not None and g.judge:
+        return list(prompts)
     return [p for p in prompts if judge(p.text, "", p.answer) is not None]
+
+
+class Judge:
+    """The gold judge of `g`: `eval.judge`'s function when set, called as fn(prompt, response, row) with
+    row = {prompt, answer (when the prompt has one), task (the shipped task's)}; else the built-in
+    (rlhf/core/task.py `judge`). A call of the user's that raises or returns no finite number leaves that
+    prompt unscored (None), counted in `failures` with the first error kept."""
+
+    def __init__(self, g: GenerationConfig):
+        self.fn = load_function(g.judge, "eval.judge") if g.judge else None
+        self.failures, self.first_error = 0, None
+
+    def __call__(self, p: EvalPrompt, response: str) -> float | None:
+        if self.fn is None:
+            return judge(p.text, response, p.answer)
+        row = {"prompt": p.text, **({"answer": p.answer} if p.answer is not None else {}),
+               **({"task": p.task} if p.task else {})}
+        try:
+            return as_score(self.fn(p.text, response, row))
+        except Exception as e:  # the user's code: counted, never the end of a run
+            self.failures += 1
+            self.first_error = self.first_error or " ".join(f"{type(e).__name__}: {e}".split())
+            return None
 
 
 NO_GOLD_HINT = ("for one, set data.eval_prompts_path to held-out prompts with an `answer` field (a response "
                 "scores 100 when it equals the answer, stripped)")
 
 
-def gold_applies(prompts: Sequence[EvalPrompt], source: str | None) -> dict[str, Any]:
+def gold_applies(prompts: Sequence[EvalPrompt], source: str | None, g: GenerationConfig | None = None
+                 ) -> dict[str, Any]:
     """Whether the gold score runs on `prompts` (from `source`, e.g. "data.eval_prompts_path=..."): only
     where a judge applies to at least one of them. Logs which (once: call it at a stage's start) and
     returns the summary.json fields: eval_prompts_source (None: no gold score) and eval_prompts."""
@@ -73,22 +101,25 @@ def gold_applies(prompts: Sequence[EvalPrompt], source: str | None) -> dict[str,
         logger.info("no gold score: data.eval_prompts_path is null (the shipped task's prompts are its default "
                     "only while data.path is the shipped data); %s", NO_GOLD_HINT)
         return {"eval_prompts_source": None, "eval_prompts": 0}
-    n_judged = len(judged(prompts))
+    n_judged = len(judged(prompts, g))
     if not n_judged:
         logger.info("no gold score: none of the %d prompts from %s has an `answer` field or is a prompt of the "
                     "shipped task (rlhf/core/task.py), so no judge can score them; %s", len(prompts), source,
                     NO_GOLD_HINT)
         return {"eval_prompts_source": None, "eval_prompts": 0}
-    logger.info("gold score: %d prompts from %s%s", len(prompts), source,
+    logger.info("gold score: %d prompts from %s%s%s", len(prompts), source,
+                f", judged by eval.judge={g.judge}" if g is not None and g.judge else "",
                 "" if n_judged == len(prompts) else f" ({n_judged} of them judged: the others have no judge)")
     return {"eval_prompts_source": source, "eval_prompts": len(prompts)}
 
 
-def gold_set(d: DataConfig, tokenizer: Any) -> tuple[list[EvalPrompt], dict[str, Any]]:
+def gold_set(d: DataConfig, tokenizer: Any, g: GenerationConfig | None = None
+             ) -> tuple[list[EvalPrompt], dict[str, Any]]:
     """A stage's gold-score prompts (SFT, DPO): the first `d.num_eval_prompts` of `d.eval_prompts_path`
-    where a judge applies to them, else none; and `gold_applies`' summary fields."""
+    where a judge (`g.judge`, or the built-in) applies to them, else none; and `gold_applies`' fields."""
     prompts = load_eval_prompts(d, tokenizer)
-    fields = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None)
+    fields = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None,
+                          g)
     return (prompts if fields["eval_prompts_source"] else []), fields
 
 
@@ -124,7 +155,7 @@ def gold_eval(
     n_samples: int = 3,
 ) -> dict[str, Any]:
     """Generate for every prompt (rank r takes prompts[r::world]; `info`: the engine's DistInfo) and
-    score with the gold judge.
+    score with the gold judge (`Judge`: eval.judge's function, else the built-in).
 
     `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
     gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
@@ -142,7 +173,11 @@ def gold_eval(
     mine = [prompts[i] for i in idx]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
-    scored = [(i, p.text, t, judge(p.text, t, p.answer), p.task) for i, p, t in zip(idx, mine, texts)]
+    gold = Judge(g)
+    scored = [(i, p.text, t, gold(p, t), p.task) for i, p, t in zip(idx, mine, texts)]
+    if gold.failures:
+        logger.warning("eval.judge=%s failed on %d of this rank's %d prompts, left unscored (first: %s)", g.judge,
+                       gold.failures, len(mine), gold.first_error)
     merged = sorted(x for part in all_gather_object(scored) for x in part)
     result: dict[str, Any] = {"response_len": sum(len(x[2]) for x in merged) / max(1, len(merged))}
     judged = [(s, task) for _, _, _, s, task in merged if s is not None]

@@ -52,7 +52,7 @@ from engine import FrozenEngine
 from rlhf.algos.reward_model import sequence_scores
 from rlhf.config import REWARD_SOURCES, RewardSourcesConfig
 from rlhf.core.errors import ConfigError
-from rlhf.core.plugins import load_function
+from rlhf.core.plugins import as_score, load_function
 from rlhf.core.task import judge, parse_prompt
 from rlhf.modeling.forward import position_ids_from_mask, row_values
 from rlhf.rl.rollout import Rollout
@@ -198,16 +198,6 @@ class TextReward:
             why = " ".join(f"{type(e).__name__}: {e}".split())
             self.first_error = f"{self.name}: {why} (prompt {prompt!r}, response {response!r})"
         return math.nan
-
-
-def as_score(value: Any) -> float:
-    """A reward function's result as a finite float: numbers, bools and 0-d tensors; else TypeError (a
-    string, None, a list) or ValueError (NaN, inf), naming what was returned."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise TypeError(f"returned {type(value).__name__} {value!r:.80}, not a number")
-    if not math.isfinite(float(value)):
-        raise ValueError(f"returned {float(value)}")
-    return float(value)
 
 
 PER_ROW, BATCHED = "per row", "batched"
