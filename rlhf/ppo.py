@@ -4,7 +4,7 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo                                        # from outputs/sft + outputs/reward, CPU
     python -m rlhf.ppo actor.model=/runs/sft critic.model=/runs/rm ppo.kl_coef=0.05
     torchrun --nproc_per_node 2 -m rlhf.ppo engine=zero3 rollout.micro_batch_size=16
-    python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp (conf/algorithm/)
+    python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp | gspo (conf/algorithm/)
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
 `rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old and reference
@@ -198,7 +198,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                scored, kl_coef=kl_ctl.value, kl_estimator=p.kl_estimator,
                                clip_reward_value=p.clip_reward_value, gamma=p.gamma, lam=p.lam,
                                estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages,
-                               norm_by_std=p.norm_by_std)
+                               norm_by_std=p.norm_by_std, max_len=r.max_new_tokens,
+                               overlong_buffer=p.overlong_buffer, overlong_penalty=p.overlong_penalty)
         t2 = time.time()
         ptx = None if ptx_feats is None else ptx_batches(ptx_feats, ptx_order, step * micro_per_step, info, pad)
         a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)

@@ -216,8 +216,12 @@ def test_uniform_groups_are_dropped_and_counted():
 # ----------------------------------------------------------------------------- config
 
 @pytest.mark.parametrize("overrides,key", [
-    (["ppo.advantage_estimator=grpo"], "ppo.kl_coef=0"),
-    (["algorithm=grpo", "ppo.adaptive_kl=true"], "ppo.adaptive_kl"),
+    # an outcome estimator with ppo.kl_coef > 0 is allowed (the KL in the reward, #33); grpo needs groups
+    (["ppo.advantage_estimator=grpo"], "ppo.advantage_estimator=grpo scores each response"),
+    (["ppo.policy_loss=ppo2"], "ppo.policy_loss must be one of ('clip', 'gspo', 'cispo')"),
+    (["ppo.overlong_buffer=16"], "ppo.overlong_buffer must be in [0, rollout.max_new_tokens=16)"),
+    (["ppo.overlong_buffer=-1"], "ppo.overlong_buffer"),
+    (["ppo.overlong_buffer=4", "ppo.overlong_penalty=-1"], "ppo.overlong_penalty"),
     (["algorithm=grpo", "rollout.n_samples_per_prompt=3"], "rollout.n_samples_per_prompt (8 x 3 = 24)"),
     (["algorithm=grpo", "rollout.n_samples_per_prompt=0"], "rollout.n_samples_per_prompt must be >= 1"),
     (["ppo.dynamic_sampling=true"], "rollout.n_samples_per_prompt >= 2"),
@@ -257,9 +261,13 @@ def test_algorithm_group_sets_the_estimator_and_ppo_is_the_default():
     default = C.as_yaml(C.to_config(C.compose("ppo"), C.PPOConfig))
     assert C.as_yaml(C.to_config(C.compose("ppo", ["algorithm=ppo"]), C.PPOConfig)) == default
     assert C.PPOConfig().ppo.advantage_estimator == "gae" and C.PPOConfig().rollout.n_samples_per_prompt == 1
-    for algo in ("grpo", "rloo", "reinforce_pp"):
+    for algo in ("grpo", "rloo", "reinforce_pp", "gspo"):
         cfg = C.to_config(C.compose("ppo", [f"algorithm={algo}"]), C.PPOConfig)
-        assert cfg.ppo.advantage_estimator == algo
+        assert cfg.ppo.advantage_estimator == ("grpo" if algo == "gspo" else algo)
+        assert cfg.ppo.policy_loss == ("gspo" if algo == "gspo" else "clip")
+        assert cfg.ppo.overlong_buffer == 0
+        if algo in ("grpo", "rloo", "gspo"):  # outcome estimators: no KL in the reward by default (#33)
+            assert cfg.ppo.kl_coef == 0 and not cfg.ppo.adaptive_kl
         assert rollout_rows(cfg.rollout) == 64  # the same number of sampled responses as PPO's default
         validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
 

@@ -21,7 +21,14 @@ Critic-free estimators (registered: grpo, rloo, reinforce_pp), per prompt group 
     grpo      A_i = (s_i - mean_g) / (std_g + eps)       (norm_by_std=False: s_i - mean_g, Dr. GRPO)
     rloo      A_i = s_i - mean of the others in g
     reinforce_pp  A = whiten over the batch (all ranks) of the discounted returns of the rewards
-with the KL as a loss term (`kl_loss_tokens`, k3) and the loss aggregated by `aggregate_loss`.
+with the KL as a loss term (`kl_loss_tokens`, k3) or in the score (`kl_shaped_score`), and the loss
+aggregated by `aggregate_loss`.
+
+Policy losses (registered: clip, gspo, cispo; `ppo.policy_loss`, see POLICY_LOSSES):
+    clip      agg(max(-A r, -A clip(r, 1 - lo, 1 + hi)))                    (PPO, DAPO's clip-higher)
+    gspo      -mean_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log r_t)  (GSPO, sequence ratio)
+    cispo     agg(-sg(clip(r, 1 - lo, 1 + hi)) A logp)                      (CISPO, MiniMax-M1)
+DAPO's overlong shaping adds `overlong_penalty(lengths, ...)` to the score.
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from rlhf.core.errors import ConfigError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -397,19 +406,89 @@ def loss_weight(mask: torch.Tensor, loss_agg: str = "token_mean") -> torch.Tenso
     return mask.sum() if loss_agg == "token_mean" else mask.bool().any(1).sum().to(torch.float32)
 
 
-def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, cliprange: float = 0.2, *, cliprange_high: float | None = None,
-                loss_agg: str = "token_mean", horizon: float | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss for the actor.
+# ----------------------------------------------------------------------------- policy losses, by name
+#
+# `ppo.policy_loss` names one. Every loss is a pure function of the current and old log-probs, the
+# advantages and the mask ([B, T] each, response-aligned), with keyword options it declares, and
+# returns (loss 0-d, stats: detached 0-d tensors, at least approx_kl and ratio_mean, clipfrac where a
+# clip applies). A new loss is one function here:
+#
+#     @register_policy_loss("name", options=("cliprange_low", "cliprange_high", "loss_agg", "horizon"))
+#     def name(logp, logp_old, advantages, mask, *, cliprange_low, ...) -> tuple[Tensor, dict]: ...
+#
+# `per_sequence=True`: the loss is a mean over the responses (rows), whatever ppo.loss_agg says, so the
+# actor loss weighs its micro-batches by rows (`loss_weight(mask, "seq_mean_token_mean")`).
+
+POLICY_LOSS_OPTIONS = ("cliprange_low", "cliprange_high", "loss_agg", "horizon")
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    options: tuple[str, ...]  # keyword arguments it takes, from POLICY_LOSS_OPTIONS
+    per_sequence: bool = False  # a mean over rows (its weight units are rows, not tokens)
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, *, options: tuple[str, ...] = (), per_sequence: bool = False):
+    """Register `fn(logp, logp_old, advantages, mask, **options) -> (loss, stats)` as `name`
+    (`ppo.policy_loss=name`). `options` names the keyword arguments it takes, among
+    POLICY_LOSS_OPTIONS: cliprange_low / cliprange_high (ppo.cliprange_low / _high, resolved),
+    loss_agg (ppo.loss_agg) and horizon (rollout.max_new_tokens, for seq_mean_token_sum)."""
+    unknown = set(options) - set(POLICY_LOSS_OPTIONS)
+    if unknown:
+        raise ValueError(f"policy loss {name!r}: unknown options {sorted(unknown)}; valid: {POLICY_LOSS_OPTIONS}")
+
+    def deco(fn):
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = PolicyLoss(fn, tuple(options), per_sequence)
+        return fn
+    return deco
+
+
+def policy_loss_fn(name: str) -> PolicyLoss:
+    """The registered policy loss `name`; ConfigError naming ppo.policy_loss and the registered names."""
+    if name not in POLICY_LOSSES:
+        raise ConfigError(f"ppo.policy_loss must be one of {tuple(POLICY_LOSSES)} (registered in "
+                          f"rlhf/algos/rl.py), got {name!r}")
+    return POLICY_LOSSES[name]
+
+
+def _log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """logp - logp_old (old detached) on the masked tokens, 0 elsewhere, float32.
+
+    NOTE: zeroed outside the mask *before* any exp: garbage padding could overflow to inf, and
+    where() would then backpropagate 0 * inf = NaN."""
+    zero = torch.zeros((), dtype=torch.float32, device=m.device)
+    return torch.where(m, _f32(logp) - _f32(logp_old).detach(), zero)
+
+
+def _aggregate(x: torch.Tensor, mask: torch.Tensor, loss_agg: str, horizon: float | None) -> torch.Tensor:
+    """`aggregate_loss`'s sum / weight (token_mean: the masked mean, as PPO always had it)."""
+    if loss_agg == "token_mean":
+        return masked_mean(x, mask)
+    total, weight = aggregate_loss(x, mask, loss_agg, horizon)
+    return total / weight.clamp(min=1)
+
+
+@register_policy_loss("clip", options=POLICY_LOSS_OPTIONS)
+def clip_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, *, cliprange_low: float = 0.2, cliprange_high: float | None = None,
+                     loss_agg: str = "token_mean", horizon: float | None = None,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 7),
+    with DAPO's clip-higher (Yu et al. 2025, §3.1): `ppo.policy_loss=clip`, the default.
 
     logp: [B, T] current log-probs (with grad); logp_old, advantages: [B, T] (detached here);
     mask: [B, T].
         ratio = exp(logp - logp_old)
-        loss  = agg(max(-A * ratio, -A * clamp(ratio, 1 - c, 1 + c_high)))   (0-d)
-    `cliprange_high` (None = cliprange): DAPO's clip-higher, an asymmetric range that lets unlikely
-    tokens with a positive advantage grow further. `agg` is `aggregate_loss(loss_agg, horizon)`'s
-    sum / weight; token_mean is the masked mean (PPO's).
+        loss  = agg(max(-A * ratio, -A * clamp(ratio, 1 - c_low, 1 + c_high)))   (0-d)
+    `cliprange_high` (None = cliprange_low): an asymmetric range that lets unlikely tokens with a
+    positive advantage grow further. `agg` is `aggregate_loss(loss_agg, horizon)`'s sum / weight;
+    token_mean is the masked mean (PPO's).
     Stats (detached 0-d tensors, so callers can all-reduce them):
         clipfrac   fraction of masked tokens where the clipped branch is strictly larger
         approx_kl  masked mean of 0.5 * (logp - logp_old)^2
@@ -418,20 +497,13 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
     _check_shapes(logp=logp, logp_old=logp_old, advantages=advantages, mask=mask)
     m = mask.bool()
     adv = _f32(advantages).detach()
-    # NOTE: zero the log-ratio outside the mask *before* exp: garbage padding could overflow to
-    # inf, and where() would then backpropagate 0 * inf = NaN.
-    zero = torch.zeros((), dtype=torch.float32, device=m.device)
-    log_ratio = torch.where(m, _f32(logp) - _f32(logp_old).detach(), zero)                  # [B, T]
+    log_ratio = _log_ratio(logp, logp_old, m)                                                # [B, T]
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
-    high = cliprange if cliprange_high is None else cliprange_high
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    high = cliprange_low if cliprange_high is None else cliprange_high
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
-    if loss_agg == "token_mean":
-        loss = masked_mean(pg, mask)
-    else:
-        total, weight = aggregate_loss(pg, mask, loss_agg, horizon)
-        loss = total / weight.clamp(min=1)
+    loss = _aggregate(pg, mask, loss_agg, horizon)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask),
@@ -439,6 +511,127 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cliprange: float = 0.2, *, cliprange_high: float | None = None,
+                loss_agg: str = "token_mean", horizon: float | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss for the actor: the registered `clip` loss (`clip_policy_loss`),
+    with the ratio clipped to [1 - cliprange, 1 + (cliprange_high or cliprange)]."""
+    return clip_policy_loss(logp, logp_old, advantages, mask, cliprange_low=cliprange,
+                            cliprange_high=cliprange_high, loss_agg=loss_agg, horizon=horizon)
+
+
+@register_policy_loss("gspo", options=("cliprange_low", "cliprange_high"), per_sequence=True)
+def gspo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                     mask: torch.Tensor, *, cliprange_low: float = 3e-4, cliprange_high: float | None = 4e-4,
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7): the importance ratio and
+    its clip are per sequence, length-normalised: `ppo.policy_loss=gspo`.
+
+    logp: [B, T] (with grad); logp_old, advantages: [B, T] (detached); mask: [B, T]. Over the valid
+    rows i (mask not empty), with |y_i| the row's token count:
+        s_i  = exp((1/|y_i|) * sum_t (logp_t - logp_old_t))        (the sequence ratio, with grad)
+        A_i  = masked mean of the row's advantages (an outcome estimator's per-token value)
+        loss = -(1/N) * sum_i min(s_i * A_i, clamp(s_i, 1 - c_low, 1 + c_high) * A_i)   (0-d)
+    The sequence form (the gradient through s_i: d s_i / d logp_t = s_i / |y_i| on every token); the
+    paper's GSPO-token form has the same value and, with A_{i,t} = A_i, the same gradient. The paper's
+    clip ranges are far smaller than PPO's (3e-4 / 4e-4; conf/algorithm/gspo.yaml); cliprange_high
+    None = cliprange_low. A mean over the rows whatever ppo.loss_agg says (registered per_sequence).
+    Stats (detached 0-d): clipfrac (fraction of valid rows where the clipped branch is strictly the
+    smaller objective), approx_kl (token masked mean of 0.5 * (logp - logp_old)^2), ratio_mean (mean s_i).
+    """
+    _check_shapes(logp=logp, logp_old=logp_old, advantages=advantages, mask=mask)
+    m = mask.bool()
+    valid = m.any(1)                                                                         # [B]
+    log_ratio = _log_ratio(logp, logp_old, m)
+    seq_ratio = torch.exp(masked_mean(log_ratio, m, dim=1))                                  # [B], 1 if empty
+    adv = masked_mean(_f32(advantages).detach(), m, dim=1)                                   # [B]
+    high = cliprange_low if cliprange_high is None else cliprange_high
+    pg_unclipped = -adv * seq_ratio
+    pg_clipped = -adv * torch.clamp(seq_ratio, 1.0 - cliprange_low, 1.0 + high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)                                             # [B]
+    loss = masked_mean(pg, valid)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), valid),
+            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask),
+            "ratio_mean": masked_mean(seq_ratio, valid),
+        }
+    return loss, stats
+
+
+@register_policy_loss("cispo", options=POLICY_LOSS_OPTIONS)
+def cispo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, *, cliprange_low: float = 0.2, cliprange_high: float | None = None,
+                      loss_agg: str = "token_mean", horizon: float | None = None,
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention", §3.1, eq. 4-5): clip the importance-sampling weight, not the update, so every token
+    keeps a gradient: `ppo.policy_loss=cispo`.
+
+    logp: [B, T] (with grad); logp_old, advantages: [B, T] (detached); mask: [B, T].
+        r_t  = exp(logp_t - logp_old_t)
+        w_t  = sg(clamp(r_t, 1 - c_low, 1 + c_high))                (stop-gradient)
+        loss = agg(-w_t * A_t * logp_t)                              (0-d; agg as in `clip`)
+    so d loss / d logp_t = -w_t * A_t (times agg's weight): a REINFORCE gradient with a clipped IS
+    weight. The report sets no lower bound in practice (a large c_low) and tunes c_high;
+    cliprange_high None = cliprange_low. The value is that of the report's objective (it depends on
+    logp itself, not only on the ratio).
+    Stats (detached 0-d): clipfrac (fraction of masked tokens whose weight is clipped), approx_kl,
+    ratio_mean (as in `clip`).
+    """
+    _check_shapes(logp=logp, logp_old=logp_old, advantages=advantages, mask=mask)
+    m = mask.bool()
+    adv = _f32(advantages).detach()
+    log_ratio = _log_ratio(logp, logp_old, m)
+    ratio = torch.exp(log_ratio.detach())
+    high = cliprange_low if cliprange_high is None else cliprange_high
+    weight = torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + high)                             # no grad
+    zero = torch.zeros((), dtype=torch.float32, device=m.device)
+    lp = torch.where(m, _f32(logp), zero)  # padding's log-probs (maybe -inf) never enter the value or grad
+    loss = _aggregate(-weight * adv * lp, mask, loss_agg, horizon)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((weight != ratio).float(), mask),
+            "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------- reward shaping
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's overlong reward shaping (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement
+    Learning System at Scale", §3.4, eq. 13): a linear penalty for responses in the last `buffer`
+    tokens of the budget, added to the score.
+
+    lengths: [B] response lengths |y|; max_len: L_max (rollout.max_new_tokens); buffer: L_cache
+    (ppo.overlong_buffer, 0 = off); factor: the largest penalty (ppo.overlong_penalty).
+        0                                       |y| <= L_max - L_cache
+        (L_max - L_cache - |y|) / L_cache * f   L_max - L_cache < |y| <= L_max   (down to -f)
+        -f                                      |y| > L_max
+    Returns [B] float32 (<= 0); all zeros when buffer is 0.
+    """
+    x = _f32(lengths)
+    if buffer <= 0:
+        return torch.zeros_like(x)
+    ramp = (max_len - buffer - x) / buffer
+    return ramp.clamp(min=-1.0, max=0.0) * factor
+
+
+def kl_shaped_score(score: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """An outcome estimator's per-response reward with the KL penalty in it (RLOO as Ahmadian et al.
+    2024, TRL and OpenRLHF define it): score_i - kl_coef * sum_t kl_{i,t} over the response's tokens.
+
+    score: [B]; kl: [B, T] per-token KL estimate (`compute_rewards`'s, k1 by default); mask: [B, T].
+    Returns `score` itself when kl_coef is 0 (today's numbers exactly), else [B] float32.
+    """
+    if not kl_coef:
+        return score
+    return _f32(score) - kl_coef * masked_sum(kl, mask, dim=1)
 
 
 def value_loss(values: torch.Tensor, values_old: torch.Tensor, returns: torch.Tensor,

@@ -287,7 +287,9 @@ class FrozenModelConfig:
 
 @dataclass(kw_only=True)
 class PPOAlgoConfig:
-    kl_coef: float = 0.1  # reward -= kl_coef x KL(actor || reference) on every response token
+    # reward -= kl_coef x KL(actor || reference) on every response token (outcome estimators, grpo/rloo:
+    # score -= kl_coef x the response's summed KL)
+    kl_coef: float = 0.1
     kl_estimator: str = "k1"  # k1 | k2 | k3
     adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al.)
     kl_target: float = 6.0  # adaptive_kl: the KL aimed at
@@ -307,6 +309,13 @@ class PPOAlgoConfig:
     kl_loss_coef: float = 0.0  # > 0: + kl_loss_coef x KL(actor || reference) in the actor loss (GRPO)
     kl_loss_estimator: str = "k3"  # the KL loss's estimator: k1 | k2 | k3
     dynamic_sampling: bool = False  # drop prompt groups whose scores are all equal (DAPO), counted
+    # The actor's policy loss, a name registered in rlhf/algos/rl.py: clip (PPO's clipped surrogate),
+    # gspo (sequence-level ratio, Zheng et al. 2025), cispo (clipped IS weight, MiniMax-M1)
+    policy_loss: str = "clip"
+    # DAPO's overlong reward shaping: responses in the last overlong_buffer tokens of
+    # rollout.max_new_tokens lose up to overlong_penalty (a linear ramp) from their score; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the penalty at the full budget
     cliprange_value: float = 0.2  # value updates clipped to +-this around the old values
     ppo_epochs: int = 1  # passes over each step's rollouts
     whiten_advantages: bool = False  # normalise advantages to mean 0, std 1 (over all ranks)

@@ -14,7 +14,7 @@ from typing import Any
 from engine import OptimConfig, validate_engine_config, validate_optim_config
 from engine.config import EngineConfig, resolve_precision
 from rlhf.algos.preference import LOSS_TYPES
-from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS
+from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, policy_loss_fn
 from rlhf.config.schema import (
     DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, CadenceConfig, DataConfig, DPOConfig, EvaluateConfig,
     GenerationConfig, LoggerConfig, ModelConfig, OptimGroupConfig, PPOConfig, RewardConfig, RewardSourcesConfig,
@@ -296,12 +296,13 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(p.advantage_estimator in ADVANTAGE_ESTIMATORS, f"ppo.advantage_estimator must be one of "
           f"{tuple(ADVANTAGE_ESTIMATORS)} (registered in rlhf/algos/rl.py), got {p.advantage_estimator!r}")
     est = ADVANTAGE_ESTIMATORS[p.advantage_estimator]
-    if not est.token_rewards:
-        _need(p.kl_coef == 0 and not p.adaptive_kl,
-              f"ppo.advantage_estimator={p.advantage_estimator} reads only each response's score, so a KL "
-              f"penalty in the reward (ppo.kl_coef={p.kl_coef}, ppo.adaptive_kl={p.adaptive_kl}) would be "
-              "ignored: set ppo.kl_coef=0 and put the KL in the loss with ppo.kl_loss_coef (algorithm="
-              f"{p.advantage_estimator} does both)")
+    # An outcome estimator (token_rewards=False) with ppo.kl_coef > 0 reads score - kl_coef x the response's
+    # summed KL (RLOO's KL in the reward; rlhf/rl/experience.py); kl_coef=0 leaves the score as it is.
+    policy_loss_fn(p.policy_loss)  # ConfigError naming ppo.policy_loss and the registered losses
+    _need(0 <= p.overlong_buffer < r.max_new_tokens,
+          f"ppo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}) (0 = off), got {p.overlong_buffer}")
+    _need(math.isfinite(p.overlong_penalty) and p.overlong_penalty >= 0,
+          f"ppo.overlong_penalty must be a finite number >= 0, got {p.overlong_penalty}")
     _need(p.kl_loss_coef >= 0, f"ppo.kl_loss_coef must be >= 0 (0 = no KL loss), got {p.kl_loss_coef}")
     _need(p.kl_loss_estimator in KL_ESTIMATORS,
           f"ppo.kl_loss_estimator must be one of {KL_ESTIMATORS}, got {p.kl_loss_estimator!r}")

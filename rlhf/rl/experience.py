@@ -65,19 +65,36 @@ def build_experience(
     group: torch.Tensor | None = None,
     whiten: bool = False,
     norm_by_std: bool = True,
+    max_len: int | None = None,
+    overlong_buffer: int = 0,
+    overlong_penalty: float = 1.0,
 ) -> Experience:
     """Rewards (KL penalty per token + clipped score on the last), then advantages and returns by
     the registered `estimator` (optionally whitened over every rank's response tokens). The
-    estimator's declared options (rl_math.register_advantage) get `norm_by_std` and a sum over ranks."""
+    estimator's declared options (rl_math.register_advantage) get `norm_by_std` and a sum over ranks.
+
+    `overlong_buffer` > 0 (DAPO's overlong shaping, rl_math.overlong_penalty with L_max = `max_len`,
+    rollout.max_new_tokens): the score gets the length penalty before anything reads it. An outcome
+    estimator (token_rewards=False) with kl_coef > 0 sees the score minus kl_coef x the response's
+    summed KL (rl_math.kl_shaped_score, the KL penalty in the reward as RLOO defines it); with
+    kl_coef = 0 it sees the score unchanged. `Experience.score` stays the reward source's score."""
     mask = response_mask.float()
-    rewards, kl = rl_math.compute_rewards(scored["logp_old"], scored["logp_ref"], scored["score"], mask,
+    score = scored["score"]
+    if overlong_buffer:
+        if max_len is None:
+            raise ValueError("overlong_buffer needs max_len (rollout.max_new_tokens)")
+        score = score + rl_math.overlong_penalty(mask.sum(1), max_len, overlong_buffer,
+                                                 overlong_penalty).to(score.dtype)
+    rewards, kl = rl_math.compute_rewards(scored["logp_old"], scored["logp_ref"], score, mask,
                                            kl_coef, clip_reward_value, kl_estimator)
     group = torch.arange(mask.shape[0], device=mask.device) if group is None else group
     values = scored.get("values")
     est = rl_math.advantage_estimator(estimator)
+    if not est.token_rewards:
+        score = rl_math.kl_shaped_score(score, kl, mask, kl_coef)
     options = {"norm_by_std": norm_by_std, "all_reduce_sum": all_reduce_sum}
     advantages, returns = est.fn(
-        rl_math.AdvantageInputs(rewards=rewards, score=scored["score"], values=values, mask=mask, group=group),
+        rl_math.AdvantageInputs(rewards=rewards, score=score, values=values, mask=mask, group=group),
         gamma=gamma, lam=lam, **{k: options[k] for k in est.options})
     if whiten:
         world_whiten_(advantages, mask)

@@ -21,19 +21,24 @@ from rlhf.rl.models import Models
 
 def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cliprange_low: float | None = None,
                     cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
-                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3"):
-    """The actor's loss: the clipped surrogate (ratio clipped to [1 - low, 1 + high]; low/high
-    default to cliprange), aggregated by `loss_agg` (rl_math.aggregate_loss: sum over its weight
-    units, so micro-batches and ranks combine into the whole mini-batch's aggregate), + kl_loss_coef
-    x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like the rest)."""
+                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3", policy_loss: str = "clip"):
+    """The actor's loss: the registered `policy_loss` (rl_math.POLICY_LOSSES: clip, the clipped
+    surrogate, ratio clipped to [1 - low, 1 + high], low/high defaulting to cliprange; gspo; cispo),
+    aggregated by `loss_agg` (rl_math.aggregate_loss: sum over its weight units, so micro-batches and
+    ranks combine into the whole mini-batch's aggregate; a per-sequence loss weighs rows), +
+    kl_loss_coef x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like
+    the rest)."""
     low = cliprange if cliprange_low is None else cliprange_low
+    pl = rl_math.policy_loss_fn(policy_loss)
+    given = {"cliprange_low": low, "cliprange_high": cliprange_high, "loss_agg": loss_agg, "horizon": horizon}
+    options = {k: given[k] for k in pl.options}
+    weight_agg = "seq_mean_token_mean" if pl.per_sequence else loss_agg
 
     def actor_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
         logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
         mask = mb["response_mask"]
-        loss, stats = rl_math.policy_loss(logp, mb["logp_old"], mb["advantages"], mask, low,
-                                           cliprange_high=cliprange_high, loss_agg=loss_agg, horizon=horizon)
-        n = rl_math.loss_weight(mask, loss_agg)  # tokens (token_mean) or rows
+        loss, stats = pl.fn(logp, mb["logp_old"], mb["advantages"], mask, **options)
+        n = rl_math.loss_weight(mask, weight_agg)  # tokens (token_mean) or rows
         if kl_loss_coef:
             kl_sum, kl_n = rl_math.aggregate_loss(rl_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
                                                    mask, loss_agg, horizon)
@@ -67,7 +72,8 @@ def actor_loss(cfg: PPOConfig):
     p, r = cfg.ppo, cfg.rollout
     return make_actor_loss(p.cliprange, r.temperature, p.ptx_coef, cliprange_low=p.cliprange_low,
                            cliprange_high=p.cliprange_high, loss_agg=p.loss_agg, horizon=r.max_new_tokens,
-                           kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator)
+                           kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator,
+                           policy_loss=p.policy_loss)
 
 
 def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_batches, run) -> tuple[list, list]:
