@@ -31,11 +31,12 @@ def _tokenizer_unless_model(name_or_path: str | None, fallback_to_config: bool, 
     return None
 
 
-def _shipped_eval(path: str | None, shipped: str, eval_file: str) -> str | None:
+def _shipped_eval(path: Any, shipped: str, eval_file: str) -> str | None:
     """The shipped task's evaluation file `eval_file` while data.path is the shipped `shipped` file (or
     empty), else null: with data of your own, a stage evaluates on your held-out rows (data.eval_size
-    of data.path, or data.eval_path), never on the toy task's. An explicit override of the key wins."""
-    if not path or is_root_file(path, shipped):
+    of data.path, or data.eval_path), never on the toy task's; a mixture (a list of sources, even one
+    holding the shipped file) is data of your own. An explicit override of the key wins."""
+    if not path or (isinstance(path, str) and is_root_file(path, shipped)):
         return root_path(eval_file)
     return None
 
