@@ -474,6 +474,15 @@ def _aggregate(x: torch.Tensor, mask: torch.Tensor, loss_agg: str, horizon: floa
     return total / weight.clamp(min=1)
 
 
+def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A * ratio, -A * clamp(ratio, 1 - low, 1 + high)) elementwise (high None = low), and where the
+    clipped branch is strictly the larger: the surrogate of `clip` (per token) and `gspo` (per sequence)."""
+    pg_unclipped = -adv * ratio
+    pg_clipped = -adv * torch.clamp(ratio, 1.0 - low, 1.0 + (low if high is None else high))
+    return torch.maximum(pg_unclipped, pg_clipped), pg_clipped > pg_unclipped
+
+
 @register_policy_loss("clip", options=POLICY_LOSS_OPTIONS)
 def clip_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                      mask: torch.Tensor, *, cliprange_low: float = 0.2, cliprange_high: float | None = None,
@@ -499,14 +508,11 @@ def clip_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: tor
     adv = _f32(advantages).detach()
     log_ratio = _log_ratio(logp, logp_old, m)                                                # [B, T]
     ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    high = cliprange_low if cliprange_high is None else cliprange_high
-    pg_clipped = -adv * torch.clamp(ratio, 1.0 - cliprange_low, 1.0 + high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
+    pg, clipped = _clipped_surrogate(ratio, adv, cliprange_low, cliprange_high)
     loss = _aggregate(pg, mask, loss_agg, horizon)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask),
+            "clipfrac": masked_mean(clipped.float(), mask),
             "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask),
             "ratio_mean": masked_mean(ratio, mask),
         }
@@ -548,14 +554,11 @@ def gspo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: tor
     log_ratio = _log_ratio(logp, logp_old, m)
     seq_ratio = torch.exp(masked_mean(log_ratio, m, dim=1))                                  # [B], 1 if empty
     adv = masked_mean(_f32(advantages).detach(), m, dim=1)                                   # [B]
-    high = cliprange_low if cliprange_high is None else cliprange_high
-    pg_unclipped = -adv * seq_ratio
-    pg_clipped = -adv * torch.clamp(seq_ratio, 1.0 - cliprange_low, 1.0 + high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)                                             # [B]
+    pg, clipped = _clipped_surrogate(seq_ratio, adv, cliprange_low, cliprange_high)          # [B]
     loss = masked_mean(pg, valid)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), valid),
+            "clipfrac": masked_mean(clipped.float(), valid),
             "approx_kl": masked_mean(0.5 * log_ratio ** 2, mask),
             "ratio_mean": masked_mean(seq_ratio, valid),
         }
