@@ -128,6 +128,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """In-place MAX across ranks (no-op at world size 1); returns `t`."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order (pickled; for small things)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -5,7 +5,9 @@
     out.sequences       [B, P + T]  the left-padded prompts, then the responses (right-padded)
     out.attention_mask  [B, P + T]  1 on prompt tokens and response tokens (EOS included)
     out.response_mask   [B, T]      1 on response tokens up to and including each row's first EOS
-    out.logprobs        [B, T]      optional: log p(token) under softmax(logits / temperature)
+    out.logprobs        [B, T]      optional: the sampler's log p(token), under the distribution it
+                                    was drawn from (softmax(logits / temperature), top-k/top-p
+                                    applied and renormalised; greedy: softmax(logits)), 0 off-mask
 
 Every row stops at its own EOS (later columns are pad, outside the masks); T is the number of
 steps actually taken (the loop ends when every row has finished or at max_new_tokens). Sampling
@@ -93,7 +95,7 @@ def hf_generate(
         do_sample=not params.greedy,
         eos_token_id=eos_ids,
         pad_token_id=pad_token_id,
-        output_logits=return_logprobs,
+        output_scores=return_logprobs,  # the processed scores: / temperature, top-k/top-p at -inf
         return_dict_in_generate=True,
         **sampling,
     )
@@ -110,10 +112,11 @@ def hf_generate(
     resp_mask = response_mask_from_eos(seqs[:, P:], eos_ids)
     logprobs = None
     if return_logprobs:
-        logits = torch.stack(out.logits, dim=1).float()  # [B, T, V] raw (unprocessed) logits
-        temp = 1.0 if params.greedy else params.temperature
-        logprobs = torch.log_softmax(logits / temp, dim=-1).gather(-1, seqs[:, P:, None]).squeeze(-1)
-        logprobs = logprobs * resp_mask
+        # [B, T, V] the scores the token was drawn from: logits / temperature with the tokens top-k /
+        # top-p drop at -inf (no warper when off; greedy: the raw logits), so log_softmax renormalises
+        scores = torch.stack(out.scores, dim=1).float()
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, seqs[:, P:, None]).squeeze(-1)
+        logprobs = torch.where(resp_mask.bool(), logprobs, 0.0)
     attn = torch.cat([prompt_mask.to(seqs.device).long(), resp_mask], dim=1)
     return Generated(sequences=seqs, attention_mask=attn, response_mask=resp_mask, prompt_len=P, logprobs=logprobs)
 

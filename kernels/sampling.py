@@ -16,8 +16,11 @@ Meaning (`sample_reference` defines it):
   kept set. `noise` is taken as given, else drawn with `torch.rand(..., generator=generator)`, so a
   seeded generator makes sampling reproducible and the same noise gives the same token in every
   implementation (up to float rounding at near-ties).
-- logprobs: log softmax(z)[token] under the temperature-scaled, *unfiltered* distribution
-  (temperature 0: under softmax(logits), i.e. T = 1).
+- logprobs: the log-prob of the token under the distribution it was drawn from: softmax(z)
+  restricted to the kept set and renormalised, i.e. z[token] - logsumexp(z over kept tokens) (with
+  top-k and top-p off: log softmax(z)[token], the temperature-scaled distribution; temperature 0:
+  log softmax(logits)[token], T = 1, unfiltered). The RL step compares it with the trainer's
+  log_softmax(logits / T) (rlhf/rl/metrics.py `gen_logprob_gap`).
 
 Triton: one program per row, passes over the vocabulary in BLOCK_V chunks. The top-k and top-p
 thresholds are found by bisection instead of a sort: floats are mapped to int32 keys with the same
@@ -66,8 +69,9 @@ def sample_reference(logits, temperature=1.0, top_k=0, top_p=1.0, noise=None, ge
     if noise is None:
         noise = torch.rand(B, V, generator=generator, device=logits.device)
     gumbel = -torch.log(-torch.log(noise.float().clamp_min(_TINY)))  # u = 0 must not veto a token
-    tokens = torch.where(keep, z + gumbel, float("-inf")).argmax(-1)
-    return tokens, z.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)
+    kept = torch.where(keep, z, float("-inf"))
+    tokens = (kept + gumbel).argmax(-1)
+    return tokens, kept.log_softmax(-1).gather(1, tokens[:, None]).squeeze(1)  # the filtered, renormalised p
 
 
 @jit
@@ -154,9 +158,10 @@ def _sample_kernel(
                 big = mass >= need
                 lo = tl.where(big, mid, lo)
                 hi = tl.where(big, hi, mid)
-        # final pass: Gumbel-max over kept tokens
+        # final pass: Gumbel-max over kept tokens, and their mass (the renormaliser of the log-prob)
         best = tl.full((), float("-inf"), tl.float32)
         best_i = tl.zeros((), tl.int32)
+        kept_mass = tl.zeros((), tl.float32)
         for v0 in range(0, V, BLOCK_V):
             cols = v0 + offs
             ok = cols < V
@@ -166,12 +171,15 @@ def _sample_kernel(
             keep = ok
             if TOP_K or TOP_P:
                 keep = keep & (_order_key(z) >= lo)
+            kept_mass += tl.sum(tl.where(keep, tl.exp(z - m), 0.0), 0)
             score = tl.where(keep, score, float("-inf"))
             bv, bi = tl.max(score, 0, return_indices=True)  # first index on ties
             take = bv > best
             best_i = tl.where(take, v0 + bi, best_i)
             best = tl.where(take, bv, best)
         tok = best_i
+        if TOP_K or TOP_P:
+            lse = m + tl.log(kept_mass)  # log-prob under the kept set, renormalised
     z_tok = tl.load(zrow + tok).to(tl.float32)
     if not GREEDY:
         z_tok = tl.div_rn(z_tok, temp)
@@ -202,7 +210,8 @@ def _sample_triton(logits, temperature, top_k, top_p, noise):
 def sample(logits, temperature=1.0, top_k=0, top_p=1.0, generator=None, noise=None, impl="auto"):
     """Draw one token per row of logits [B, V]. temperature 0 (or None) = greedy; top_k 0 = off;
     top_p 1.0 = off. noise: uniform [B, V] in (0, 1) (drawn from `generator` when None).
-    Returns (tokens [B] int64, logprobs [B] fp32 under softmax(logits / temperature), unfiltered).
+    Returns (tokens [B] int64, logprobs [B] fp32 under the distribution drawn from: softmax(logits /
+    temperature) over the tokens top-k/top-p keep, renormalised; greedy: softmax(logits)).
     All arguments but the tensors are Python numbers, so nothing waits on the device.
     impl: "auto" | "triton" | "reference"."""
     if not 0.0 < top_p <= 1.0:

@@ -65,7 +65,15 @@ def test_reference_frequencies_follow_filtered_distribution():
     sigma = (probs * (1 - probs) / n).sqrt()
     assert ((freq - probs).abs() <= 5 * sigma + 1e-12).all(), (freq, probs)
     assert keep.sum() == 4  # top-5 then top-p 0.9 drops one more; hand-checked
-    torch.testing.assert_close(lp, (z / T).log_softmax(-1)[tok])  # unfiltered, temperature-scaled
+    # the log-prob of the distribution drawn from: filtered, renormalised (hand-checked against `probs`)
+    torch.testing.assert_close(lp, probs.log()[tok].float())
+    torch.testing.assert_close(lp, (z / T).masked_fill(~keep, float("-inf")).log_softmax(-1)[tok])
+
+
+def test_reference_logprob_without_filters_is_the_temperature_scaled_one():
+    z = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2
+    tok, lp = S.sample_reference(z, 0.7, 0, 1.0, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(lp, (z / 0.7).log_softmax(-1).gather(1, tok[:, None]).squeeze(1))
 
 
 def test_generator_makes_it_reproducible():
@@ -172,6 +180,8 @@ def test_gpu_sampling_bf16_vocab_128k(temperature, top_k, top_p):
     assert (tok == ref_tok).float().mean() >= 62 / 64
     assert keep.gather(1, tok[:, None]).all() or temperature == 0
     z = logits.float() / (temperature or 1.0)
+    if temperature:  # the filtered, renormalised distribution the token was drawn from
+        z = z.masked_fill(~keep, float("-inf"))
     torch.testing.assert_close(lp, z.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), rtol=1e-5, atol=1e-4)
 
 

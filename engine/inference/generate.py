@@ -35,7 +35,7 @@ class GenerationOutput:
     sequences: torch.Tensor  # [B, P + T'] prompt (left-padded) then response (pad after EOS)
     attention_mask: torch.Tensor  # [B, P + T'] prompt_mask then response_mask
     response_mask: torch.Tensor  # [B, T'] 1 for generated tokens up to and including EOS
-    logprobs: torch.Tensor | None  # [B, T'] log_softmax(logits / temperature) at the token; 0 off-mask
+    logprobs: torch.Tensor | None  # [B, T'] the sampler's log-prob of the token (SamplingParams); 0 off-mask
 
 
 @dataclass

@@ -9,8 +9,9 @@ Gumbel-max over uniform noise, which picks token i with probability p_i and need
 `torch.multinomial` (whose CUDA version syncs); on CUDA one Triton pass scales, filters and draws
 without the full-vocabulary sort.
 
-The log-prob returned for a chosen token is a by-product, not the PPO "old" log-prob, which scoring
-recomputes under the training forward.
+The log-prob returned for a chosen token is the sampler's (the distribution it was drawn from), not
+the PPO "old" log-prob, which scoring recomputes under the training forward; the RL step reports
+their gap (`gen_logprob_gap`, `gen_kl`) and can correct for it (`ppo.is_correction`).
 """
 from __future__ import annotations
 
@@ -31,8 +32,9 @@ class SamplingParams:
       takes plain arguments and spells greedy as temperature=0.
     - otherwise, in transformers' order: logits / temperature (> 0), then top-k, then top-p.
       top_k=0 is off (as is top_k >= vocab size); top_p=1.0 is off.
-    - The log-prob reported for a drawn token is log_softmax(logits / temperature) at that token:
-      the scaled distribution *before* top-k/top-p truncation (greedy: temperature 1).
+    - The log-prob reported for a drawn token is under the distribution it was drawn from:
+      softmax(logits / temperature) over the tokens top-k/top-p keep, renormalised (with both off:
+      log_softmax(logits / temperature); greedy: log_softmax(logits), temperature 1, unfiltered).
     - max_new_tokens caps the response length. engine.generation requires it;
       `engine.inference.generate` takes the length as an argument and does not read this field.
     """

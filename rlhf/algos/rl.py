@@ -29,6 +29,11 @@ Policy losses (registered: clip, gspo, cispo; `ppo.policy_loss`, see POLICY_LOSS
     gspo      -mean_i min(s_i A_i, clip(s_i) A_i), s_i = exp(mean_t log r_t)  (GSPO, sequence ratio)
     cispo     agg(-sg(clip(r, 1 - lo, 1 + hi)) A logp)                      (CISPO, MiniMax-M1)
 DAPO's overlong shaping adds `overlong_penalty(lengths, ...)` to the score.
+
+Sampler vs trainer (`ppo.is_correction`), rho = exp(logp_old - logp_gen) per token (or the response's
+geometric mean), multiplying the per-token policy loss, detached:
+    tis       w = min(rho, C)                                               (Yao et al. 2025; TRL, verl)
+    mis       w = rho * 1[lo <= rho <= hi]                                  (IcePop; TRL, verl)
 """
 from __future__ import annotations
 
@@ -602,6 +607,101 @@ def cispo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: to
             "ratio_mean": masked_mean(ratio, mask),
         }
     return loss, stats
+
+
+# ----------------------------------------------------------------------------- sampler vs trainer
+#
+# The sampler (generation mode) and the trainer's scoring pass compute the same policy's log-probs of
+# the same tokens in two implementations; they differ by rounding at best, by a bug at worst (a weight
+# that did not reach the sampler, a temperature applied in one and not the other), and by design when
+# top-k/top-p truncate the sampler's distribution. With rho_t = pi_trainer(y_t) / pi_sampler(y_t) =
+# exp(logp_old_t - logp_gen_t), the update's data is off-policy by rho; `ppo.is_correction` reweights
+# (tis) or rejects (mis) it. The weights multiply the per-token policy loss, detached.
+
+IS_CORRECTIONS = ("none", "tis", "mis")
+IS_LEVELS = ("token", "sequence")
+
+
+def sampler_log_ratio(logp_old: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor,
+                      level: str = "token") -> torch.Tensor:
+    """log rho, detached, float32, 0 outside the mask. logp_old (the trainer's scoring pass), logp_gen
+    (the sampler's), mask: [B, T].
+        token     log rho_t = logp_old_t - logp_gen_t
+        sequence  log rho_i = (1/|y_i|) sum_t (logp_old_t - logp_gen_t), the log of the row's
+                  geometric-mean ratio, on every token of the row (GSPO's length-normalised sequence
+                  ratio; verl's "geometric" rejection). TRL's sequence modes use the product
+                  prod_t rho_t instead, whose range grows with the length; the geometric mean keeps one
+                  pair of bounds meaningful for a 10-token and a 1000-token response.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown importance-sampling level {level!r}; valid: {', '.join(IS_LEVELS)}")
+    _check_shapes(logp_old=logp_old, logp_gen=logp_gen, mask=mask)
+    m = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=m.device)
+    log_rho = torch.where(m, _f32(logp_old).detach() - _f32(logp_gen).detach(), zero)       # [B, T]
+    if level == "sequence":
+        log_rho = torch.where(m, masked_mean(log_rho, m, dim=1)[:, None], zero)
+    return log_rho
+
+
+def tis_weights(logp_old: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor, *, cap: float = 2.0,
+                level: str = "token") -> torch.Tensor:
+    """Truncated importance sampling, TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    You Off-Policy RL Training"; TRL `vllm_importance_sampling_mode=token_truncate`, verl
+    `rollout_is=token` with `rollout_is_threshold`):
+        w = min(rho, C)        rho from `sampler_log_ratio(level)`, C = `cap` > 0 (ppo.is_cap)
+    [B, T] float32, detached, 0 outside the mask. The loss becomes sum_t w_t * loss_t: the truncation
+    trades the bias of the capped tail for a bounded variance."""
+    if not cap > 0:
+        raise ValueError(f"the TIS cap must be > 0, got {cap}")
+    log_rho = sampler_log_ratio(logp_old, logp_gen, mask, level)
+    w = torch.exp(torch.clamp(log_rho, max=math.log(cap)))  # clamp in log space: no overflow to inf
+    return torch.where(mask.bool(), w, torch.zeros_like(w))
+
+
+def mis_weights(logp_old: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor, *, low: float = 0.5,
+                high: float = 2.0, level: str = "token") -> torch.Tensor:
+    """Masked importance sampling, MIS (IcePop: Ling Team 2025, "Every Step Evolves: Scaling
+    Reinforcement Learning for Trillion-Scale Thinking Model", arXiv:2510.18855, its masking function
+    M(k) = k if alpha <= k <= beta else 0; TRL `vllm_importance_sampling_mode=token_mask|sequence_mask`,
+    whose lower bound is 0; verl `rollout_rs=token|geometric`):
+        w = rho * 1[low <= rho <= high]          (0 <= low < 1 < high: ppo.is_low, ppo.is_high)
+    A token (level=token) or a whole response (level=sequence: rho is the row's geometric mean) whose
+    ratio leaves [low, high] is rejected: weight 0, no gradient, still counted in the loss's
+    denominator (as TRL does), so a step's scale does not jump with the rejections. [B, T] float32,
+    detached, 0 outside the mask."""
+    if not (0 <= low < 1 < high):
+        raise ValueError(f"the MIS bounds must satisfy 0 <= low < 1 < high, got [{low}, {high}]")
+    log_rho = sampler_log_ratio(logp_old, logp_gen, mask, level)
+    rho = torch.exp(log_rho)
+    keep = mask.bool() & (rho >= low) & (rho <= high)
+    return torch.where(keep, rho, torch.zeros_like(rho))
+
+
+def is_weights(correction: str, logp_old: torch.Tensor, logp_gen: torch.Tensor, mask: torch.Tensor, *,
+               cap: float = 2.0, low: float = 0.5, high: float = 2.0, level: str = "token") -> torch.Tensor:
+    """The weights of `ppo.is_correction`: none (1 on the mask), tis (`tis_weights`), mis (`mis_weights`).
+    [B, T] float32, detached, 0 outside the mask."""
+    if correction == "none":
+        _check_shapes(logp_old=logp_old, logp_gen=logp_gen, mask=mask)
+        return mask.bool().float()
+    if correction == "tis":
+        return tis_weights(logp_old, logp_gen, mask, cap=cap, level=level)
+    if correction == "mis":
+        return mis_weights(logp_old, logp_gen, mask, low=low, high=high, level=level)
+    raise ValueError(f"unknown importance-sampling correction {correction!r}; valid: {', '.join(IS_CORRECTIONS)}")
+
+
+def is_weighted_advantages(advantages: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """advantages * weights (both [B, T]; the weights detached): how the correction enters every
+    registered policy loss. Because w >= 0, max(-A w r, -A w clip(r)) = w * max(-A r, -A clip(r)), so
+    for `clip` and `cispo` (-sg(clip(r)) (A w) logp = w * their term) this *is* the per-token loss times
+    w, as verl (`pg_losses * rollout_is_weights`) and TRL (`per_token_loss * importance_sampling_ratio`)
+    apply it. For `gspo` (one ratio per response) the row's advantage becomes mean_t(w_t A_t): with an
+    outcome advantage, the response's loss times the mean of its token weights (times w_i itself at
+    level=sequence)."""
+    _check_shapes(advantages=advantages, weights=weights)
+    return _f32(advantages).detach() * weights.detach()
 
 
 # ----------------------------------------------------------------------------- reward shaping

@@ -312,6 +312,13 @@ class PPOAlgoConfig:
     # The actor's policy loss, a name registered in rlhf/algos/rl.py: clip (PPO's clipped surrogate),
     # gspo (sequence-level ratio, Zheng et al. 2025), cispo (clipped IS weight, MiniMax-M1)
     policy_loss: str = "clip"
+    # Correct for the sampler/trainer gap (rho = pi_trainer / pi_sampler of each sampled token): none |
+    # tis (truncated IS, weight min(rho, is_cap)) | mis (masked IS, weight rho in [is_low, is_high], else 0)
+    is_correction: str = "none"
+    is_cap: float = 2.0  # tis: the cap C on the importance weight (> 0)
+    is_low: float = 0.5  # mis: rho below this is masked (0 <= is_low < 1)
+    is_high: float = 2.0  # mis: rho above this is masked (> 1)
+    is_level: str = "token"  # token (rho per token) | sequence (rho = the response's geometric mean, one weight)
     # DAPO's overlong reward shaping: responses in the last overlong_buffer tokens of
     # rollout.max_new_tokens lose up to overlong_penalty (a linear ramp) from their score; 0 = off
     overlong_buffer: int = 0
@@ -363,6 +370,7 @@ class AlarmsConfig:
     length_drift: float = 0.5  # length: window's mean response length off the baseline's by this fraction
     clipfrac: float = 0.2  # clipfrac: window's mean policy clip fraction at least this
     gold_drop: float = 8.0  # gold: held-out gold score this many points below its best while the reward rose
+    gen_kl: float = 0.01  # gen: the step's gen_kl (k3 KL, sampler || trainer, per token) at least this
 
 
 @dataclass(kw_only=True)

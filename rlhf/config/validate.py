@@ -14,7 +14,7 @@ from typing import Any
 from engine import OptimConfig, validate_engine_config, validate_optim_config
 from engine.config import EngineConfig, resolve_precision
 from rlhf.algos.preference import LOSS_TYPES
-from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, policy_loss_fn
+from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, policy_loss_fn
 from rlhf.config.schema import (
     DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, CadenceConfig, DataConfig, DPOConfig, EvaluateConfig,
     GenerationConfig, LoggerConfig, ModelConfig, OptimGroupConfig, PPOConfig, RewardConfig, RewardSourcesConfig,
@@ -299,6 +299,12 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     # An outcome estimator (token_rewards=False) with ppo.kl_coef > 0 reads score - kl_coef x the response's
     # summed KL (RLOO's KL in the reward; rlhf/rl/experience.py); kl_coef=0 leaves the score as it is.
     policy_loss_fn(p.policy_loss)  # ConfigError naming ppo.policy_loss and the registered losses
+    _need(p.is_correction in IS_CORRECTIONS, f"ppo.is_correction must be one of {IS_CORRECTIONS}, got {p.is_correction!r}")
+    _need(p.is_level in IS_LEVELS, f"ppo.is_level must be one of {IS_LEVELS}, got {p.is_level!r}")
+    _need(math.isfinite(p.is_cap) and p.is_cap > 0, f"ppo.is_cap must be a finite number > 0 (the TIS cap), got {p.is_cap}")
+    _need(0 <= p.is_low < 1 < p.is_high and math.isfinite(p.is_high),
+          f"ppo.is_low and ppo.is_high must satisfy 0 <= is_low < 1 < is_high (finite): the MIS bounds around "
+          f"ratio 1, got [{p.is_low}, {p.is_high}]")
     _need(0 <= p.overlong_buffer < r.max_new_tokens,
           f"ppo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}) (0 = off), got {p.overlong_buffer}")
     _need(math.isfinite(p.overlong_penalty) and p.overlong_penalty >= 0,
@@ -372,6 +378,8 @@ def validate_alarms(a: AlarmsConfig) -> None:
     for key in ("kl_slope", "length_drift", "clipfrac", "gold_drop"):
         _need(getattr(a, key) >= 0, f"alarms.{key} must be >= 0, got {getattr(a, key)}")
     _need(0 <= a.entropy_ratio <= 1, f"alarms.entropy_ratio must be in [0, 1], got {a.entropy_ratio}")
+    _need(math.isfinite(a.gen_kl) and a.gen_kl > 0,
+          f"alarms.gen_kl must be a finite number > 0 (nats per token), got {a.gen_kl}")
 
 
 def unused_sources(cfg: PPOConfig) -> set[str]:

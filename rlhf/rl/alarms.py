@@ -2,7 +2,8 @@
 
 A policy that games its reward shows it in the figures every step already logs, before the gold
 score (when there is one) says so. Five alarms (thresholds: `alarms.*` in rlhf/config/schema.py), each
-computed from the last `alarms.window` steps W, against the first `window` steps B (the baseline):
+computed from the last `alarms.window` steps W, against the first `window` steps B (the baseline),
+and a sixth on the train <-> generate boundary, checked on each step alone:
 
     kl        KL to the reference grows fast:   least-squares slope of the rollouts' KL over W
                                                 >= alarms.kl_slope (nats per response, per step)
@@ -13,6 +14,10 @@ computed from the last `alarms.window` steps W, against the first `window` steps
               gold score is >= alarms.gold_drop points below its best earlier value while the
               training reward (mean of the `window` steps before each evaluation) is above its value
               at that best evaluation
+    gen       the sampler and the trainer disagree on the sampled tokens' log-probs: the step's gen_kl
+              (k3 KL(sampler || trainer) per token, rlhf/rl/metrics.py sampler_gap) >= alarms.gen_kl.
+              Not a trend: a weight that did not reach the sampler, or a temperature applied on one side
+              only, shows at once (its figures: kl, gap = mean |logp_old - logp_gen|, gap_max)
 
 `entropy` and `length` need 2 x window steps (W and B apart); the others `window` steps (gold: two
 evaluations). Every computed alarm adds `alarm_<name>` (0 or 1) and its figures
@@ -37,8 +42,10 @@ from rlhf.config import AlarmsConfig
 
 logger = logging.getLogger("rlhf.alarms")
 
-TRAIN_KEYS = ("reward", "kl", "entropy", "response_len", "clipfrac")  # what the history keeps per step
-NAMES = ("kl", "entropy", "length", "clipfrac", "gold")
+# what the history keeps per step
+TRAIN_KEYS = ("reward", "kl", "entropy", "response_len", "clipfrac", "gen_kl", "gen_logprob_gap",
+              "gen_logprob_gap_max")
+NAMES = ("kl", "entropy", "length", "clipfrac", "gold", "gen")
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,20 @@ def clip_high(clipfrac: Sequence[float], window: int, threshold: float) -> Alarm
                  f"clip fraction {m:.3f} over the last {window} steps (alarms.clipfrac={threshold})")
 
 
+def sampler_trainer_gap(gen_kl: Sequence[float], gap: Sequence[float], gap_max: Sequence[float],
+                        threshold: float) -> Alarm | None:
+    """The last step's gen_kl (and its mean / max |log-prob gap|, reported with it) against `threshold`;
+    None when the step has no sampler log-probs (NaN or missing)."""
+    if not gen_kl or not _finite(gen_kl[-1:]):
+        return None
+    kl, g, gm = float(gen_kl[-1]), _mean(gap[-1:]), _mean(gap_max[-1:])
+    g, gm = (math.nan if g is None else g), (math.nan if gm is None else gm)
+    return Alarm("gen", kl >= threshold, {"kl": kl, "gap": g, "gap_max": gm},
+                 f"sampler and trainer disagree on the sampled tokens: gen_kl {kl:.4g} nats/token, mean |log-prob "
+                 f"gap| {g:.4g}, max {gm:.4g} (alarms.gen_kl={threshold}; a weight or a sampling setting differs "
+                 f"between generation and scoring, or top-k/top-p truncate the sampler's distribution)")
+
+
 def reward_up_gold_down(reward: Sequence[float], gold: Sequence[tuple[int, float]], window: int,
                         drop: float) -> Alarm | None:
     """`reward[i]`: the training reward of step i + 1; `gold`: (step, gold score) of each evaluation
@@ -152,7 +173,8 @@ def train_alarms(history: Sequence[dict], cfg: AlarmsConfig) -> list[Alarm]:
     col = {k: [h.get(k, math.nan) for h in history] for k in TRAIN_KEYS}
     w = cfg.window
     found = (kl_growth(col["kl"], w, cfg.kl_slope), entropy_collapse(col["entropy"], w, cfg.entropy_ratio),
-             length_drift(col["response_len"], w, cfg.length_drift), clip_high(col["clipfrac"], w, cfg.clipfrac))
+             length_drift(col["response_len"], w, cfg.length_drift), clip_high(col["clipfrac"], w, cfg.clipfrac),
+             sampler_trainer_gap(col["gen_kl"], col["gen_logprob_gap"], col["gen_logprob_gap_max"], cfg.gen_kl))
     return [a for a in found if a is not None]
 
 
@@ -209,7 +231,9 @@ class Monitor:
 
     def load_state_dict(self, state: dict) -> None:
         self.history, self.gold = list(state["history"]), [tuple(g) for g in state["gold"]]
-        self.quiet, self.first_fired = dict(state["quiet"]), {k: int(v) for k, v in state["first_fired"].items()}
+        # an alarm added since the checkpoint was written starts quiet
+        self.quiet = {**{n: True for n in NAMES}, **state["quiet"]}
+        self.first_fired = {k: int(v) for k, v in state["first_fired"].items()}
 
 
 def stop_run(run, monitor: Monitor, stop_on_alarm: bool) -> None:

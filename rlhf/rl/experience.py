@@ -10,9 +10,11 @@ build_experience (here) -> update (rlhf/rl/update.py) -> step_metrics (rlhf/rl/m
 Every tensor is one rank's rows. Layout (P = prompt width, T = response width):
     sequences, attention_mask, position_ids   [B, P+T]  prompts LEFT-padded, responses right-padded
     response_mask, logp_old, logp_ref, values,
-    rewards, kl, advantages, returns          [B, T]    column t = response token t
+    rewards, kl, advantages, returns,
+    logp_gen                                  [B, T]    column t = response token t
     score, group                              [B]       the reward source's score; the prompt answered
-`values`/`returns` are None when the advantage estimator needs no critic (the rlhf/algos/rl.py registry).
+`values`/`returns` are None when the advantage estimator needs no critic (the rlhf/algos/rl.py registry);
+`logp_gen` (the sampler's log-probs, scored["logp_gen"]) is None when the rollout has none.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor | None
     prompt_len: int
+    logp_gen: torch.Tensor | None = None
 
     def rows(self, idx: list[int]) -> dict:
         """A micro-batch dict of the given rows (every tensor field sliced), with `prompt_len`."""
@@ -102,6 +105,7 @@ def build_experience(
         sequences=sequences, attention_mask=attention_mask, position_ids=scored["position_ids"], response_mask=mask,
         logp_old=scored["logp_old"], logp_ref=scored["logp_ref"], values=values, score=scored["score"], group=group,
         rewards=rewards, kl=kl, advantages=advantages, returns=returns, prompt_len=prompt_len,
+        logp_gen=scored.get("logp_gen"),
     )
 
 

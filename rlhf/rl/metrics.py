@@ -1,12 +1,13 @@
 """One RL step's metrics over every rank's rows (a collective): reward, KL, response length, the losses'
-statistics, skipped updates, and the step's time split."""
+statistics, skipped updates, the step's time split, and the sampler/trainer gap (`sampler_gap`)."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-from engine.distributed import all_reduce_sum
+from engine.distributed import all_reduce_max, all_reduce_sum
+from rlhf.algos import rl as rl_math
 from rlhf.algos.rl import masked_sum
 from rlhf.config import PPOConfig
 from rlhf.rl.experience import Experience
@@ -48,7 +49,52 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
         rec["kl_loss"] = _mean(a_stats, "kl_loss")
     if p.dynamic_sampling:
         rec["dropped_groups"], rec["dropped_rows"] = int(sums[10]), int(sums[9])
+    rec.update(sampler_gap(exp, p))
     return rec
+
+
+def sampler_gap(exp: Experience, p) -> dict[str, float]:
+    """The sampler's log-probs against the scoring pass's (logp_old) on the response tokens of the
+    update, over every rank (a collective; {} when the experience has no sampler log-probs). With
+    d_t = logp_old_t - logp_gen_t (the trainer's minus the sampler's, same token):
+
+        gen_logprob_gap      mean |d_t|                    gen_logprob_gap_max  max |d_t|
+        gen_kl               mean exp(d_t) - d_t - 1       (k3 estimate of KL(sampler || trainer) per
+                             token, from tokens the sampler drew: verl's `rollout_corr/k3_kl`,
+                             verl/trainer/ppo/rollout_corr_helper.py; Schulman's k3)
+
+    and with `ppo.is_correction` tis|mis the weights the actor loss applies (rl_math.is_weights):
+    is_weight_mean / is_weight_max over the tokens, is_capped_tokens (tis: rho > is_cap),
+    is_masked_tokens and is_masked_seqs (mis: weight 0; a response counts when all its tokens are).
+    With top-k/top-p off the two sides compute one distribution and d is rounding (fp32 on CPU: < 1e-5,
+    tests/test_sampler_gap.py); with them on, d also holds the truncation (the sampler's distribution
+    is renormalised over the kept tokens, the trainer's is not), a real off-policy gap."""
+    if exp.logp_gen is None:
+        return {}
+    m = exp.response_mask.bool()
+    d = torch.where(m, exp.logp_old.float() - exp.logp_gen.float(), 0.0)
+    k3 = torch.where(m, rl_math.kl_estimate(exp.logp_gen, exp.logp_old, "k3"), 0.0)
+    sums = [d.abs().sum(), k3.sum(), m.sum()]
+    maxes = [d.abs().max() if d.numel() else torch.zeros(())]
+    if p.is_correction != "none":
+        w = rl_math.is_weights(p.is_correction, exp.logp_old, exp.logp_gen, m, cap=p.is_cap, low=p.is_low,
+                               high=p.is_high, level=p.is_level)
+        rho = torch.exp(rl_math.sampler_log_ratio(exp.logp_old, exp.logp_gen, m, p.is_level))
+        rejected = m & (w == 0)
+        sums += [w.sum(), (m & (rho > p.is_cap)).sum() if p.is_correction == "tis" else torch.zeros(()),
+                 rejected.sum(), (m.any(1) & (rejected.sum(1) == m.sum(1))).sum()]
+        maxes.append(torch.where(m, w, 0.0).max() if w.numel() else torch.zeros(()))
+    s = all_reduce_sum(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in sums]).to(m.device)).tolist()
+    mx = all_reduce_max(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in maxes]).to(m.device)).tolist()
+    n = max(s[2], 1.0)
+    out = {"gen_logprob_gap": s[0] / n, "gen_logprob_gap_max": mx[0], "gen_kl": s[1] / n}
+    if p.is_correction != "none":
+        out.update(is_weight_mean=s[3] / n, is_weight_max=mx[1])
+        if p.is_correction == "tis":
+            out["is_capped_tokens"] = int(s[4])
+        else:
+            out.update(is_masked_tokens=int(s[5]), is_masked_seqs=int(s[6]))
+    return out
 
 
 def _mean(stats: list[dict], key: str) -> float:

@@ -98,12 +98,15 @@ class Models:
 
     def score(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """The "score" step: old and reference log-probs (at the sampling temperature), critic values, and
-        the reward source's scores."""
+        the reward source's scores; the sampler's log-probs ride along as `logp_gen` (when the rollout
+        has them)."""
         scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.prompt_len, actor=self.actor.model,
                                reference=self.reference.model, critic=self.critic.model if self.critic else None,
                                micro_batch_size=self.micro_batch_size, temperature=self.temperature,
                                pack_length=self.pack_length)
         scored["score"] = self.reward_source.score(rollout)
+        if rollout.logp_gen is not None:
+            scored["logp_gen"] = rollout.logp_gen
         return scored
 
     def save_checkpoint(self, path: str, extra_state: dict) -> None:

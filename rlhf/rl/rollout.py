@@ -8,6 +8,7 @@
 Layout (P = prompt width, T = response width), every tensor one rank's rows:
     sequences, attention_mask                 [B, P+T]  prompts LEFT-padded, responses right-padded
     responses, response_mask                  [B, T]    column t = response token t
+    logp_gen                                  [B, T]    the sampler's log-prob of token t (0 off-mask)
     group, empty, truncated                   [B]       the prompt row answered; what became of the row
 """
 from __future__ import annotations
@@ -38,6 +39,10 @@ class Rollout:
     truncated: torch.Tensor      # [B] bool: hit max_new_tokens without an EOS
     nonfinite: torch.Tensor | None = None  # [B] bool: a model scored it NaN/inf (dropped; mask_nonfinite)
     dropped: torch.Tensor | None = None  # [B] bool: its group's scores were all equal (drop_uniform_groups)
+    # [B, T] the sampler's log-probs of the tokens it drew (the distribution it drew from: temperature,
+    # top-k/top-p applied and renormalised; SamplingParams), 0 off the response mask; None when the
+    # generation was asked for none (evaluation)
+    logp_gen: torch.Tensor | None = None
 
     @classmethod
     def from_generation(cls, g: Any, group: torch.Tensor, eos_id: int, max_new_tokens: int, *,
@@ -49,9 +54,12 @@ class Rollout:
         eos = torch.tensor([eos_id], device=g.responses.device)
         truncated = (~empty) & (g.response_mask.sum(1) == max_new_tokens) & ~torch.isin(g.responses[:, -1], eos)
         response_mask = g.response_mask.masked_fill(empty[:, None], 0) if drop_empty else g.response_mask
+        logp_gen = getattr(g, "logprobs", None)
+        if logp_gen is not None:
+            logp_gen = torch.where(g.response_mask.bool(), logp_gen.float(), 0.0)
         return cls(sequences=g.sequences, attention_mask=g.attention_mask, response_mask=response_mask,
                    responses=g.responses, prompt_len=g.prompt_len, group=group.to(g.sequences.device), empty=empty,
-                   truncated=truncated)
+                   truncated=truncated, logp_gen=logp_gen)
 
 
 
@@ -63,11 +71,12 @@ def empty_responses(responses: torch.Tensor, response_mask: torch.Tensor, eos_id
 
 @torch.no_grad()
 def generate(actor, prompts: dict, group: torch.Tensor, sampling, eos_id: int, pad_id: int) -> Rollout:
-    """Sample responses to `prompts` (collated, left-padded) in the actor engine's generation mode."""
+    """Sample responses to `prompts` (collated, left-padded) in the actor engine's generation mode, with
+    the sampler's log-probs (`Rollout.logp_gen`: the step's gen_logprob_gap and ppo.is_correction)."""
     device = actor.info.device
     with actor.generation() as gen:
         g = gen.generate(prompts["input_ids"].to(device), prompts["attention_mask"].to(device), sampling,
-                         eos_token_id=eos_id, pad_token_id=pad_id)
+                         eos_token_id=eos_id, pad_token_id=pad_id, return_logprobs=True)
     return Rollout.from_generation(g, group, eos_id, sampling.max_new_tokens)
 
 

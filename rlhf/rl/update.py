@@ -21,13 +21,16 @@ from rlhf.rl.models import Models
 
 def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cliprange_low: float | None = None,
                     cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
-                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3", policy_loss: str = "clip"):
+                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3", policy_loss: str = "clip",
+                    is_correction: str = "none", is_cap: float = 2.0, is_low: float = 0.5, is_high: float = 2.0,
+                    is_level: str = "token"):
     """The actor's loss: the registered `policy_loss` (rl_math.POLICY_LOSSES: clip, the clipped
     surrogate, ratio clipped to [1 - low, 1 + high], low/high defaulting to cliprange; gspo; cispo),
     aggregated by `loss_agg` (rl_math.aggregate_loss: sum over its weight units, so micro-batches and
     ranks combine into the whole mini-batch's aggregate; a per-sequence loss weighs rows), +
     kl_loss_coef x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like
-    the rest)."""
+    the rest). `is_correction` tis|mis: the policy loss's per-token terms are weighted by
+    rl_math.is_weights(logp_old vs the sampler's logp_gen), detached (rl_math.is_weighted_advantages)."""
     low = cliprange if cliprange_low is None else cliprange_low
     pl = rl_math.policy_loss_fn(policy_loss)
     given = {"cliprange_low": low, "cliprange_high": cliprange_high, "loss_agg": loss_agg, "horizon": horizon}
@@ -37,7 +40,15 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
     def actor_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
         logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
         mask = mb["response_mask"]
-        loss, stats = pl.fn(logp, mb["logp_old"], mb["advantages"], mask, **options)
+        advantages = mb["advantages"]
+        if is_correction != "none":
+            if mb.get("logp_gen") is None:
+                raise ValueError(f"ppo.is_correction={is_correction} needs the sampler's log-probs (logp_gen) "
+                                 "in the experience; the rollout has none")
+            w = rl_math.is_weights(is_correction, mb["logp_old"], mb["logp_gen"], mask, cap=is_cap, low=is_low,
+                                   high=is_high, level=is_level)
+            advantages = rl_math.is_weighted_advantages(advantages, w)
+        loss, stats = pl.fn(logp, mb["logp_old"], advantages, mask, **options)
         n = rl_math.loss_weight(mask, weight_agg)  # tokens (token_mean) or rows
         if kl_loss_coef:
             kl_sum, kl_n = rl_math.aggregate_loss(rl_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
@@ -73,7 +84,8 @@ def actor_loss(cfg: PPOConfig):
     return make_actor_loss(p.cliprange, r.temperature, p.ptx_coef, cliprange_low=p.cliprange_low,
                            cliprange_high=p.cliprange_high, loss_agg=p.loss_agg, horizon=r.max_new_tokens,
                            kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator,
-                           policy_loss=p.policy_loss)
+                           policy_loss=p.policy_loss, is_correction=p.is_correction, is_cap=p.is_cap,
+                           is_low=p.is_low, is_high=p.is_high, is_level=p.is_level)
 
 
 def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_batches, run) -> tuple[list, list]:
