@@ -1,15 +1,18 @@
 """Reward-hacking alarms (rlhf/rl/alarms.py): each fires on a constructed series and stays quiet on a
-steady one; the monitor's WARN lines, metrics fields and resume state; report.py's section; and
-train.stop_on_alarm through the command line (a checkpoint, then a clean end)."""
+steady one; the monitor's WARN lines, metrics fields and resume state; report.py's section;
+train.stop_on_alarm through the command line (a checkpoint, then a clean end); and the gen alarm on a
+forced sampler/trainer gap through the command line."""
 from __future__ import annotations
 
 import importlib.util
 import logging
 import math
+import subprocess
+import sys
 
 import pytest
 
-from conftest import ROOT, metrics, run_stage, summary
+from conftest import ROOT, cli_env, metrics, run_stage, summary
 from rlhf.config import AlarmsConfig
 from rlhf.rl.alarms import (
     Monitor,
@@ -174,3 +177,33 @@ def test_stop_on_alarm_saves_a_checkpoint_then_ends_cleanly(tiny_stages, tmp_pat
     assert "alarm_clipfrac" not in train[0] and train[1]["alarm_clipfrac"] == 1
     assert [r["step"] for r in metrics(out, "eval")] == [0, 2]
     assert (out / "checkpoints" / "step_0000002" / "meta.json").is_file() and (out / "model" / "config.json").is_file()
+    # no fault at the train <-> generate boundary: the sampler's log-probs are the scoring pass's (fp32)
+    for r in train:
+        assert r["gen_logprob_gap_max"] < 1e-4 and r["gen_kl"] < 1e-8 and r["alarm_gen"] == 0, r
+
+
+def test_a_forced_sampler_trainer_gap_shows_in_the_metrics_and_fires_the_gen_alarm(tiny_stages, tmp_path):
+    """The fault (#30): the sampler draws at temperature 1.0 while the scoring pass (rollout.temperature)
+    uses 0.7: the real PPO app, its `sampling` patched in the child process. The gap is orders of
+    magnitude above the no-fault run's (< 1e-4, previous test) and the gen alarm fires at step 1. The
+    tiny model's next-token distributions are nearly flat, so its gen_kl is ~1e-3 (a peaked model's is
+    ~0.1: tests/test_sampler_gap.py); alarms.gen_kl=1e-4 sits between the two runs. ppo.is_correction=tis
+    runs on the gap (capped tokens counted)."""
+    out = tmp_path / "o"
+    code = ("import dataclasses, sys\nimport rlhf.ppo as P\norig = P.sampling\n"
+            "P.sampling = lambda cfg: dataclasses.replace(orig(cfg), temperature=1.0)\n"
+            "sys.argv = ['rlhf.ppo', *sys.argv[1:]]\nP.main()\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, f"output_dir={out}", f"actor.model={tiny_stages / 'sft'}",
+         f"critic.model={tiny_stages / 'reward'}", "train.max_steps=1", "train.eval_every=0", "train.save_every=0",
+         "rollout.prompts_per_step=8", "rollout.mini_batch_size=8", "rollout.micro_batch_size=8",
+         "rollout.max_new_tokens=6", "rollout.temperature=0.7", "eval.max_new_tokens=6", "data.num_eval_prompts=4",
+         "reward.sources=[judge]", "alarms.gen_kl=1e-4", "ppo.is_correction=tis", "ppo.is_cap=1.05"],
+        cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (r,) = metrics(out, "train")
+    assert r["gen_logprob_gap"] > 1e-2 and r["gen_logprob_gap_max"] > 3e-2 and r["gen_kl"] > 1e-4, r
+    assert r["alarm_gen"] == 1 and r["alarm_gen_kl"] == r["gen_kl"]
+    assert r["is_capped_tokens"] > 0 and 0 < r["is_weight_mean"] and r["is_weight_max"] <= 1.05 + 1e-6
+    assert "ALARM gen at step 1: sampler and trainer disagree" in proc.stdout + proc.stderr
+    assert summary(out)["alarms_fired"] == {"gen": 1}
