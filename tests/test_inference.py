@@ -359,8 +359,9 @@ def test_sampling_frequencies_match_reference(params):
     ref = reference_probs(logits, params)
     assert (freq[ref == 0] == 0).all()  # filtered tokens are never drawn
     assert 0.5 * (freq - ref).abs().sum() < 0.006  # total variation (sampling noise ~0.002 here)
-    expected_lp = torch.log_softmax(logits / params.temperature, -1)[tokens]
-    assert torch.allclose(logprobs, expected_lp)
+    # the log-prob of the distribution drawn from: filtered and renormalised, written out above
+    expected_lp = ref.log()[tokens].float()
+    assert torch.allclose(logprobs, expected_lp, atol=1e-6)
 
 
 def test_greedy_is_argmax():
@@ -403,9 +404,14 @@ def test_generate_sampling_is_seeded_and_masks_logprobs():
     a, b, c = run(0), run(0), run(1)
     assert torch.equal(a.sequences, b.sequences) and not torch.equal(a.sequences, c.sequences)
     assert (a.logprobs[a.response_mask == 0] == 0).all() and (a.logprobs[a.response_mask == 1] < 0).all()
-    # the returned log-probs are those of the temperature-scaled model distribution
-    lp = torch.log_softmax(hf_logits(hf, a.sequences, a.attention_mask)[:, P - 1 : -1] / 0.8, -1)
-    lp = lp.gather(-1, a.sequences[:, P:, None]).squeeze(-1) * a.response_mask
+    # the returned log-probs are those of the distribution drawn from: temperature-scaled, top-p
+    # filtered (kernels' keep mask), renormalised
+    from kernels.sampling import keep_mask_reference
+
+    z = hf_logits(hf, a.sequences, a.attention_mask)[:, P - 1 : -1].float() / 0.8
+    keep = keep_mask_reference(z.reshape(-1, z.shape[-1]), 0, 0.9).reshape(z.shape)
+    lp = torch.log_softmax(z.masked_fill(~keep, -math.inf), -1)
+    lp = torch.where(a.response_mask.bool(), lp.gather(-1, a.sequences[:, P:, None]).squeeze(-1), 0.0)
     assert torch.allclose(a.logprobs, lp, atol=1e-4)
 
 
