@@ -9,7 +9,7 @@ import torch
 from engine.distributed import all_reduce_max, all_reduce_sum
 from rlhf.algos import rl as rl_math
 from rlhf.algos.rl import masked_sum
-from rlhf.config import PPOConfig
+from rlhf.config import PPOAlgoConfig, PPOConfig
 from rlhf.rl.experience import Experience
 from rlhf.rl.rollout import Rollout
 
@@ -53,7 +53,7 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
     return rec
 
 
-def sampler_gap(exp: Experience, p) -> dict[str, float]:
+def sampler_gap(exp: Experience, p: PPOAlgoConfig) -> dict[str, float]:
     """The sampler's log-probs against the scoring pass's (logp_old) on the response tokens of the
     update, over every rank (a collective; {} when the experience has no sampler log-probs). With
     d_t = logp_old_t - logp_gen_t (the trainer's minus the sampler's, same token):
