@@ -314,7 +314,7 @@ class PPOAlgoConfig:
     policy_loss: str = "clip"
     # Correct for the sampler/trainer gap (rho = pi_trainer / pi_sampler of each sampled token): none |
     # tis (truncated IS, weight min(rho, is_cap)) | mis (masked IS, weight rho in [is_low, is_high], else 0)
-    is_correction: str = "none"
+    is_correction: str = "none"  # none | tis | mis: importance weights for the sampler/trainer gap
     is_cap: float = 2.0  # tis: the cap C on the importance weight (> 0)
     is_low: float = 0.5  # mis: rho below this is masked (0 <= is_low < 1)
     is_high: float = 2.0  # mis: rho above this is masked (> 1)
