@@ -535,7 +535,7 @@ class TrainEngine(_ShardedModule):
             for _ in raw:  # NOTE: what the refresh left unread is still expected (and its units resharded)
                 pass
             slots, required = self._inference.named_slots()
-            self._finish_check(lambda: mismatches(slots, self._listed(expected), required), "injected model's weights",
+            self._finish_check(lambda: mismatches(slots, self._listed(expected), required), "injected model",
                                spent[0])
         return self._inference
 
@@ -562,10 +562,10 @@ class TrainEngine(_ShardedModule):
         if self.info.is_main:
             log = logger.info if self.weight_checks == 1 else logger.debug
             if compared:
-                log("engine.check_weights=%s: %d tensors of the %s equal the training parameters (%.3f s)",
+                log("engine.check_weights=%s: %d tensors of the generation layout (%s) equal the training parameters (%.3f s)",
                     self.cfg.check_weights, compared, where, self.weight_check_s)
             else:
-                log("engine.check_weights=%s: the %s is the training module itself (stage %d): nothing to compare",
+                log("engine.check_weights=%s: the generation layout (%s) is the training module itself (stage %d): nothing to compare",
                     self.cfg.check_weights, where, self.cfg.stage)
 
     def _sharded_sources(self) -> list[tuple[str, torch.Tensor]]:
@@ -600,7 +600,7 @@ class TrainEngine(_ShardedModule):
                 raise error
             return mismatches({n: layout[n] for n in names}, expected, names)
 
-        self._finish_check(compare, "gathered module (transformers generate)", time.perf_counter() - start)
+        self._finish_check(compare, "the gathered module transformers generate runs on", time.perf_counter() - start)
 
     # ------------------------------------------------------------ memory
 

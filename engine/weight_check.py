@@ -139,7 +139,7 @@ def raise_on_any_rank(bad: list[str], *, rank: int, device: torch.device, where:
         return
     if bad:
         shown = "\n  ".join(bad[:8]) + (f"\n  ... and {len(bad) - 8} more" if len(bad) > 8 else "")
-        raise WeightCheckError(f"engine.check_weights: the {where} does not hold the training parameters on rank {rank} "
-                               f"({len(bad)} tensors differ):\n  {shown}")
-    raise WeightCheckError(f"engine.check_weights: the {where} differs from the training parameters on another rank "
-                           f"({int(flags)} tensors in all; see that rank's error); this rank's matched")
+        raise WeightCheckError(f"engine.check_weights: the generation layout ({where}) does not hold the training "
+                               f"parameters on rank {rank} ({len(bad)} tensors differ):\n  {shown}")
+    raise WeightCheckError(f"engine.check_weights: the generation layout ({where}) differs from the training parameters "
+                           f"on another rank ({int(flags)} tensors in all; see that rank's error); this rank's matched")
