@@ -216,6 +216,8 @@ class TrainEngine(_ShardedModule):
         self._inference = None  # the injected InferenceModel, kept between generation phases
         # engine.selfcheck: the injected decoder is compared with transformers on its first use
         self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
+        # the mergeable LoRA layers ({} without adapters; None: adapters the injected model cannot take)
+        self._lora = lora_layers(inner_module(self.unwrapped))
         self.weight_checks = 0  # engine.check_weights: checks run so far (generation() entries checked)
         self.weight_check_s = 0.0  # the last check's seconds (fingerprints and comparison)
         self.optimizer = build_optimizer(self.unwrapped, optim_cfg, zero1=self._zero1)
@@ -484,15 +486,10 @@ class TrainEngine(_ShardedModule):
 
         base = hf_base_model(self.unwrapped)
         # LoRA adapters the injected model can take merged (engine/lora.py) are no reason to fall back
-        unmergeable = base is not inner_module(self.unwrapped) and self._lora_layers() is None
+        unmergeable = base is not inner_module(self.unwrapped) and self._lora is None
         return choose_generation_path(self.cfg.generation, self.info.device.type, getattr(base, "config", None),
                                       adapters=unmergeable)
 
-    def _lora_layers(self):
-        """{clean name: LoraLayer} of the model's mergeable LoRA layers ({} without adapters), or None."""
-        if not hasattr(self, "_lora"):
-            self._lora = lora_layers(inner_module(self.unwrapped))
-        return self._lora
 
     def _decoder_agrees(self, model) -> bool:
         """engine.selfcheck, on the injected decoder's first use: `decoder_mismatch` on two probe prompts
@@ -519,7 +516,7 @@ class TrainEngine(_ShardedModule):
         gathered tensor as it passes), then compares the slots. Collective."""
         from .inference import InferenceModel
 
-        dtype, layers = TORCH_DTYPES[self.cfg.precision], self._lora_layers() or {}
+        dtype, layers = TORCH_DTYPES[self.cfg.precision], self._lora or {}
         raw = self.named_full_parameters()
         expected: dict[str, torch.Tensor] = {}
         spent = [0.0]
