@@ -8,9 +8,10 @@ master weights into bf16 slots; comparing after the same cast makes equality exa
 summation order). A mismatch is a `WeightCheckError` naming the tensor and both fingerprints.
 
 Fingerprint of a tensor x (flattened, n elements, cast to the layout dtype), in float64:
-    [ sum_i x_i,  sum_i w(o + i) x_i,  sum_i |x_i| ]      w(j) = frac(j * phi) + 0.5 in [0.5, 1.5)
-with o the flat offset of x in the whole tensor (a shard's fingerprints add up to the whole's), phi
-the golden ratio (a low-discrepancy sequence: no two positions share a weight, so a permutation,
+    [ sum_i x_i,  sum_i p(o + i) x_i,  sum_i |x_i| ]
+    p(j) = w(j mod C) * v(j div C),  w(i) = frac(i * phi) + 0.5,  v(k) = 1 + frac(k * sqrt 2)
+with o the flat offset of x in the whole tensor (a shard's fingerprints add up to the whole's), C =
+CHUNK, phi the golden ratio (a low-discrepancy sequence: no two positions share a weight, so a permutation,
 a transposition or a stale row changes the weighted sum even where the plain sum stays). Two
 fingerprints agree when every component is within RTOL * sum|x| (float64 sums of the same values in
 another order differ by ~1e-16 relative; a one-ulp change of a bf16 element of magnitude m moves the
@@ -29,23 +30,52 @@ from .errors import WeightCheckError
 from .lora import LoraLayer, LoraMerger
 
 PHI = (math.sqrt(5.0) - 1.0) / 2.0
+SQRT2 = math.sqrt(2.0)
 RTOL = 1e-12
-CHUNK = 1 << 22  # elements per float64 pass: bounds the check's extra memory to ~100 MiB
+CHUNK = 1 << 20  # elements per float64 pass: the check's extra memory stays ~20 MiB
 PEFT_PREFIX = "base_model.model."  # stripped from names, as the injected model's load_weights does
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # per device: [2, CHUNK] float64, rows 1 and w(i) = frac(i * phi) + 0.5
+
+
+def _chunk_weights(device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None:
+        w = torch.arange(CHUNK, dtype=torch.float64, device=device) * PHI
+        w = _WEIGHTS[device] = torch.stack([torch.ones_like(w), w - w.floor() + 0.5])
+    return w
+
+
+def position_weight(j: int) -> float:
+    """The weight of flat position j (what `fingerprint` uses, for tests and readers)."""
+    k, i = divmod(j, CHUNK)
+    return ((i * PHI) % 1.0 + 0.5) * (1.0 + (k * SQRT2) % 1.0)
 
 
 def fingerprint(t: torch.Tensor, dtype: torch.dtype | None = None, offset: int = 0) -> torch.Tensor:
     """[3] float64 on t's device: sum, position-weighted sum and absolute sum of `t` cast to `dtype`
-    (None: as it is), its first element being element `offset` of the whole tensor (a shard)."""
+    (None: as it is), its first element being element `offset` of the whole tensor (a shard).
+
+    Position j = k * CHUNK + i weighs w(i) * v(k), w(i) = frac(i * phi) + 0.5, v(k) = 1 + frac(k * sqrt 2):
+    one cached [2, CHUNK] matrix serves every tensor, shard and chunk: per chunk a cast, one
+    matrix-vector product (both sums) and one 1-norm, as few kernels as we could (the check's cost is
+    mostly launches on a model of small tensors)."""
     x = t.detach().reshape(-1)
-    out = torch.zeros(3, dtype=torch.float64, device=x.device)
-    for start in range(0, x.numel(), CHUNK):
-        c = x[start : start + CHUNK]
+    w = _chunk_weights(x.device)
+    parts = []
+    start, n = 0, x.numel()
+    while start < n:
+        k, i = divmod(offset + start, CHUNK)
+        stop = min(n, start + CHUNK - i)  # to the end of global chunk k
+        c = x[start:stop]
         c = (c if dtype is None else c.to(dtype)).double()
-        w = torch.arange(offset + start, offset + start + c.numel(), dtype=torch.float64, device=x.device) * PHI
-        w = w - w.floor() + 0.5
-        out += torch.stack([c.sum(), torch.dot(c, w), c.abs().sum()])
-    return out
+        sums = torch.mv(w[:, i : i + c.numel()], c)  # [sum c, sum w c]
+        if k:
+            sums = sums * sums.new_tensor([1.0, 1.0 + (k * SQRT2) % 1.0])
+        parts.append(torch.cat([sums, torch.linalg.vector_norm(c, 1)[None]]))
+        start = stop
+    if not parts:
+        return torch.zeros(3, dtype=torch.float64, device=x.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 def agree(got: list[float], want: list[float], rtol: float = RTOL) -> bool:

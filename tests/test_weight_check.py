@@ -40,6 +40,7 @@ def generate(engine):
 def test_fingerprint_is_the_formula_and_sees_one_element_and_a_permutation():
     x = torch.tensor([[1.0, -2.0], [3.0, 0.5]])
     w = [(i * wc.PHI) % 1.0 + 0.5 for i in range(4)]
+    assert w == pytest.approx([wc.position_weight(i) for i in range(4)], rel=1e-15)
     want = [2.5, 1.0 * w[0] - 2.0 * w[1] + 3.0 * w[2] + 0.5 * w[3], 6.5]
     torch.testing.assert_close(fingerprint(x), torch.tensor(want, dtype=torch.float64), rtol=1e-15, atol=0)
 
@@ -54,6 +55,20 @@ def test_fingerprint_is_the_formula_and_sees_one_element_and_a_permutation():
     assert got[0] == pytest.approx(ref[0], rel=1e-12) and not agree(got, ref)
     assert agree(fingerprint(big.to(torch.bfloat16).T.contiguous().T.contiguous()).tolist(), ref)  # same values, same order
     assert not agree(fingerprint(big.to(torch.bfloat16).T.contiguous()).tolist(), ref)  # a transposed copy
+
+
+def test_fingerprints_across_chunks_weigh_by_position(monkeypatch):
+    monkeypatch.setattr(wc, "CHUNK", 8)
+    monkeypatch.setattr(wc, "_WEIGHTS", {})
+    x = torch.randn(5, 7, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # 35 elements, 5 chunks
+    flat = x.reshape(-1).tolist()
+    want = [sum(flat), sum(v * wc.position_weight(j) for j, v in enumerate(flat)), sum(abs(v) for v in flat)]
+    torch.testing.assert_close(fingerprint(x), torch.tensor(want, dtype=torch.float64), rtol=1e-13, atol=0)
+    parts = fingerprint(x[:2], offset=0) + fingerprint(x[2:], offset=14)  # a shard starting mid-chunk
+    assert agree(parts.tolist(), want)
+    swapped = x.reshape(-1).clone()
+    swapped[[3, 11]] = swapped[[11, 3]]  # the same chunk-local position in two chunks
+    assert not agree(fingerprint(swapped).tolist(), want)
 
 
 def test_shard_fingerprints_add_up_to_the_whole_and_the_cast_is_applied():
