@@ -1,6 +1,6 @@
 """The cost of the weight check on every switch to generation (`engine.check_weights`), in one run.
 
-    PYTHONPATH=. python scripts/bench_boundary.py                     # CPU: PPO default, 2 reps x 3 steps
+    PYTHONPATH=. python scripts/bench_boundary.py                     # PPO default, 2 rounds x 3 steps (docs/engine.md)
     PYTHONPATH=. python scripts/bench_boundary.py --reps 3 --steps 4 --paths auto,injected
 
 1. Stage runs: `python -m rlhf.ppo` on the default config (the tiny model, the shipped data), from an
