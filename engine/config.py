@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 PRECISIONS = ("fp32", "bf16", "fp16")
 GENERATION_PATHS = ("auto", "injected", "hf")
 SELFCHECK = ("auto", "true", "false")
+CHECK_WEIGHTS = ("every", "first", "never")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +70,11 @@ class EngineConfig:
     # reference on a small slice (engine/generation.py decoder_mismatch, kernels/dispatch.py guarded);
     # a mismatch or an exception: one warning line, and the reference path for the rest of the run.
     selfcheck: str = "auto"  # check the fast paths on first use: auto (on CUDA) | true | false
+    # On entering generation mode, a fingerprint of every tensor of the generation layout (the
+    # injected model's fused slots, LoRA merged; or the gathered module transformers generate uses)
+    # is compared with the training parameters it came from (engine/weight_check.py); a mismatch is
+    # a WeightCheckError naming the tensor, before a token is sampled. Measured cost: docs/engine.md.
+    check_weights: str = "every"  # compare the generation weights with the training parameters: every (switch to generation) | first | never
     # Read by the stage apps' command line only (rlhf/config/ds_config.py), never by the engine: the file's
     # settings become overrides placed before the user's, so the command line wins.
     ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (see docs/deepspeed.md)
@@ -131,6 +137,8 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.generation must be one of {GENERATION_PATHS}, got {cfg.generation!r}")
     if str(cfg.selfcheck).lower() not in SELFCHECK:
         raise ValueError(f"engine.selfcheck must be one of {SELFCHECK}, got {cfg.selfcheck!r}")
+    if cfg.check_weights not in CHECK_WEIGHTS:
+        raise ValueError(f"engine.check_weights must be one of {CHECK_WEIGHTS}, got {cfg.check_weights!r}")
     if cfg.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(
             f"engine.precision=fp16 needs a CUDA device (device here: {info.device}); "

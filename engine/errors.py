@@ -4,3 +4,10 @@
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed as asked: incomplete, foreign, or saved by a layout
     (ZeRO-1 optimizer shards, per-rank state) that this run cannot read."""
+
+
+class WeightCheckError(RuntimeError):
+    """The generation layout (the injected model's fused slots, or the gathered module that
+    `transformers` generate uses) does not hold the training parameters it was built from
+    (`engine.check_weights`): a stale, corrupted or unmerged weight. Raised on every rank before a
+    token is sampled."""

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,11 +40,13 @@ from .checkpoint import (
 )
 from .config import EngineConfig, OptimConfig, selfcheck_enabled, validate_engine_config
 from .errors import CheckpointError
+from .lora import lora_layers, merge_lora
 from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
 from .parallelize import TORCH_DTYPES, clean_name, hf_base_model, inner_module, parallelize
+from .weight_check import expected_tap, mismatches, raise_on_any_rank, sharded_fingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +216,10 @@ class TrainEngine(_ShardedModule):
         self._inference = None  # the injected InferenceModel, kept between generation phases
         # engine.selfcheck: the injected decoder is compared with transformers on its first use
         self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
+        # the mergeable LoRA layers ({} without adapters; None: adapters the injected model cannot take)
+        self._lora = lora_layers(inner_module(self.unwrapped))
+        self.weight_checks = 0  # engine.check_weights: checks run so far (generation() entries checked)
+        self.weight_check_s = 0.0  # the last check's seconds (fingerprints and comparison)
         self.optimizer = build_optimizer(self.unwrapped, optim_cfg, zero1=self._zero1)
         self.scheduler = build_scheduler(self.optimizer, optim_cfg, total_steps)
         self.scaler = DynamicLossScaler(
@@ -420,12 +427,16 @@ class TrainEngine(_ShardedModule):
         released on exit so training resumes with its usual memory. Inside, no collective runs.
         With `engine.selfcheck` (auto: on CUDA), the injected path's first use is checked against
         transformers first (`_decoder_agrees`); if it disagrees, this and every later phase take the
-        generic path.
+        generic path. LoRA adapters reach the injected model merged (engine/lora.py).
+        With `engine.check_weights` (every entry, the first, or never), the generation layout is
+        compared with the training parameters before anything is generated (engine/weight_check.py):
+        a mismatch raises WeightCheckError on every rank.
         """
         from .generation import HFGenerator, InjectedGenerator
 
+        check = self.cfg.check_weights == "every" or (self.cfg.check_weights == "first" and self.weight_checks == 0)
         if self._generation_path() == "injected":
-            model = self._refresh_inference_model()
+            model = self._refresh_inference_model(check=check)
             if self._check_decoder_first:
                 self._check_decoder_first = False
                 if not self._decoder_agrees(model):  # the rest of the run generates through transformers
@@ -444,7 +455,10 @@ class TrainEngine(_ShardedModule):
             # NOTE: engine.compile compiles the blocks for training; decoding through them would
             # recompile for every cache shape, so generate runs them eagerly.
             stance = torch.compiler.set_stance("force_eager") if self.cfg.compile else contextlib.nullcontext()
+            sources = self._sharded_sources() if check else None
             with self.gathered_parameters(), stance:
+                if check:
+                    self._check_gathered(sources)
                 was_training = self.unwrapped.training
                 self.unwrapped.eval()
                 try:
@@ -471,8 +485,11 @@ class TrainEngine(_ShardedModule):
         from .generation import choose_generation_path
 
         base = hf_base_model(self.unwrapped)
+        # LoRA adapters the injected model can take merged (engine/lora.py) are no reason to fall back
+        unmergeable = base is not inner_module(self.unwrapped) and self._lora is None
         return choose_generation_path(self.cfg.generation, self.info.device.type, getattr(base, "config", None),
-                                      adapters=base is not inner_module(self.unwrapped))
+                                      adapters=unmergeable)
+
 
     def _decoder_agrees(self, model) -> bool:
         """engine.selfcheck, on the injected decoder's first use: `decoder_mismatch` on two probe prompts
@@ -493,17 +510,94 @@ class TrainEngine(_ShardedModule):
                            why or "on another rank; this rank's check passed")
         return not failed
 
-    def _refresh_inference_model(self):
+    def _refresh_inference_model(self, check: bool = False):
+        """The injected model with the current weights (LoRA merged), streamed one FSDP unit at a time.
+        `check`: the weight check rides on the same stream (expected fingerprints taken from each
+        gathered tensor as it passes), then compares the slots. Collective."""
         from .inference import InferenceModel
 
-        named = self.named_full_parameters()
+        dtype, layers = TORCH_DTYPES[self.cfg.precision], self._lora or {}
+        raw = self.named_full_parameters()
+        expected: dict[str, torch.Tensor] = {}
+        spent = [0.0]
+        if check:
+            raw = expected_tap(raw, dtype, layers, expected, spent)
+        named = merge_lora(raw, layers)
         if self._inference is None:
-            self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named,
-                                             dtype=TORCH_DTYPES[self.cfg.precision],
+            self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named, dtype=dtype,
                                              device=self.info.device)
         else:
             self._inference.load_weights(named)
+        if check:
+            for _ in raw:  # NOTE: what the refresh left unread is still expected (and its units resharded)
+                pass
+            slots, required = self._inference.named_slots()
+            self._finish_check(lambda: mismatches(slots, self._listed(expected), required), "injected model",
+                               spent[0])
         return self._inference
+
+    @staticmethod
+    def _listed(fps: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+        if not fps:
+            return {}
+        return dict(zip(fps, torch.stack([f.cpu() for f in fps.values()]).tolist()))
+
+    def _finish_check(self, compare, where: str, spent: float) -> None:
+        """Runs `compare` (-> (mismatch lines, tensors compared)) and raises on every rank if any rank
+        found a mismatch; counts and times the check, logging it once at INFO. Collective: a rank
+        whose comparison fails with an exception still joins the all-reduce (no rank hangs)."""
+        start = time.perf_counter()
+        try:
+            bad, compared = compare()
+        except Exception as e:  # noqa: BLE001 - reported on every rank as a failed check
+            if self.info.world_size == 1:
+                raise
+            bad, compared = [f"the check itself failed: {type(e).__name__}: {e}"], 0
+        raise_on_any_rank(bad, rank=self.info.rank, device=self.info.device, where=where)
+        self.weight_check_s = spent + time.perf_counter() - start
+        self.weight_checks += 1
+        if self.info.is_main:
+            log = logger.info if self.weight_checks == 1 else logger.debug
+            if compared:
+                log("engine.check_weights=%s: %d tensors of the generation layout (%s) equal the training parameters (%.3f s)",
+                    self.cfg.check_weights, compared, where, self.weight_check_s)
+            else:
+                log("engine.check_weights=%s: the generation layout (%s) is the training module itself (stage %d): nothing to compare",
+                    self.cfg.check_weights, where, self.cfg.stage)
+
+    def _sharded_sources(self) -> list[tuple[str, torch.Tensor]]:
+        """(clean name, parameter) as training holds them at rest: FSDP2 shards (every unit resharded
+        first: a stage-2 unit may still hold its last forward's gathered copy) or DDP's replicas."""
+        for unit, _ in self._fsdp_units:
+            unit.reshard()
+        return [(clean_name(n), p) for n, p in self.unwrapped.named_parameters()]
+
+    def _check_gathered(self, sources: list[tuple[str, torch.Tensor]]) -> None:
+        """The transformers path's check, inside `gathered_parameters`: each gathered tensor against
+        its shards (sharded fingerprints, one all-reduce). A tensor that *is* its training parameter
+        (stage 0/1: generate runs on the training module itself) has nothing to compare. Collective."""
+        start = time.perf_counter()
+        layout = {clean_name(n): p for n, p in self.unwrapped.named_parameters()}
+        differ = [(n, p) for n, p in sources if n in layout and layout[n] is not p]
+        names = [n for n, _ in differ]
+        try:
+            want = sharded_fingerprints(differ, {n: layout[n].dtype for n in names}, rank=self.info.rank,
+                                        device=self.info.device)
+            expected = dict(zip(names, want.cpu().tolist()))
+        except Exception as e:  # noqa: BLE001 - every rank must still reach the all-reduce below
+            if self.info.world_size == 1:
+                raise
+            error = e
+            expected = {}
+        else:
+            error = None
+
+        def compare():
+            if error is not None:
+                raise error
+            return mismatches({n: layout[n] for n in names}, expected, names)
+
+        self._finish_check(compare, "the gathered module transformers generate runs on", time.perf_counter() - start)
 
     # ------------------------------------------------------------ memory
 

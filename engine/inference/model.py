@@ -210,6 +210,13 @@ class InferenceModel:
             s[p + "fc2.weight"], s[p + "fc2.bias"] = lw.w2, lw.b2
         return s
 
+    def named_slots(self) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+        """({HF name: the view of a fused tensor it fills}, the names `load_weights` requires): what
+        the weight check (engine/weight_check.py) compares with the training parameters."""
+        if self._slots is None:
+            return {}, frozenset()
+        return dict(self._slots), frozenset(self._required)
+
     def weight_tensors(self) -> list[torch.Tensor]:
         """The distinct fused tensors (for memory accounting and the storage-stability test)."""
         if self._slots is None:

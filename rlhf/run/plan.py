@@ -45,6 +45,7 @@ from omegaconf import OmegaConf
 
 from engine.config import resolve_precision
 from engine.generation import choose_generation_path
+from engine.lora import lora_layers
 from engine.memory import ZERO_FORMULAS, fmt_bytes, layout_bytes, planned_bytes, zero_formula_bytes
 from engine.optim import param_groups
 from engine.parallelize import find_blocks
@@ -132,7 +133,9 @@ def _build_arch(mcfg, tok: Callable[[], Any], key: str, *, value: bool, lora: bo
     return Arch(shapes, groups, block, hf.num_hidden_layers, hf.hidden_size,
                 getattr(hf, "intermediate_size", None) or getattr(hf, "ffn_dim", 4 * hf.hidden_size),
                 (getattr(hf, "num_key_value_heads", None) or heads) * head_dim, hf.vocab_size,
-                {"fp32": 4, "bf16": 2, "fp16": 2}[dtype], hf, lora and mcfg.lora.r > 0)
+                {"fp32": 4, "bf16": 2, "fp16": 2}[dtype], hf,
+                # adapters the injected model cannot take merged (engine/lora.py: plain LoRA it can)
+                lora and mcfg.lora.r > 0 and lora_layers(model) is None)
 
 
 def _tokenizer(mcfg, key: str):
