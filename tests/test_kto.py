@@ -285,6 +285,20 @@ def test_an_unpaired_file_gives_what_its_pairs_give(run_k, tmp_path):
                 assert y[k] == pytest.approx(x[k], rel=1e-6, abs=1e-7), (kind, x["step"], k)
 
 
+def test_online_reference_gives_the_precomputed_values(run_k, tmp_path):
+    tmp, base, pairs, _ = run_k
+    out = tmp_path / "o"
+    run_stage("dpo", f"output_dir={out}", *base, f"data.path={pairs}", f"data.eval_path={pairs}",
+              "dpo.reference=online", "train.save_every=0")
+    assert summary(out)["reference"] == "online"
+    for kind in ("train", "eval"):
+        a, o = metrics(tmp / "p", kind), metrics(out, kind)
+        assert len(a) == len(o)
+        for x, y in zip(a, o):
+            for k in ("loss", "margin", "kl"):  # the same model and rows; only the batch padding differs
+                assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-5), (kind, x["step"], k)
+
+
 def test_resume_continues_exactly(run_k, tmp_path):
     tmp, base, pairs, _ = run_k
     out_r = tmp_path / "r"
