@@ -151,8 +151,9 @@ def kl_over_ranks(total: torch.Tensor) -> torch.Tensor:
 
 
 def make_loss(p: DPOAlgoConfig, reference):
-    """The engine's loss: summed `dpo_loss` over the B pairs of a batch. The reference log-probs are
-    the batch's "ref" (precomputed), else `reference(batch)` [2B] (online), else none (simpo)."""
+    """The engine's loss: summed `dpo_loss` over the B pairs of a batch (kto: summed `kto_loss` over its
+    B rows, z0 all-reduced over the ranks). The reference log-probs are the batch's "ref"
+    (precomputed), else `reference(batch)` [2B] (online), else none (simpo)."""
     def dpo_step_loss(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
         ref = batch.get("ref")
         if ref is None and reference is not None:
