@@ -177,6 +177,11 @@ def workspace(tmp_path_factory):
     with open(ROOT / "data/default/pairs_train.jsonl") as src, open(w / "my_pairs.jsonl", "w") as f:
         f.writelines(line for _, line in zip(range(256), src))
     shutil.copy(ROOT / "data/default/eval_prompts.jsonl", w / "my_prompts.jsonl")
+    with open(ROOT / "data/default/pairs_train.jsonl") as src, open(w / "my_feedback.jsonl", "w") as f:
+        for _, line in zip(range(128), src):  # KTO's rows as TRL writes them: 256 labelled rows
+            r = json.loads(line)
+            for side in ("chosen", "rejected"):
+                f.write(json.dumps({"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}) + "\n")
     (w / "mypkg").mkdir()
     (w / "mypkg" / "__init__.py").write_text("")
     (w / "mypkg" / "rewards.py").write_text(

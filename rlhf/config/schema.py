@@ -240,11 +240,17 @@ class RewardConfig(StageConfig):
 class DPOAlgoConfig:
     """The preference loss (rlhf/algos/preference.py) and where the reference log-probs come from."""
 
-    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | robust | simpo (reference-free)
+    # sigmoid (DPO) | ipo | hinge | robust | simpo (reference-free) | kto (unpaired rows {prompt, response,
+    # label}; pairs are split into a desirable and an undesirable row)
+    loss_type: str = "sigmoid"
     beta: float = 0.1  # inverse temperature of the implicit reward beta * (logp - logp_ref)
     label_smoothing: float = 0.0  # sigmoid: conservative DPO; robust: the assumed label flip rate; in [0, 0.5)
     gamma: float = 0.0  # simpo: the target reward margin
-    # > 0: + sft_coef x the chosen response's NLL per token (RPO); 0 = plain DPO. Default 1 (measured on
+    # kto: lambda_D and lambda_U, the weights of desirable and undesirable rows' losses; keep
+    # lambda_D n_D / (lambda_U n_U) in [1, 4/3] (KTO eq. 8, TRL): upweight the rarer kind
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0  # kto: lambda_U (see desirable_weight)
+    # > 0: + sft_coef x the chosen (kto: each desirable) response's NLL per token (RPO); 0 = plain DPO. Default 1 (measured on
     # the embedded default from the SFT output, lr 3e-4, 100 steps: gold 66 -> 98.5 with 1, while with 0
     # the chosen answers' likelihood falls too: reverse/sort drop, gold 80.5 at step 50, 86.5 at 100 with
     # sort still at 39)

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine import OptimConfig, validate_engine_config, validate_optim_config
 from engine.config import EngineConfig, resolve_precision
-from rlhf.algos.preference import LOSS_TYPES
+from rlhf.algos.preference import LOSS_TYPES, UNPAIRED_LOSS_TYPES
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, policy_loss_fn
 from rlhf.config.schema import (
     DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, CadenceConfig, DataConfig, DPOConfig, EvaluateConfig,
@@ -261,13 +261,18 @@ def rollout_rows(r: RolloutConfig) -> int:
 def validate_dpo(cfg: DPOConfig, info) -> int:
     """Everything a DPO run needs, checked before any model loads; returns accumulation steps."""
     p = cfg.dpo
-    _need(p.loss_type in LOSS_TYPES, f"dpo.loss_type must be one of {LOSS_TYPES}, got {p.loss_type!r}")
+    kinds = LOSS_TYPES + UNPAIRED_LOSS_TYPES
+    _need(p.loss_type in kinds, f"dpo.loss_type must be one of {kinds}, got {p.loss_type!r}")
     _need(p.beta > 0, f"dpo.beta must be > 0, got {p.beta}")
     _need(0 <= p.label_smoothing < 0.5, f"dpo.label_smoothing must be in [0, 0.5), got {p.label_smoothing}")
     _need(p.label_smoothing == 0 or p.loss_type in ("sigmoid", "robust"),
           f"dpo.label_smoothing applies to dpo.loss_type=sigmoid or robust, not {p.loss_type!r}")
     _need(p.gamma == 0 or p.loss_type == "simpo", f"dpo.gamma applies to dpo.loss_type=simpo, not {p.loss_type!r}")
     _need(p.sft_coef >= 0, f"dpo.sft_coef must be >= 0, got {p.sft_coef}")
+    for key in ("desirable_weight", "undesirable_weight"):
+        value = getattr(p, key)
+        _need(value > 0 and math.isfinite(value), f"dpo.{key} must be a finite number > 0, got {value}")
+        _need(value == 1 or p.loss_type == "kto", f"dpo.{key} applies to dpo.loss_type=kto, not {p.loss_type!r}")
     _need(p.reference in ("precompute", "online"), f"dpo.reference must be 'precompute' or 'online', got {p.reference!r}")
     return validate_sft(cfg, info)  # the keys DPO shares with SFT: model, data, eval, train, engine
 

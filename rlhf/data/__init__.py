@@ -14,14 +14,17 @@ from rlhf.data.records import (
     PAIR_SHAPES,
     PROMPT_SHAPES,
     SFT_SHAPES,
+    UNPAIRED_SHAPES,
     ChatExample,
     PairExample,
     PromptExample,
     Row,
     SFTExample,
+    UnpairedExample,
     parse_pairs,
     parse_prompts,
     parse_sft,
+    parse_unpaired,
 )
 from rlhf.data.sources import load_rows
 from rlhf.data.split import split_indices, take_split
@@ -30,15 +33,17 @@ from rlhf.data.tokenize import (
     collate_pairs,
     collate_prompts,
     collate_sft,
+    mismatched_rows,
     tokenize_pairs,
     tokenize_prompts,
     tokenize_sft,
+    tokenize_unpaired,
 )
 
 __all__ = [
     "DataFileNotFoundError", "DataFormatError", "IGNORE_INDEX", "PAIR_SHAPES", "PROMPT_SHAPES",
-    "SFT_SHAPES", "SUPPORTED_EXTENSIONS", "ChatExample", "PairExample", "PromptExample", "Row", "SFTExample",
-    "collate_pairs", "collate_prompts", "collate_sft", "load_rows", "parse_data_split", "parse_pairs",
-    "parse_prompts", "parse_sft", "split_indices", "take_split", "tokenize_pairs", "tokenize_prompts",
-    "tokenize_sft",
+    "SFT_SHAPES", "SUPPORTED_EXTENSIONS", "UNPAIRED_SHAPES", "ChatExample", "PairExample", "PromptExample", "Row",
+    "SFTExample", "UnpairedExample", "collate_pairs", "collate_prompts", "collate_sft", "load_rows",
+    "mismatched_rows", "parse_data_split", "parse_pairs", "parse_prompts", "parse_sft", "parse_unpaired",
+    "split_indices", "take_split", "tokenize_pairs", "tokenize_prompts", "tokenize_sft", "tokenize_unpaired",
 ]

@@ -21,6 +21,12 @@ response are concatenated with nothing in between (Dahoas and hh-rlhf prompts en
              {chosen, rejected} strings    hh-rlhf transcripts: prompt = shared text up to and
                                            including the LAST "\\n\\nAssistant:", responses = rest
              {chosen, rejected} messages   whole conversations sharing all but the last message
+    unpaired {prompt, completion, label}   KTO's rows (TRL's unpaired preference shape): label true
+                                           (desirable) or false; prompt may be a message list,
+                                           completion a one-message assistant list
+             {prompt, response, label}     the same with `response`
+             any pair shape                split into two rows: (prompt, chosen, true) and
+                                           (prompt, rejected, false)
     prompts  {prompt} or any of the above  the prompt part is taken ({text} has none; a conversation's
                                            is all of it but a final assistant turn, + generation prompt)
 
@@ -71,6 +77,16 @@ class PairExample:
 
 
 @dataclass(slots=True)
+class UnpairedExample:
+    """A labelled row (KTO): the response is desirable (label True) or undesirable for the prompt."""
+
+    prompt: str
+    response: str
+    label: bool
+    origin: str  # "a.jsonl:17"; a row split from a pair: "a.jsonl:17 (chosen)" / "(rejected)"
+
+
+@dataclass(slots=True)
 class PromptExample:
     prompt: str
     origin: str
@@ -81,7 +97,7 @@ class PromptExample:
 HH_ASSISTANT = "\n\nAssistant:"
 # Fields that make up a record; any other scalar field of a prompt row goes into PromptExample.meta.
 _RECORD_FIELDS = frozenset({"prompt", "response", "text", "messages", "chosen", "rejected", "answer",
-                            "conversations", "instruction", "input", "output"})
+                            "conversations", "instruction", "input", "output", "completion", "label"})
 
 SFT_SHAPES = (
     "{prompt, response} (prompt: str or message list)",
@@ -95,6 +111,12 @@ PAIR_SHAPES = (
     "{prompt, chosen, rejected} (responses only; prompt: str or message list)",
     '{chosen, rejected} hh-rlhf transcripts sharing the text up to the last "\\n\\nAssistant:"',
     "{chosen: [messages], rejected: [messages]} sharing all but the last (assistant) message",
+)
+UNPAIRED_SHAPES = (
+    "{prompt, completion, label} (label: true = desirable, false = undesirable; prompt: str or message list, "
+    "completion: str or a one-message assistant list)",
+    "{prompt, response, label}",
+    "any pair shape, split into (prompt, chosen, true) and (prompt, rejected, false)",
 )
 PROMPT_SHAPES = (
     "{prompt} (str or message list)",
@@ -302,6 +324,35 @@ _PAIR_TABLE: list[tuple[str, Callable, _Parser]] = [
 ]
 
 
+def _label(data: Mapping[str, Any]) -> bool:
+    value = _get(data, "label")
+    # NOTE: a bool column read through numpy (parquet) arrives as numpy.bool_, not a bool subclass.
+    if not (isinstance(value, bool) or type(value).__name__ == "bool_"):
+        raise _RowError(f"field 'label' must be true or false, got {type(value).__name__} {value!r:.40}")
+    return bool(value)
+
+
+def _unpaired(key: str) -> _Parser:
+    return lambda d, r: [(_prompt_text(d, r), _response_text(d, key), _label(d), "")]
+
+
+def _split_pair(parser: _Parser) -> _Parser:
+    def split(d: Mapping[str, Any], render: _Renderer) -> list[tuple[str, str, bool, str]]:
+        prompt, chosen, rejected = parser(d, render)
+        return [(prompt, chosen, True, " (chosen)"), (prompt, rejected, False, " (rejected)")]
+
+    return split
+
+
+# The unpaired shapes select on prompt + completion/response alone, so that a row without a label is
+# read as what it is meant to be and refused as "missing field 'label'".
+_UNPAIRED_TABLE: list[tuple[str, Callable, _Parser]] = [
+    ("{prompt, completion, label}", _has("prompt", "completion"), _unpaired("completion")),
+    ("{prompt, response, label}", _has("prompt", "response"), _unpaired("response")),
+    *[(f"pairs {name}, split", selects, _split_pair(parser)) for name, selects, parser in _PAIR_TABLE],
+]
+
+
 def _prompt_of_messages(msgs: list[dict[str, str]], key: str, render: _Renderer) -> str:
     if msgs[-1]["role"] == "assistant":
         msgs = msgs[:-1]
@@ -377,6 +428,15 @@ def parse_pairs(rows: Sequence[Row | Mapping[str, Any]], tokenizer: Any = None) 
     """Rows -> PairExample (prompt, chosen response, rejected response)."""
     parsed = _parse(rows, tokenizer, _PAIR_TABLE, PAIR_SHAPES, "pair")
     return [PairExample(p, c, r, row.origin) for row, (p, c, r) in parsed]
+
+
+def parse_unpaired(rows: Sequence[Row | Mapping[str, Any]], tokenizer: Any = None) -> list[UnpairedExample]:
+    """Rows -> UnpairedExample (prompt, response, label): KTO's rows as they are, or every pair split
+    into its desirable (chosen) and undesirable (rejected) row, in that order."""
+    out = []
+    for row, parts in _parse(rows, tokenizer, _UNPAIRED_TABLE, UNPAIRED_SHAPES, "unpaired"):
+        out += [UnpairedExample(p, y, label, row.origin + side) for p, y, label, side in parts]
+    return out
 
 
 def _scalar(v: Any) -> bool:

@@ -30,10 +30,10 @@ from rlhf.config import DataConfig, TrainConfig
 from rlhf.config.validate import STAGES, data_sources, mix_weights
 from rlhf.core.errors import ConfigError
 from rlhf.data.mix import mix_rows
-from rlhf.data.records import Row, parse_pairs, parse_sft
+from rlhf.data.records import Row, parse_pairs, parse_sft, parse_unpaired
 from rlhf.data.sources import load_rows
 from rlhf.data.split import take_split
-from rlhf.data.tokenize import tokenize_pairs, tokenize_sft
+from rlhf.data.tokenize import mismatched_rows, tokenize_pairs, tokenize_sft, tokenize_unpaired
 
 logger = logging.getLogger(__name__)
 
@@ -143,14 +143,20 @@ class StageData:
     total: int  # optimizer steps: train.max_steps, else train.epochs x steps per epoch
     eval_rows: list[Row]  # the held-out rows as read (what output_dir/eval_rows.jsonl holds)
     eval_source: str | None  # where they come from (`held_out_source`)
-    unit: str  # "rows" (SFT) or "pairs"
+    unit: str  # "rows" (SFT, KTO's labelled rows) or "pairs"
+    stats: dict[str, int] | None = None  # the training rows' counts from the tokenizer (over-long rule, kinds)
 
 
-def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, name: str) -> StageData:
+def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, name: str, *,
+               unpaired: bool = False) -> StageData:
     """`stage_rows` parsed and tokenized as demonstrations (stage 0: SFT) or preference pairs (1: reward,
     DPO) under the over-long rule, and the order the run's `total` steps read them in; one log line
-    (`name` starts it) with the counts."""
+    (`name` starts it) with the counts. `unpaired` (KTO, stage 1): labelled rows instead of pairs (pairs
+    split into a desirable and an undesirable row), each with its mismatched KL row (`mismatched_rows`,
+    seeded with data.split_seed)."""
     parse, tokenize, unit = (parse_sft, tokenize_sft, "rows") if stage == 0 else (parse_pairs, tokenize_pairs, "pairs")
+    if unpaired:
+        parse, tokenize, unit = parse_unpaired, tokenize_unpaired, "rows"
     train_rows, eval_rows = stage_rows(d, stage)
     rule = (tok, d.max_len, d.max_prompt_len, d.overlong, d.add_bos)
     if stage == 0:  # conversations: every assistant turn, or the whole transcript
@@ -158,11 +164,18 @@ def stage_data(d: DataConfig, t: TrainConfig, seed: int, tok: Any, stage: int, n
     train, stats = tokenize(parse(train_rows, tok), *rule)
     eval_examples = parse(eval_rows, tok)
     held_out, _ = tokenize(eval_examples, *rule)
+    if unpaired:
+        for feats, what in ((train, "training"), (held_out, "held-out")):
+            if len(feats) == 1:
+                raise ConfigError(f"data.path={d.path!r}: one {what} row is left after the over-long rule; KTO pairs "
+                                  "each prompt with another row's response to estimate its reference point: give it two or more")
+            if feats:
+                mismatched_rows(feats, d.max_len, d.split_seed)
     order = StepOrder(len(train), t.global_batch_size, seed)
     total = t.max_steps or t.epochs * order.steps_per_epoch
     logger.info("%s data: %d train %s (%s), %d held-out %s; %d steps of %d %s (%d per epoch)", name,
                 len(train), unit, stats, len(held_out), unit, total, t.global_batch_size, unit, order.steps_per_epoch)
-    return StageData(train, held_out, eval_examples, order, total, eval_rows, held_out_source(d, stage), unit)
+    return StageData(train, held_out, eval_examples, order, total, eval_rows, held_out_source(d, stage), unit, stats)
 
 
 def held_out_line(n: int, unit: str, source: str | None) -> str:

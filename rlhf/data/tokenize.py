@@ -34,6 +34,10 @@ side ends empty, when chosen == rejected as text, or when both sides are identic
 (truncation counts are over kept rows; kept + dropped = rows) and logs one line when anything was
 cut or dropped.
 
+Unpaired rows (KTO) follow the SFT rule row by row; `mismatched_rows` then gives each kept row the
+sequence KTO's KL estimate reads: its own prompt part followed by another row's response (+ eos), cut
+on the right to max_len when longer (whatever data.overlong says: it is scored, never trained on).
+
 Collators: SFT and pairs are right-padded (pairs as one [2B, L] batch, the B chosen rows first,
 then the B rejected rows); prompts are left-padded so generation continues from the last column.
 """
@@ -46,7 +50,7 @@ from typing import Any
 import torch
 
 from rlhf.data.chat import chat_tokens
-from rlhf.data.records import ChatExample, PairExample, PromptExample, SFTExample
+from rlhf.data.records import ChatExample, PairExample, PromptExample, SFTExample, UnpairedExample
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +228,63 @@ def tokenize_pairs(
         out.append({"chosen_ids": p + c[0], "rejected_ids": p + r[0], "prompt_len": len(p), "index": i})
     _log("tokenize_pairs", stats, max_len, max_prompt_len, overlong)
     return out, stats
+
+
+def tokenize_unpaired(
+    examples: Sequence[UnpairedExample],
+    tokenizer: Any,
+    max_len: int,
+    max_prompt_len: int,
+    overlong: str = "truncate",
+    add_bos: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Labelled rows -> [{input_ids, prompt_len, label, index}] ([bos]+prompt+response+[eos] under the
+    over-long rule; index = position in `examples`), and stats (+ desirable/undesirable: kept rows of each)."""
+    _check(tokenizer, max_len, max_prompt_len, overlong)
+    bos, eos = _bos(tokenizer, add_bos), tokenizer.eos_token_id
+    prompts = _encode(tokenizer, [e.prompt for e in examples])
+    responses = _encode(tokenizer, [e.response for e in examples])
+    stats = dict(rows=len(examples), kept=0, prompt_truncated=0, response_truncated=0, dropped=0, desirable=0,
+                 undesirable=0)
+    out = []
+    for i, (ex, p_ids, r_ids) in enumerate(zip(examples, prompts, responses)):
+        prompt = _prompt_part(p_ids, bos, max_prompt_len, overlong)
+        target = None if prompt is None else _target(r_ids, eos, max_len - len(prompt[0]), overlong)
+        if target is None:
+            stats["dropped"] += 1
+            continue
+        (p, p_cut), (t, t_cut) = prompt, target
+        stats["kept"] += 1
+        stats["prompt_truncated"] += p_cut
+        stats["response_truncated"] += t_cut
+        stats["desirable" if ex.label else "undesirable"] += 1
+        out.append({"input_ids": p + t, "prompt_len": len(p), "label": ex.label, "index": i})
+    _log("tokenize_unpaired", stats, max_len, max_prompt_len, overlong)
+    return out, stats
+
+
+def mismatched_rows(features: list[dict[str, Any]], max_len: int, seed: int) -> list[dict[str, Any]]:
+    """KTO's mismatched pairs (x_i, y_j): each feature gains `kl_ids`, its own prompt part followed by
+    the response (+ eos) of another row, cut on the right to `max_len`, and `kl_partner` (j).
+
+    Partners are fixed per row, as TRL's KTOTrainer fixes its KL completions when it prepares the
+    dataset: in a permutation seeded by `seed`, a row takes the response of the next row whose prompt
+    differs from its own (the rows of a split pair share a prompt: theirs would not be a mismatch),
+    cyclically; only when every row has the same prompt does a row take the next row's anyway.
+    Needs at least two rows."""
+    n = len(features)
+    if n < 2:
+        raise ValueError(f"KTO pairs each prompt with another row's response to estimate the KL: it needs at "
+                         f"least 2 rows, got {n}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    prompt = [tuple(f["input_ids"][: f["prompt_len"]]) for f in features]
+    for k, i in enumerate(order):
+        j = next((order[(k + s) % n] for s in range(1, n) if prompt[order[(k + s) % n]] != prompt[i]),
+                 order[(k + 1) % n])
+        own, other = features[i], features[j]
+        kl = own["input_ids"][: own["prompt_len"]] + other["input_ids"][other["prompt_len"] :]
+        own["kl_ids"], own["kl_partner"] = kl[:max_len], j
+    return features
 
 
 def tokenize_prompts(

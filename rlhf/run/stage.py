@@ -259,13 +259,15 @@ class Run:
     def loop(self, engine: Any, order: Any, accum: int, batch: Callable[[list[int]], dict], loss: Callable,
               keys: Sequence[str], postfix: dict[str, tuple[str, str]], *,
               before_step: Callable[[int], None] | None = None,
-              extra: Callable[[int], dict] | None = None) -> dict[str, Any]:
+              extra: Callable[[int], dict] | None = None,
+              derive: Callable[[dict], dict] | None = None) -> dict[str, Any]:
         """The loop of a stage that trains one engine on rows (SFT, reward, DPO): each step, this rank's
         `accum` micro-batches of `order`'s rows (`batch(row indices)`), one `engine.train_step` with
         `loss`, the skip check; every log step a train record: `out[k]` for `keys`, tokens_per_s (the
         world's, since the last record), skipped_steps and `extra(step)`; the bar shows `postfix`
-        ({name: (record key, format spec)}). `before_step(step)` runs first (reward's head-only phase).
-        Returns the last record."""
+        ({name: (record key, format spec)}). `before_step(step)` runs first (reward's head-only phase);
+        `derive(out)` adds figures computed from the step's averages (KTO's per-kind means) before `keys`
+        are read. Returns the last record."""
         meter, last = Throughput(), {}
         for step in self.steps():
             if before_step is not None:
@@ -275,6 +277,7 @@ class Run:
             out = engine.train_step(batches, loss)
             self.check(out)
             if self.logs(step):
+                out = derive(out) if derive is not None else out
                 last = {**{k: out[k] for k in keys}, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps,
                         **(extra(step) if extra else {})}
                 self.log_train(step, last, {name: format(last[k], spec) for name, (k, spec) in postfix.items()})
