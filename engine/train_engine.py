@@ -422,7 +422,10 @@ class TrainEngine(_ShardedModule):
         transformers first (`_decoder_agrees`); if it disagrees, this and every later phase take the
         generic path.
         """
-        from .generation import HFGenerator, InjectedGenerator
+        from .generation import BatchInvariantGenerator, HFGenerator, InjectedGenerator
+
+        def wrap(gen):  # engine.deterministic: per-row streams, fixed-size forwards (BatchInvariantGenerator)
+            return BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen
 
         if self._generation_path() == "injected":
             model = self._refresh_inference_model()
@@ -435,7 +438,7 @@ class TrainEngine(_ShardedModule):
                     model.release_cache()  # the probe's 2-row cache and graphs; the real batch allocates its own
         if self._gen_path == "injected":
             try:
-                yield InjectedGenerator(model)
+                yield wrap(InjectedGenerator(model))
             finally:
                 if self.cfg.release_inference_cache:
                     model.release()
@@ -448,7 +451,7 @@ class TrainEngine(_ShardedModule):
                 was_training = self.unwrapped.training
                 self.unwrapped.eval()
                 try:
-                    yield HFGenerator(inner_module(self.unwrapped))
+                    yield wrap(HFGenerator(inner_module(self.unwrapped)))
                 finally:
                     self.unwrapped.train(was_training)
         if self.info.device.type == "cuda":
