@@ -208,7 +208,7 @@ def generate(
     st.step.fill_(1)
     if seeded:
         st.row_seeds.copy_(row_seeds)
-    if graph is not None:
+    if graph is not None and not seeded:  # seeded: the graph computes its noise, its generator is unused
         graph.seed(generator)
 
     for t in range(1, max_new_tokens):

@@ -35,9 +35,10 @@ def stages(out: str) -> list[tuple[str, str, list[str]]]:
     """(name, app, overrides) in order; every later stage starts from the SFT output."""
     model = f"{out}/sft/model"
     return [
-        ("sft", "sft", [*SMALL_MODEL, "train.global_batch_size=8", "train.micro_batch_size=4"]),
+        ("sft", "sft", [*SMALL_MODEL, "train.global_batch_size=8", "train.micro_batch_size=4", "eval.max_new_tokens=6"]),
         ("reward", "reward", [f"model.name_or_path={model}", "model.fallback_to_config=false", *PAIRS]),
-        ("dpo", "dpo", [f"model.name_or_path={model}", "model.fallback_to_config=false", *PAIRS]),
+        ("dpo", "dpo", [f"model.name_or_path={model}", "model.fallback_to_config=false", *PAIRS,
+                        "eval.max_new_tokens=6"]),
         ("ppo", "ppo", [f"actor.model={model}", f"critic.model={out}/reward/model", *RL]),
         ("grpo", "ppo", ["algorithm=grpo", f"actor.model={model}", "reward.sources=[judge]", *RL,
                          "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4"]),
