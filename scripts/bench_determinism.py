@@ -110,7 +110,8 @@ def main() -> None:
     print(f"| SFT step (tokens/s) | {off:,.0f} | {on:,.0f} | {off / on:.2f}x |")
     for k, v in times.items():
         off, on = statistics.median(v[False]), statistics.median(v[True])
-        print(f"| PPO {k.removeprefix('step_').removesuffix('_s')} (s) | {off:.3f} | {on:.3f} | {on / off:.2f}x |")
+        name = "whole step" if k == "ppo step" else k.removeprefix("step_").removesuffix("_s")
+        print(f"| PPO {name} (s) | {off:.3f} | {on:.3f} | {on / off:.2f}x |")
 
 
 if __name__ == "__main__":
