@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/bench_determinism.py                      # SFT and PPO steps, CPU
     PYTHONPATH=. python scripts/bench_determinism.py --reps 5 --steps 6 --out /tmp/bench_det
     PYTHONPATH=. python scripts/bench_determinism.py --sft-steps 20 --threads 1 --clock cpu   # a busy machine
+    PYTHONPATH=. python scripts/bench_determinism.py --ppo engine.generation=injected --on engine.deterministic_rows=16
 
 The stages run in this process (their `run(config)`, what `python -m rlhf.<stage>` calls after parsing its
 command line) on the default configuration, `--steps` steps each, no evaluation in between, with
@@ -74,6 +75,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="steps per measured run")
     ap.add_argument("--sft-steps", type=int, default=150, help="steps of the SFT model the PPO runs start from")
     ap.add_argument("--out", default="outputs/bench_determinism", help="where the runs write")
+    ap.add_argument("--ppo", nargs="*", default=[], help="overrides of both modes' PPO runs (engine.generation=injected)")
+    ap.add_argument("--on", nargs="*", default=[], help="overrides of the deterministic runs (engine.deterministic_rows=16)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: step times in CPU-seconds of this process (use with --threads 1 on a busy machine)")
@@ -92,19 +95,21 @@ def main() -> None:
     for _ in range(args.reps):
         for det in (False, True):
             flag = f"engine.deterministic={str(det).lower()}"
+            on = args.on if det else []
             d = f"{out}/sft_{det}"
             run("sft", [f"output_dir={d}", f"train.max_steps={args.steps + 1}", "train.log_every=1", *QUIET, *eval_few,
                         flag])
             rates[det].append(sft_rate(d))
             d = f"{out}/ppo_{det}"
             run("ppo", [f"output_dir={d}", f"actor.model={out}/sft/model", f"critic.model={out}/reward/model",
-                        f"train.max_steps={args.steps}", *QUIET, *eval_few, flag])
+                        f"train.max_steps={args.steps}", *QUIET, *eval_few, *args.ppo, flag, *on])
             s = read_json(os.path.join(d, "summary.json"))
             for k in PPO_PARTS:
                 times[k][det].append(s[k])
             times["ppo step"][det].append(sum(s[k] for k in PPO_PARTS))
     print(f"\nengine.deterministic off vs on, embedded default, {args.reps} interleaved rounds of {args.steps} steps "
-          f"(medians; threads {torch.get_num_threads()}, {args.clock} clock)")
+          f"(medians; threads {torch.get_num_threads()}, {args.clock} clock{'; PPO: ' + ' '.join(args.ppo) if args.ppo else ''}"
+          f"{'; on: ' + ' '.join(args.on) if args.on else ''})")
     print("| per step | off | on | on / off (time) |\n|---|---|---|---|")
     off, on = statistics.median(rates[False]), statistics.median(rates[True])
     print(f"| SFT step (tokens/s) | {off:,.0f} | {on:,.0f} | {off / on:.2f}x |")
