@@ -75,6 +75,14 @@ class EngineConfig:
     # is compared with the training parameters it came from (engine/weight_check.py); a mismatch is
     # a WeightCheckError naming the tensor, before a token is sampled. Measured cost: docs/engine.md.
     check_weights: str = "every"  # compare the generation weights with the training parameters: every (switch to generation) | first | never
+    # Deterministic mode (engine/determinism.py): torch's deterministic algorithms, and generation whose
+    # tokens and log-probs do not depend on the batch (generation.BatchInvariantGenerator: per-row sampling
+    # streams from the caller's row seeds, fixed-size forwards, SDPA's math backend). Bit for bit on the
+    # same machine and world size; see docs/engine.md for the cost and what holds only to a tolerance.
+    deterministic: bool = False  # runs repeat bit for bit (same machine, world size); batch-invariant sampling
+    # Deterministic mode only: every generation forward runs exactly this many rows (a batch is cut into
+    # chunks, the last one filled with copies), since GEMM kernels are chosen by the row count.
+    deterministic_rows: int = 64  # engine.deterministic: rows per generation forward (chunks; the last one padded)
     # Read by the stage apps' command line only (rlhf/config/ds_config.py), never by the engine: the file's
     # settings become overrides placed before the user's, so the command line wins.
     ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (see docs/deepspeed.md)
@@ -139,6 +147,12 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.selfcheck must be one of {SELFCHECK}, got {cfg.selfcheck!r}")
     if cfg.check_weights not in CHECK_WEIGHTS:
         raise ValueError(f"engine.check_weights must be one of {CHECK_WEIGHTS}, got {cfg.check_weights!r}")
+    if not isinstance(cfg.deterministic, bool):
+        raise ValueError(f"engine.deterministic must be true or false, got {cfg.deterministic!r}")
+    if isinstance(cfg.deterministic_rows, bool) or not isinstance(cfg.deterministic_rows, int) \
+            or cfg.deterministic_rows < 1:
+        raise ValueError(f"engine.deterministic_rows must be an integer >= 1 (rows per generation forward), "
+                         f"got {cfg.deterministic_rows!r}")
     if cfg.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(
             f"engine.precision=fp16 needs a CUDA device (device here: {info.device}); "

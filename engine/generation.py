@@ -14,6 +14,12 @@ steps actually taken (the loop ends when every row has finished or at max_new_to
 settings are passed explicitly in a fresh `GenerationConfig`, so a model's own
 generation_config (e.g. do_sample=False, top_k=50, repetition penalties) never changes what was
 asked: greedy only when `greedy=True`.
+
+`row_seeds` [B] (both paths): per-row sampling streams, the draw of row b's token t made with
+`row_noise(row_seeds, t, V)[b]` (engine/inference/sampling.py), so a row's tokens do not depend on the
+rest of its batch. Here a `RowStreamSampler` logits processor draws the token (kernels.sample, as the
+injected path) and leaves only it finite, and `generate` runs in its greedy mode to pick it.
+`BatchInvariantGenerator` (engine.deterministic) adds what makes the logits batch-invariant too.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from torch import nn
 
 # The one settings class of both paths (its docstring states the sampling convention), also
 # imported from here: this module is the generation interface.
-from .inference.sampling import SamplingParams
+from .inference.sampling import SamplingParams, row_noise, sample
 
 
 def choose_generation_path(want: str, device_type: str, config, *, adapters: bool = False) -> tuple[str, str]:
@@ -74,6 +80,25 @@ def response_mask_from_eos(responses: torch.Tensor, eos_ids: list[int]) -> torch
     return (before == 0).long()
 
 
+class RowStreamSampler:
+    """A `transformers` logits processor that samples each row from its own stream: the token drawn
+    by `sample(scores, params, noise=row_noise(row_seeds, t, V))` (t = tokens generated so far) keeps
+    its score (0) and every other token gets -inf, so `generate`'s greedy mode picks it. The sampler's
+    log-prob of each drawn token (under the filtered, renormalised distribution) is kept in `logprobs`
+    (one [B] tensor per step): `generate`'s processed scores hold only the pick."""
+
+    def __init__(self, row_seeds: torch.Tensor, params: SamplingParams, prompt_len: int):
+        self.row_seeds, self.params, self.prompt_len = row_seeds, params, prompt_len
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[1] - self.prompt_len
+        tokens, logprobs = sample(scores, self.params,
+                                  noise=row_noise(self.row_seeds.to(scores.device), t, scores.shape[-1]))
+        self.logprobs.append(logprobs.float())
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
+
+
 @torch.no_grad()
 def hf_generate(
     model: nn.Module,
@@ -84,34 +109,47 @@ def hf_generate(
     eos_token_id: int | list[int],
     pad_token_id: int,
     return_logprobs: bool = False,
+    row_seeds: torch.Tensor | None = None,
 ) -> Generated:
-    """Generate from LEFT-padded prompts with `model.generate` (KV cache). Randomness: torch's RNG."""
-    from transformers import GenerationConfig
+    """Generate from LEFT-padded prompts with `model.generate` (KV cache). Randomness: torch's RNG, or
+    with `row_seeds` [B] per-row streams (`RowStreamSampler`)."""
+    from transformers import GenerationConfig, LogitsProcessorList
 
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    sampling = {} if params.greedy else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+    streams = row_seeds is not None and not params.greedy
+    if row_seeds is not None and row_seeds.shape != prompt_ids.shape[:1]:
+        raise ValueError(f"row_seeds must have one seed per prompt row: shape ({prompt_ids.shape[0]},), "
+                         f"got {tuple(row_seeds.shape)}")
+    pick = params.greedy or streams  # the processor samples; generate takes its one finite token
+    sampling = {} if pick else dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
     gen_cfg = GenerationConfig(
         max_new_tokens=_max_new_tokens(params),
-        do_sample=not params.greedy,
+        do_sample=not pick,
         eos_token_id=eos_ids,
         pad_token_id=pad_token_id,
         output_scores=return_logprobs,  # the processed scores: / temperature, top-k/top-p at -inf
         return_dict_in_generate=True,
         **sampling,
     )
-    if params.greedy:
+    if pick:
         gen_cfg.top_k, gen_cfg.top_p, gen_cfg.temperature = None, None, None
+    stream = RowStreamSampler(row_seeds, params, prompt_ids.shape[1]) if streams else None
+    processors = LogitsProcessorList([stream] if streams else [])
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg)
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg,
+                             logits_processor=processors)
     finally:
         model.train(was_training)
     P = prompt_ids.shape[1]
     seqs = out.sequences
     resp_mask = response_mask_from_eos(seqs[:, P:], eos_ids)
     logprobs = None
-    if return_logprobs:
+    if return_logprobs and stream is not None:  # per-row streams: the sampler's own, step by step
+        logprobs = torch.stack(stream.logprobs, dim=1)[:, : seqs.shape[1] - P]
+        logprobs = torch.where(resp_mask.bool(), logprobs, 0.0)
+    elif return_logprobs:
         # [B, T, V] the scores the token was drawn from: logits / temperature with the tokens top-k /
         # top-p drop at -inf (no warper when off; greedy: the raw logits), so log_softmax renormalises
         scores = torch.stack(out.scores, dim=1).float()
@@ -184,9 +222,10 @@ class HFGenerator:
         self.module = module
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
-                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False) -> Generated:
+                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False,
+                 row_seeds: torch.Tensor | None = None) -> Generated:
         return hf_generate(self.module, prompt_ids, prompt_mask, params, eos_token_id=eos_token_id,
-                           pad_token_id=pad_token_id, return_logprobs=return_logprobs)
+                           pad_token_id=pad_token_id, return_logprobs=return_logprobs, row_seeds=row_seeds)
 
 
 class InjectedGenerator:
@@ -199,12 +238,78 @@ class InjectedGenerator:
         self.model = model
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
-                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False) -> Generated:
+                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False,
+                 row_seeds: torch.Tensor | None = None) -> Generated:
         from .inference import generate
 
         out = generate(self.model, prompt_ids, prompt_mask, _max_new_tokens(params), eos_token_id=eos_token_id,
-                       pad_token_id=pad_token_id, sampling=params, return_logprobs=return_logprobs)
+                       pad_token_id=pad_token_id, sampling=params, return_logprobs=return_logprobs,
+                       row_seeds=row_seeds)
         resp_mask = out.response_mask.long()
         logprobs = out.logprobs.float() * resp_mask if return_logprobs else None
         return Generated(sequences=out.sequences, attention_mask=out.attention_mask.long(), response_mask=resp_mask,
                          prompt_len=prompt_ids.shape[1], logprobs=logprobs)
+
+
+class BatchInvariantGenerator:
+    """`engine.deterministic`: a generator (`HFGenerator` / `InjectedGenerator`) run so that a row's
+    tokens and log-probs are the same whatever else shares its batch, its position there, or how many
+    rows there are. Three things make a row's computation independent of the batch:
+
+    - the sampling draws: per-row streams (`row_seeds`, the caller's; without them, drawn from torch's
+      RNG: reproducible, but then a row's stream depends on its position);
+    - the matmuls: CPU GEMM and cuBLAS pick their kernel (and its reduction order) by the number of
+      rows, so every forward runs exactly `rows` rows: the batch is cut into chunks of `rows`, the last
+      one filled with copies of its last row (their outputs dropped). Measured on this repository's
+      2-core CPU (fp32, the tiny Llama): a decode step's logits at batch 1, 2 or 7 differ in the last
+      bits from the same row's at batch 64, while within a fixed batch size a row's result does not
+      depend on its position or neighbours;
+    - attention: SDPA's fused CPU kernel (and flash-decoding's split heuristics on CUDA) split the work
+      by batch x heads over the threads, which changed a row's result in the last bits with the batch
+      (2 threads); the math backend (`SDPBackend.MATH`: matmul, softmax, matmul) does not, so it is
+      forced here. One pad column is put in front of every prompt, so every chunk has padding and
+      `transformers` never switches to its no-mask path for a chunk of full-width prompts.
+
+    The prompt width is the caller's to fix (left padding to a constant width: the rlhf stages pad to
+    their data's longest prompt): attention reduces over every slot, masked ones included, so a wider
+    padding can change a row's logits in the last bits. Output: as the inner generator's, with the
+    prompt columns as given; the response width is the longest chunk's.
+    """
+
+    def __init__(self, inner, rows: int):
+        if rows < 1:
+            raise ValueError(f"engine.deterministic_rows must be >= 1, got {rows}")
+        self.inner, self.rows, self.name = inner, rows, inner.name
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
+                 eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False,
+                 row_seeds: torch.Tensor | None = None) -> Generated:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import pad
+
+        B, P = prompt_ids.shape
+        if row_seeds is None and not params.greedy:
+            row_seeds = torch.randint(0, 2**62, (B,))
+        ids, mask = pad(prompt_ids, (1, 0), value=pad_token_id), pad(prompt_mask, (1, 0), value=0)
+        n = -(-B // self.rows) * self.rows
+        take = torch.cat([torch.arange(B), torch.full((n - B,), B - 1)])  # [n]: rows, then copies of the last
+        parts: list[Generated] = []
+        with sdpa_kernel(SDPBackend.MATH):
+            for s in range(0, n, self.rows):
+                rows = take[s : s + self.rows]
+                parts.append(self.inner.generate(
+                    ids[rows.to(ids.device)], mask[rows.to(mask.device)], params, eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id, return_logprobs=return_logprobs,
+                    row_seeds=None if row_seeds is None else row_seeds[rows.to(row_seeds.device)]))
+        T = max(g.responses.shape[1] for g in parts)
+
+        def cat(tensors: list[torch.Tensor], value) -> torch.Tensor:  # [n, T]: each chunk right-padded to T
+            return torch.cat([pad(t, (0, T - t.shape[1]), value=value) for t in tensors])[:B]
+
+        responses = cat([g.responses for g in parts], pad_token_id)
+        response_mask = cat([g.response_mask for g in parts], 0)
+        logprobs = cat([g.logprobs for g in parts], 0.0) if return_logprobs else None
+        dev = responses.device
+        return Generated(sequences=torch.cat([prompt_ids.to(dev), responses], 1),
+                         attention_mask=torch.cat([prompt_mask.to(dev).long(), response_mask.long()], 1),
+                         response_mask=response_mask, prompt_len=P, logprobs=logprobs)

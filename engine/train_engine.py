@@ -432,7 +432,10 @@ class TrainEngine(_ShardedModule):
         compared with the training parameters before anything is generated (engine/weight_check.py):
         a mismatch raises WeightCheckError on every rank.
         """
-        from .generation import HFGenerator, InjectedGenerator
+        from .generation import BatchInvariantGenerator, HFGenerator, InjectedGenerator
+
+        def wrap(gen):  # engine.deterministic: per-row streams, fixed-size forwards (BatchInvariantGenerator)
+            return BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen
 
         check = self.cfg.check_weights == "every" or (self.cfg.check_weights == "first" and self.weight_checks == 0)
         if self._generation_path() == "injected":
@@ -446,7 +449,7 @@ class TrainEngine(_ShardedModule):
                     model.release_cache()  # the probe's 2-row cache and graphs; the real batch allocates its own
         if self._gen_path == "injected":
             try:
-                yield InjectedGenerator(model)
+                yield wrap(InjectedGenerator(model))
             finally:
                 if self.cfg.release_inference_cache:
                     model.release()
@@ -462,7 +465,7 @@ class TrainEngine(_ShardedModule):
                 was_training = self.unwrapped.training
                 self.unwrapped.eval()
                 try:
-                    yield HFGenerator(inner_module(self.unwrapped))
+                    yield wrap(HFGenerator(inner_module(self.unwrapped)))
                 finally:
                     self.unwrapped.train(was_training)
         if self.info.device.type == "cuda":

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from engine import OptimConfig, TrainEngine, hf_base_model, init_distributed
+from engine import OptimConfig, TrainEngine, hf_base_model, init_distributed, set_deterministic
 from rlhf.config import DataConfig, EvaluateConfig, GenerationConfig, ModelConfig
 from rlhf.config.validate import engine_config, validate_evaluate
 from rlhf.core.errors import ConfigError
@@ -177,6 +177,7 @@ def write_jsonl(path: str, rows: Sequence[dict]) -> None:
 
 def run(cfg: EvaluateConfig) -> dict[str, Any]:
     t_start = time.time()
+    set_deterministic(cfg.engine.deterministic)
     info = init_distributed(timeout_s=cfg.engine.timeout_s)
     setup_logging(info.is_main)
     validate_evaluate(cfg, info)

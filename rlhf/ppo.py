@@ -32,6 +32,7 @@ import torch
 
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
+from engine.inference import stream_seed
 from rlhf.algos import rl as rl_math
 from rlhf.config import PPOConfig
 from rlhf.config.validate import rollout_rows, validate_ppo
@@ -45,7 +46,7 @@ from rlhf.rl import alarms, rewards
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
-from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows
+from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
 from rlhf.run.app import stage_main
 from rlhf.run.runlog import read_metrics
@@ -76,14 +77,18 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
         return {}
     n = len(prompts) // info.world_size  # equal rows per rank: the scoring forwards are collective
     mine = prompts[info.rank * n : (info.rank + 1) * n]
-    batch = collate_prompts([{"input_ids": p.ids} for p in mine], tok.pad_token_id)
+    det = cfg.engine.deterministic  # a fixed prompt width and per-row streams: batch-invariant samples
+    batch = collate_prompts([{"input_ids": p.ids} for p in mine], tok.pad_token_id,
+                            max(len(p.ids) for p in prompts) if det else None)
     ids, mask = batch["input_ids"].to(info.device), batch["attention_mask"].to(info.device)
+    group = group_offset + info.rank * n + torch.arange(n, device=info.device)
+    seeds = {"row_seeds": torch.tensor([stream_seed(cfg.seed + 1, i) for i in group.tolist()])} if det else {}
     with models.actor.generation() as gen:
         out = gold_eval(gen, prompts, tok, cfg.eval, info) if gold else {}
         with torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
             torch.manual_seed(cfg.seed + 1)
-            g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    group = group_offset + info.rank * n + torch.arange(n, device=info.device)
+            g = gen.generate(ids, mask, sampling(cfg), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                             **seeds)
     # every row scored, the empty ones too (the training step drops those from its update)
     scored = models.score(Rollout.from_generation(g, group, tok.eos_token_id, cfg.rollout.max_new_tokens,
                                                   drop_empty=False))
@@ -183,12 +188,15 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     eos, pad = tok.eos_token_id, tok.pad_token_id
     micro_per_step = p.ppo_epochs * minis * (r.mini_batch_size // info.world_size // r.micro_batch_size)
     times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
+    # engine.deterministic: every rollout batch padded to the longest prompt, each row its own sampling stream
+    width = max(len(f["input_ids"]) for f in feats) if cfg.engine.deterministic else None
     for step in run.steps():
         t0 = time.time()
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
-        rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad), torch.tensor(idx),
-                           sampling(cfg), eos, pad)
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
+        rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
+                           sampling(cfg), eos, pad, seeds)
         t1 = time.time()
         scored = models.score(rollout)
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN

@@ -110,7 +110,8 @@ def test_hf_sampler_logprobs_are_the_filtered_renormalised_distribution(top_k, t
 # ----------------------------------------------------------------------------- the gap, end to end on both paths
 
 
-def rollout_step(path: str, *, sample_temperature: float, score_temperature: float, top_k: int = 0):
+def rollout_step(path: str, *, sample_temperature: float, score_temperature: float, top_k: int = 0,
+                 row_seeds: torch.Tensor | None = None):
     """One RL step's generate -> score -> experience on a tiny engine (engine.generation=`path`); the
     sampler draws at `sample_temperature`, the scoring pass uses `score_temperature`."""
     model = tiny_lm()
@@ -121,7 +122,7 @@ def rollout_step(path: str, *, sample_temperature: float, score_temperature: flo
     torch.manual_seed(3)
     p = prompts()
     r = generate(engine, p, torch.arange(4), SamplingParams(max_new_tokens=8, temperature=sample_temperature,
-                                                            top_k=top_k), EOS, PAD)
+                                                            top_k=top_k), EOS, PAD, row_seeds=row_seeds)
     assert engine.generation_path == path
     scored = score_rollout(r.sequences, r.attention_mask, r.prompt_len, actor=Policy(engine.unwrapped),
                            reference=Policy(engine.unwrapped), critic=None, micro_batch_size=4,
@@ -160,6 +161,21 @@ def test_no_fault_gap_is_rounding_and_a_forced_temperature_gap_fires_the_alarm(p
         rec = monitor.after_step(2, bad)
     assert rec["alarm_gen"] == 1 and monitor.fired == ["gen"] and monitor.first_fired == {"gen": 2}
     assert math.isclose(rec["alarm_gen_kl"], bad["gen_kl"]) and "ALARM gen at step 2" in caplog.text
+
+
+@pytest.mark.parametrize("path", ["hf", "injected"])
+def test_per_row_streams_return_the_sampler_logprobs(path):
+    """With per-row sampling streams (engine.deterministic's row seeds) transformers' processed scores
+    hold only the drawn token: the sampler's own log-probs are returned instead, at rounding from the
+    scoring pass's; the other path agrees on the tokens and the log-probs."""
+    seeds = torch.tensor([11, 12, 13, 14])
+    r, exp = rollout_step(path, sample_temperature=0.7, score_temperature=0.7, row_seeds=seeds)
+    gap = sampler_gap(exp, ppo_cfg())
+    assert gap["gen_logprob_gap_max"] < 1e-4 and gap["gen_kl"] < 1e-8, gap
+    other, _ = rollout_step("injected" if path == "hf" else "hf", sample_temperature=0.7, score_temperature=0.7,
+                            row_seeds=seeds)
+    assert torch.equal(r.sequences, other.sequences)
+    torch.testing.assert_close(r.logp_gen, other.logp_gen, atol=1e-5, rtol=0)
 
 
 def test_top_k_gap_is_the_truncation():

@@ -23,7 +23,7 @@ Memory timeline of one generation phase (`with engine.generation():`), per rank:
 from .args import ModelArgs, supports
 from .generate import DecodeState, GenerationOutput, decode_step, generate
 from .model import InferenceModel, KVCache
-from .sampling import SamplingParams, filter_logits, sample
+from .sampling import SamplingParams, filter_logits, row_noise, sample, stream_seed
 
 __all__ = [
     "DecodeState",
@@ -35,6 +35,8 @@ __all__ = [
     "decode_step",
     "filter_logits",
     "generate",
+    "row_noise",
     "sample",
+    "stream_seed",
     "supports",
 ]

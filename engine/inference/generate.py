@@ -15,7 +15,10 @@
 
 Randomness: eager sampling draws from `generator` (or the global RNG). A graph samples with its
 own registered generator, reseeded per call from `generator` (or the global RNG), so graphed runs
-are reproducible per seed but are a different stream from eager runs.
+are reproducible per seed but are a different stream from eager runs. With `row_seeds` [B] (per-row
+streams, `engine.deterministic`) no generator is read: row b's token t is drawn with
+`row_noise(row_seeds, t, V)[b]`, computed inside the step (and inside the graph, from the state's
+`row_seeds` and `step` tensors), so eager, graphed and `transformers` runs draw the same tokens.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, row_noise, sample
 
 if TYPE_CHECKING:
     from .model import InferenceModel
@@ -50,9 +53,11 @@ class DecodeState:
     out_tokens: torch.Tensor  # [B] the step's token (pad where the row was already done)
     out_logprobs: torch.Tensor  # [B]
     out_active: torch.Tensor  # [B] bool: the row was still running at this step
+    step: torch.Tensor  # [1] the response token this step draws (0 = the prefill's)
+    row_seeds: torch.Tensor | None = None  # [B] int64: per-row sampling streams (None: the generator)
 
     @classmethod
-    def empty(cls, batch_size: int, eos: torch.Tensor) -> DecodeState:
+    def empty(cls, batch_size: int, eos: torch.Tensor, seeded: bool = False) -> DecodeState:
         dev = eos.device
         long = {"dtype": torch.long, "device": dev}
         return cls(
@@ -64,6 +69,8 @@ class DecodeState:
             out_tokens=torch.zeros(batch_size, **long),
             out_logprobs=torch.zeros(batch_size, device=dev),
             out_active=torch.zeros(batch_size, dtype=torch.bool, device=dev),
+            step=torch.zeros(1, **long),
+            row_seeds=torch.zeros(batch_size, **long) if seeded else None,
         )
 
 
@@ -83,7 +90,9 @@ def decode_step(
     """One token for every row, in place on `st`. Fixed shapes, no host sync (graph-capturable with
     kv_len=None; eager callers pass the live length so attention reads only slots [0, kv_len))."""
     logits = model.forward(st.tokens, st.input_pos, st.position_ids, kv_len=kv_len)[:, -1]
-    tokens, logprobs = sample(logits, sampling, generator)
+    seeded = st.row_seeds is not None and not sampling.greedy
+    noise = row_noise(st.row_seeds, st.step, logits.shape[-1]) if seeded else None
+    tokens, logprobs = sample(logits, sampling, generator, noise=noise)
     active = ~st.done
     tokens = torch.where(active, tokens, pad_token_id)
     st.done |= active & is_eos(tokens, st.eos)
@@ -93,6 +102,7 @@ def decode_step(
     st.tokens.copy_(tokens[:, None])
     st.input_pos.add_(1)
     st.position_ids.add_(1)
+    st.step.add_(1)
 
 
 class DecodeGraph:
@@ -148,12 +158,14 @@ def generate(
     generator: torch.Generator | None = None,
     return_logprobs: bool = False,
     check_every: int | None = None,
+    row_seeds: torch.Tensor | None = None,
 ) -> GenerationOutput:
     """Sample up to `max_new_tokens` for left-padded prompts [B, P] (mask 1 = real token).
 
     Stops early once every row has emitted an EOS; T' = steps actually taken (the longest response).
     sampling: SamplingParams (default: temperature 1, no top-k/top-p; its max_new_tokens is not read
     here). check_every: steps between "all done" host reads (default 8 on CUDA, 1 elsewhere).
+    row_seeds: [B] int64 >= 0, per-row sampling streams (see the module doc); None = `generator`.
     """
     sampling = sampling or SamplingParams()
     if max_new_tokens < 1:
@@ -172,24 +184,31 @@ def generate(
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     model.setup_cache(B, P + max_new_tokens)
     # Capture (first use) before the prefill: the capture's warm-up steps write cache slots.
-    graph = _graph_for(model, B, sampling, pad_token_id, eos_ids, eos) if max_new_tokens > 1 else None
+    if row_seeds is not None and row_seeds.shape != (B,):
+        raise ValueError(f"row_seeds must have one seed per prompt row: shape ({B},), got {tuple(row_seeds.shape)}")
+    seeded = row_seeds is not None
+    graph = _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded) if max_new_tokens > 1 else None
 
     # Prefill. Position = number of real tokens before the token (transformers' cumsum - 1).
     position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
     logits = model.forward(prompt_ids, torch.arange(P, device=device), position_ids, mask, kv_len=P, last_only=True)
-    first, first_lp = sample(logits[:, -1], sampling, generator)
+    noise = row_noise(row_seeds.to(device), 0, logits.shape[-1]) if seeded and not sampling.greedy else None
+    first, first_lp = sample(logits[:, -1], sampling, generator, noise=noise)
 
     out_tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     out_logprobs = torch.zeros(B, max_new_tokens, device=device)
     out_active = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)
     out_tokens[:, 0], out_logprobs[:, 0], out_active[:, 0] = first, first_lp, True
 
-    st = graph.state if graph is not None else DecodeState.empty(B, eos)
+    st = graph.state if graph is not None else DecodeState.empty(B, eos, seeded)
     st.tokens.copy_(first[:, None])
     st.input_pos.fill_(P)
     st.position_ids.copy_(mask.sum(-1, keepdim=True))
     st.done.copy_(is_eos(first, eos))
-    if graph is not None:
+    st.step.fill_(1)
+    if seeded:
+        st.row_seeds.copy_(row_seeds)
+    if graph is not None and not seeded:  # seeded: the graph computes its noise, its generator is unused
         graph.seed(generator)
 
     for t in range(1, max_new_tokens):
@@ -216,13 +235,13 @@ def graphs_enabled(model: InferenceModel) -> bool:
     return model.use_cuda_graphs and model.device.type == "cuda"
 
 
-def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos) -> DecodeGraph | None:
+def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False) -> DecodeGraph | None:
     """The captured decode step for this batch size and setting (capturing it on first use), or None
     off CUDA / when disabled."""
     if not graphs_enabled(model):
         return None
     draw = sampling.draw_settings()
-    key = (B, draw, pad_token_id, tuple(eos_ids))
+    key = (B, draw, pad_token_id, tuple(eos_ids), seeded)
     if key not in model.graphs:
-        model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos), draw, pad_token_id)
+        model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos, seeded), draw, pad_token_id)
     return model.graphs[key]

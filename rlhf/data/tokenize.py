@@ -314,9 +314,13 @@ def tokenize_prompts(
 # --------------------------------------------------------------------------- collators
 
 
-def _pad(seqs: Sequence[Sequence[int]], value: int, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, mask) of shape (len(seqs), max length), padded on the right (or left) with `value`."""
-    width = max((len(s) for s in seqs), default=0)
+def _pad(seqs: Sequence[Sequence[int]], value: int, left: bool = False,
+         width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask) of shape (len(seqs), max length or `width`), padded on the right (or left) with `value`."""
+    longest = max((len(s) for s in seqs), default=0)
+    if width is not None and width < longest:
+        raise ValueError(f"a row of {longest} tokens does not fit the fixed width {width}")
+    width = longest if width is None else width
     ids = torch.full((len(seqs), width), value, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -340,7 +344,8 @@ def collate_pairs(batch: Sequence[dict[str, Any]], pad_id: int) -> dict[str, tor
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def collate_prompts(batch: Sequence[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
-    """-> input_ids, attention_mask: (B, P) LEFT-padded, so every prompt ends at the last column."""
-    input_ids, attention_mask = _pad([b["input_ids"] for b in batch], pad_id, left=True)
+def collate_prompts(batch: Sequence[dict[str, Any]], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:
+    """-> input_ids, attention_mask: (B, P) LEFT-padded, so every prompt ends at the last column; P = the
+    longest prompt, or `width` (a fixed width, e.g. for batch-invariant generation: engine.deterministic)."""
+    input_ids, attention_mask = _pad([b["input_ids"] for b in batch], pad_id, left=True, width=width)
     return {"input_ids": input_ids, "attention_mask": attention_mask}

@@ -134,12 +134,14 @@ def generate_texts(
     tokenizer: Any,
     batch_size: int,
     device: torch.device,
+    width: int | None = None,
 ) -> list[str]:
-    """Decoded responses of this rank's prompts. `generate(ids, mask) -> response ids [B, T]`."""
+    """Decoded responses of this rank's prompts. `generate(ids, mask) -> response ids [B, T]`; `width`: every
+    batch left-padded to it (else to its longest prompt)."""
     texts: list[str] = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
-        batch = collate_prompts([{"input_ids": p.ids} for p in chunk], tokenizer.pad_token_id)
+        batch = collate_prompts([{"input_ids": p.ids} for p in chunk], tokenizer.pad_token_id, width)
         responses = generate(batch["input_ids"].to(device), batch["attention_mask"].to(device))
         texts += tokenizer.batch_decode(responses, skip_special_tokens=True)
     return texts
@@ -171,8 +173,11 @@ def gold_eval(
 
     idx, device = list(range(info.rank, len(prompts), info.world_size)), info.device
     mine = [prompts[i] for i in idx]
+    # NOTE: one prompt width for every batch and rank (the longest of all the prompts): a row's logits then
+    # do not depend on eval.batch_size or the world size through its padding (engine.deterministic).
+    width = max((len(p.ids) for p in prompts), default=None)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        texts = generate_texts(gen, mine, tokenizer, g.batch_size, device)
+        texts = generate_texts(gen, mine, tokenizer, g.batch_size, device, width)
     gold = Judge(g)
     scored = [(i, p.text, t, gold(p, t), p.task) for i, p, t in zip(idx, mine, texts)]
     if gold.failures:

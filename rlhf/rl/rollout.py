@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from engine.inference import stream_seed
 from rlhf.algos.rl import uniform_groups
 from rlhf.modeling.forward import position_ids_from_mask, token_logprobs, token_values
 
@@ -70,14 +71,24 @@ def empty_responses(responses: torch.Tensor, response_mask: torch.Tensor, eos_id
 
 
 @torch.no_grad()
-def generate(actor, prompts: dict, group: torch.Tensor, sampling, eos_id: int, pad_id: int) -> Rollout:
+def generate(actor, prompts: dict, group: torch.Tensor, sampling, eos_id: int, pad_id: int,
+             row_seeds: torch.Tensor | None = None) -> Rollout:
     """Sample responses to `prompts` (collated, left-padded) in the actor engine's generation mode, with
-    the sampler's log-probs (`Rollout.logp_gen`: the step's gen_logprob_gap and ppo.is_correction)."""
+    the sampler's log-probs (`Rollout.logp_gen`: the step's gen_logprob_gap and ppo.is_correction);
+    `row_seeds` [B]: each row's own sampling stream (`rollout_seeds`; engine.deterministic)."""
     device = actor.info.device
     with actor.generation() as gen:
         g = gen.generate(prompts["input_ids"].to(device), prompts["attention_mask"].to(device), sampling,
-                         eos_token_id=eos_id, pad_token_id=pad_id, return_logprobs=True)
+                         eos_token_id=eos_id, pad_token_id=pad_id, return_logprobs=True,
+                         **({} if row_seeds is None else {"row_seeds": row_seeds.to(device)}))
     return Rollout.from_generation(g, group, eos_id, sampling.max_new_tokens)
+
+
+def rollout_seeds(seed: int, step: int, rows: list[int], n_samples: int) -> torch.Tensor:
+    """[B] per-row sampling seeds of one step's rollout rows (`rows`: the dataset row of each, each prompt's
+    `n_samples` samples in a row): stream_seed(seed, step, prompt row, sample index), so a response's
+    draws depend on what it answers and not on its batch, rank or position (engine.deterministic)."""
+    return torch.tensor([stream_seed(seed, step, row, k % n_samples) for k, row in enumerate(rows)], dtype=torch.long)
 
 
 # What each scored quantity comes from, for the message that names it.

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine import compile_seconds, format_memory_report, init_distributed, prune_checkpoints
+from engine import compile_seconds, format_memory_report, init_distributed, prune_checkpoints, set_deterministic
 from engine.checkpoint import remove_leftovers
 from engine.distributed import all_gather_object, all_reduce_sum
 from rlhf.config import as_yaml
@@ -152,6 +152,7 @@ class Run:
         self.t_start = time.time()
         self.name, self.title, self.cfg, self.train = name, title, cfg, train
         self.out_dir = cfg.output_dir
+        set_deterministic(cfg.engine.deterministic)  # before any model or cuBLAS handle exists
         self.info = init_distributed(timeout_s=cfg.engine.timeout_s)
         setup_logging(self.info.is_main)
         self.total = self.start = 0
