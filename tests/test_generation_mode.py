@@ -10,6 +10,7 @@ import torch
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed, validate_engine_config
 from engine.generation import SamplingParams, hf_generate
+from engine.inference.sampling import filter_logits
 
 EOS, PAD = 2, 0
 
@@ -80,12 +81,14 @@ def test_sampling_through_the_injected_path_is_seeded_and_masked():
     a, b = outs
     assert torch.equal(a.sequences, b.sequences)
     assert (a.logprobs <= 0).all() and (a.logprobs[a.response_mask == 0] == 0).all()
-    # the log-prob of each sampled token is log softmax(logits / T) under the HF model
+    # the log-prob of each sampled token is the sampler's: log softmax of (logits / T) with top-p's
+    # dropped tokens at -inf (renormalised over the kept ones) under the HF model
     with torch.no_grad():
         logits = engine.unwrapped(input_ids=a.sequences, attention_mask=a.attention_mask,
                                   position_ids=(a.attention_mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
     P = ids.shape[1]
-    lp = torch.log_softmax(logits[:, P - 1 : -1] / 0.8, -1).gather(-1, a.responses[..., None]).squeeze(-1) * a.response_mask
+    kept = filter_logits((logits[:, P - 1 : -1] / 0.8).flatten(0, 1), 0, 0.9).view(logits[:, P - 1 : -1].shape)
+    lp = torch.log_softmax(kept, -1).gather(-1, a.responses[..., None]).squeeze(-1) * a.response_mask
     torch.testing.assert_close(a.logprobs, lp, rtol=1e-4, atol=1e-4)
 
 
