@@ -144,6 +144,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
     total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
     minis = rollout_rows(r) // r.mini_batch_size  # the batch sizes count rows: prompts x n_samples_per_prompt
+    if p.objective == "online_dpo":  # one optimizer step per ppo epoch, over all of the step's pairs
+        minis = 1
     n_updates = total * p.ppo_epochs * minis
     ptx_feats, ptx_order = None, None
     if p.ptx_coef > 0:
