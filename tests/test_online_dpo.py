@@ -136,5 +136,7 @@ def test_cli_online_dpo_run(tiny_stages, tmp_path):
     assert s["objective"] == "online_dpo" and s["pairs"] == sum(r["pairs"] for r in train) > 0
     assert s["tied_groups"] == sum(r["tied_groups"] for r in train)
     assert not (out / "critic").exists() and (out / "model" / "config.json").is_file()
-    plan = (out / "ppo.log").read_text().split("models on this rank:")[1].split("\n")[0]
+    log = (out / "ppo.log").read_text()
+    assert "online_dpo: " in log and "2 steps of 4 prompts x 3 samples, 2 actor (no critic) updates" in log
+    plan = log.split("models on this rank:")[1].split("\n")[0]
     assert "critic" not in plan and "reference" in plan and "reward_model" in plan
