@@ -5,6 +5,8 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo actor.model=/runs/sft critic.model=/runs/rm ppo.kl_coef=0.05
     torchrun --nproc_per_node 2 -m rlhf.ppo engine=zero3 rollout.micro_batch_size=16
     python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp | gspo (conf/algorithm/)
+    python -m rlhf.ppo algorithm=online_dpo                   # DPO on each step's best-vs-worst samples
+    python -m rlhf.ppo algorithm=distill teacher.model=outputs/ppo actor.model=/runs/small_sft
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
 `rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old and reference
@@ -15,6 +17,9 @@ critic, or critic-free grpo / rloo / reinforce_pp; `algorithm=` sets it with its
 update (`ppo.ppo_epochs` passes of mini-batches; rlhf/rl/update.py) -> metrics and the reward-hacking
 alarms (rlhf/rl/alarms.py; `train.stop_on_alarm`). Without a critic or the `model` reward source those
 models are not loaded.
+`algorithm=online_dpo` (rlhf/rl/online_dpo.py) replaces the rewards/advantages/update by the DPO loss on
+each prompt group's best vs worst response; `algorithm=distill` (rlhf/rl/distill.py) puts teacher.model in
+the reference's place and makes -kl_coef x its per-token reverse KL the only reward.
 Held-out prompts (KL to the reference, reward, and the greedy gold score where a judge applies): the first
 `data.num_eval_prompts` of `data.eval_prompts_path` (the shipped task's while data.path is the shipped
 file), else of `data.eval_path`, else of `data.eval_size` of data.path's prompts, held out of training.
@@ -42,7 +47,7 @@ from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, toke
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
 from rlhf.modeling.load import check_causal_lm, load_tokenizer
-from rlhf.rl import alarms, rewards
+from rlhf.rl import alarms, distill, online_dpo, rewards
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
@@ -115,7 +120,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         raise ConfigError("model.name_or_path is not used by PPO: set actor.model and critic.model "
                           "(reference.model / reward_model.model default to them)")
     est = rl_math.advantage_estimator(p.advantage_estimator)
-    needs_rm = "model" in cfg.reward.sources
+    distilling = distill.is_distill(cfg)  # the teacher in the reference's place, no reward source (rl/distill.py)
+    needs_rm = "model" in cfg.reward.sources and not distilling
     # the critic's path is read only for a critic, or as the reward model's default source
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
         if key == "actor.model" or est.needs_critic or (needs_rm and cfg.reward_model.model is None):
@@ -125,6 +131,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
+    if distilling:  # a local causal LM with the student's tokenizer, before the data and any weights
+        distill.check_teacher(cfg, tok, model_cfg)
     d = cfg.data
     # the held-out prompts: data.eval_prompts_path's, else data.eval_path's or data.eval_size of data.path's
     rows, held = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
@@ -141,6 +149,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
     total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
     minis = rollout_rows(r) // r.mini_batch_size  # the batch sizes count rows: prompts x n_samples_per_prompt
+    if p.objective == "online_dpo":  # one optimizer step per ppo epoch, over all of the step's pairs
+        minis = 1
     n_updates = total * p.ppo_epochs * minis
     ptx_feats, ptx_order = None, None
     if p.ptx_coef > 0:
@@ -150,18 +160,23 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                     d.overlong, d.add_bos, d.assistant_only_loss)
         ptx_order = StepOrder(len(ptx_feats), r.micro_batch_size * info.world_size, cfg.seed + 1, key="ptx_path")
     logger.info("%s: %d prompts (%s); %d steps of %d prompts x %d samples, %d actor%s updates",
-                p.advantage_estimator, len(feats), stats, total, r.prompts_per_step,
+                p.advantage_estimator if p.objective == "rl" else p.objective, len(feats), stats, total, r.prompts_per_step,
                 r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
 
     # ---- reward source (rlhf/rl/rewards.py): prompt rows of training, then of evaluation (group offset)
     table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
     eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
-    rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
-    rewards.check_rows(cfg.reward.sources, eval_table, f"the held-out prompts ({eval_source})")
-    if "function" in cfg.reward.sources:  # called on the first prompt rows: one that scores nothing stops here
-        rewards.check_function(cfg.reward, tok, table, f"data.path={d.path!r}")
-    source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
-    logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
+    if distilling:  # the only reward: -kl_coef x the per-token reverse KL to the teacher
+        source = distill.NoReward()
+        logger.info("reward: -%g x the per-token reverse KL to teacher.model=%s (no reward model loaded)",
+                    p.kl_coef, cfg.teacher.model)
+    else:
+        rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
+        rewards.check_rows(cfg.reward.sources, eval_table, f"the held-out prompts ({eval_source})")
+        if "function" in cfg.reward.sources:  # called on the first prompt rows: one that scores nothing stops here
+            rewards.check_function(cfg.reward, tok, table, f"data.path={d.path!r}")
+        source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
+        logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
 
     # ---- models
     models = Models(cfg, tok, info, n_updates, reward_source=source)
@@ -184,7 +199,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         monitor.load_state_dict(run.extra_state["alarms"])
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
-    losses = actor_loss(cfg), make_critic_loss(p.cliprange_value)
+    dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
+    losses = (online_dpo.make_loss(cfg) if dpo else actor_loss(cfg)), make_critic_loss(p.cliprange_value)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     micro_per_step = p.ppo_epochs * minis * (r.mini_batch_size // info.world_size // r.micro_batch_size)
     times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
@@ -210,9 +226,15 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                overlong_buffer=p.overlong_buffer, overlong_penalty=p.overlong_penalty)
         t2 = time.time()
         ptx = None if ptx_feats is None else ptx_batches(ptx_feats, ptx_order, step * micro_per_step, info, pad)
-        a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
+        if dpo:
+            pairs = online_dpo.pairs_of(rollout, scored["score"])
+            a_stats, c_stats = online_dpo.update(models, rollout, scored, pairs, cfg, losses[0], run), []
+        else:
+            a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
         t3 = time.time()
         rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped)
+        if dpo:
+            rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
         for key in times:
             times[key].append(rec[key])
         kl_ctl.update(rec["kl"], rollout_rows(r))
@@ -236,6 +258,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "reward_after": after.get("reward"),
         "kl_coef_final": kl_ctl.value,
         "advantage_estimator": p.advantage_estimator,
+        "objective": p.objective,
+        **({"teacher": cfg.teacher.model} if distilling else {}),
+        **({"pairs": sum(x.get("pairs", 0) for x in read_metrics(out_dir, "train")),
+            "tied_groups": sum(x.get("tied_groups", 0) for x in read_metrics(out_dir, "train"))} if dpo else {}),
         "samples_per_step": rollout_rows(r),
         "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
         "reward_sources": list(cfg.reward.sources),

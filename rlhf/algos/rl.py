@@ -17,10 +17,11 @@ The step, with the DeepSpeed-Chat defaults:
     critic    = 0.5 * masked_mean(max((v - R)^2, (v_old + clip(v - v_old, ±0.2) - R)^2))
     kl_coef   fixed, or adaptive (Ziegler et al. 2019)
 
-Critic-free estimators (registered: grpo, rloo, reinforce_pp), per prompt group of a row:
+Critic-free estimators (registered: grpo, rloo, reinforce_pp, reinforce), per prompt group of a row:
     grpo      A_i = (s_i - mean_g) / (std_g + eps)       (norm_by_std=False: s_i - mean_g, Dr. GRPO)
     rloo      A_i = s_i - mean of the others in g
     reinforce_pp  A = whiten over the batch (all ranks) of the discounted returns of the rewards
+    reinforce A = the discounted returns of the rewards (no baseline; on-policy distillation's, gamma 0)
 with the KL as a loss term (`kl_loss_tokens`, k3) or in the score (`kl_shaped_score`), and the loss
 aggregated by `aggregate_loss`.
 
@@ -945,3 +946,13 @@ def reinforce_pp(x: AdvantageInputs, *, gamma: float, lam: float,
                  all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, None]:
     """REINFORCE++ (`reinforce_pp_advantages`), whitened over every rank's response tokens."""
     return reinforce_pp_advantages(x.rewards, x.mask, gamma, all_reduce_sum=all_reduce_sum), None
+
+
+@register_advantage("reinforce", needs_critic=False)
+def reinforce(x: AdvantageInputs, *, gamma: float, lam: float) -> tuple[torch.Tensor, None]:
+    """REINFORCE without a baseline: A_t = the discounted return of the token-level rewards
+    (`discounted_returns`), neither whitened nor centred (ppo.whiten_advantages whitens it). With
+    gamma = 0 and the reward -kl_coef x k1 per token (score 0) it is on-policy distillation's
+    per-token advantage, -(log p_student - log p_teacher) (algorithm=distill; Thinking Machines,
+    "On-Policy Distillation", 2025: discount 0, the student optimises each next token)."""
+    return discounted_returns(x.rewards, x.mask, gamma), None

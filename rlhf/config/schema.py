@@ -325,6 +325,10 @@ class PPOAlgoConfig:
     is_low: float = 0.5  # mis: rho below this is masked (0 <= is_low < 1)
     is_high: float = 2.0  # mis: rho above this is masked (> 1)
     is_level: str = "token"  # token (rho per token) | sequence (rho = the response's geometric mean, one weight)
+    # What trains the actor: rl (ppo.advantage_estimator + ppo.policy_loss), online_dpo (the DPO-family
+    # loss on each step's best-vs-worst sampled pairs, online_dpo.*), distill (the reference's place
+    # taken by teacher.model, the per-token reverse KL to it the only reward); algorithm= sets it
+    objective: str = "rl"
     # DAPO's overlong reward shaping: responses in the last overlong_buffer tokens of
     # rollout.max_new_tokens lose up to overlong_penalty (a linear ramp) from their score; 0 = off
     overlong_buffer: int = 0
@@ -334,6 +338,16 @@ class PPOAlgoConfig:
     whiten_advantages: bool = False  # normalise advantages to mean 0, std 1 (over all ranks)
     ptx_coef: float = 0.0  # > 0: add ptx_coef x the SFT loss on data.ptx_path to the actor loss
     ema_decay: float = 0.0  # > 0: keep an EMA of the actor (saved as model_ema/)
+
+
+@dataclass(kw_only=True)
+class OnlineDPOConfig:
+    """algorithm=online_dpo (ppo.objective=online_dpo): the DPO-family loss of rlhf/algos/preference.py on
+    each step's pairs, the best vs the worst scored response of every prompt group (rlhf/rl/online_dpo.py)."""
+
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | robust | simpo (reference-free), as dpo.loss_type
+    beta: float = 0.1  # inverse temperature of the implicit reward beta * (logp - logp_ref), summed over the response
+    sft_coef: float = 0.0  # > 0: + sft_coef x the chosen response's NLL per token (RPO), as dpo.sft_coef
 
 
 @dataclass(kw_only=True)
@@ -403,6 +417,10 @@ class PPOConfig:
     ))  # the value model trained (starts from the reward model)
     reference: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen policy the KL is measured to
     reward_model: FrozenModelConfig = field(default_factory=FrozenModelConfig)  # the frozen scorer of responses
+    # algorithm=distill: the frozen teacher (a causal LM with the actor's tokenizer, any size) scoring the
+    # student's sampled tokens; it takes the reference's place. Read only by ppo.objective=distill
+    teacher: FrozenModelConfig = field(default_factory=FrozenModelConfig)
+    online_dpo: OnlineDPOConfig = field(default_factory=OnlineDPOConfig)  # algorithm=online_dpo: the pair loss
     ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)  # PPO's algorithm settings
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation and batch sizes of each step
     train: PPOTrainConfig = field(default_factory=lambda: PPOTrainConfig(

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine import OptimConfig, validate_engine_config, validate_optim_config
 from engine.config import EngineConfig, resolve_precision
+from rlhf.algos.online_dpo import PAIR_LOSSES
 from rlhf.algos.preference import LOSS_TYPES, UNPAIRED_LOSS_TYPES
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, policy_loss_fn
 from rlhf.config.schema import (
@@ -288,7 +289,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
         validate_model(dataclasses_replace(cfg.model, name_or_path=group.model, lora=group.lora,
                                            fallback_to_config=False), prefix=key)
         check_optim(group, prefix=key)
-    for key in ("reference", "reward_model"):
+    for key in ("reference", "reward_model", "teacher"):
         check_model_path(getattr(cfg, key).model, f"{key}.model")
     validate_data(cfg.data, needs_response=False)
     validate_logger(cfg.logger)
@@ -359,7 +360,50 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     validate_cadence(cfg.train)
     validate_reward_sources(cfg.reward)
     validate_alarms(cfg.alarms)
+    validate_objective(cfg)
     engine_config(cfg.engine, info)
+
+
+OBJECTIVES = ("rl", "online_dpo", "distill")  # ppo.objective; algorithm=online_dpo / distill set the others
+
+
+def validate_objective(cfg: PPOConfig) -> None:
+    """ppo.objective and the keys it reads: online_dpo.* (online DPO), teacher.* (distillation)."""
+    p, r, o = cfg.ppo, cfg.rollout, cfg.online_dpo
+    _need(p.objective in OBJECTIVES, f"ppo.objective must be one of {OBJECTIVES}, got {p.objective!r}")
+    est = ADVANTAGE_ESTIMATORS[p.advantage_estimator]
+    if p.objective == "online_dpo":
+        _need(r.n_samples_per_prompt >= 2, "ppo.objective=online_dpo pairs the best and the worst response to each "
+              f"prompt: it needs rollout.n_samples_per_prompt >= 2, got {r.n_samples_per_prompt}")
+        _need(not est.needs_critic, f"ppo.objective=online_dpo trains no critic, but ppo.advantage_estimator="
+              f"{p.advantage_estimator} would load one: use algorithm=online_dpo (it sets a critic-free one)")
+        _need(o.loss_type in PAIR_LOSSES, f"online_dpo.loss_type must be one of {PAIR_LOSSES}, got {o.loss_type!r}")
+        _need(math.isfinite(o.beta) and o.beta > 0, f"online_dpo.beta must be > 0, got {o.beta}")
+        _need(math.isfinite(o.sft_coef) and o.sft_coef >= 0, f"online_dpo.sft_coef must be >= 0, got {o.sft_coef}")
+        for key in ("kl_coef", "kl_loss_coef", "ptx_coef"):  # the DPO loss is the whole actor loss
+            _need(getattr(p, key) == 0, f"ppo.{key} must be 0 with ppo.objective=online_dpo (the DPO loss, its KL "
+                  f"to the reference in online_dpo.beta, is the whole actor loss), got {getattr(p, key)}")
+        _need(p.is_correction == "none", f"ppo.is_correction={p.is_correction} weighs the policy-gradient loss by the "
+              "sampler/trainer ratio; ppo.objective=online_dpo trains on the DPO loss, which has none: set "
+              "ppo.is_correction=none")
+    if p.objective == "distill":
+        _need(bool(cfg.teacher.model), "ppo.objective=distill (algorithm=distill) needs teacher.model: the frozen "
+              "causal LM (a HF directory or a stage's output_dir, e.g. a PPO run's) whose per-token log-probs the "
+              "student is trained towards")
+        _need(p.kl_coef > 0, "ppo.kl_coef is the weight of the per-token reverse KL to the teacher, the only reward "
+              f"of ppo.objective=distill: it must be > 0, got {p.kl_coef}")
+        _need(not p.adaptive_kl, "ppo.adaptive_kl would move the distillation weight (ppo.kl_coef) towards "
+              "ppo.kl_target: not with ppo.objective=distill")
+        rw = cfg.reward
+        _need(list(rw.sources) == ["model"] and not rw.weights and rw.function is None,
+              "reward.sources/weights/function are not read by ppo.objective=distill (the per-token reverse KL to "
+              f"teacher.model is the only reward; no reward model is loaded): leave them unset, got "
+              f"sources={list(rw.sources)}, weights={list(rw.weights)}, function={rw.function!r}")
+    else:
+        _need(cfg.teacher.model is None, f"teacher.model is read only by algorithm=distill (ppo.objective=distill), "
+              f"not by ppo.objective={p.objective}: unset it, or use algorithm=distill")
+    _need(p.objective != "distill" or cfg.reference.model is None,
+          "reference.model is not read by ppo.objective=distill (the teacher takes the reference's place): unset it")
 
 
 def validate_reward_sources(rw: RewardSourcesConfig) -> None:
@@ -391,7 +435,7 @@ def unused_sources(cfg: PPOConfig) -> set[str]:
     """Model keys a PPO run will not read: critic.model without a critic, unless it is the reward
     model's default path and the reward model is a reward source."""
     est = ADVANTAGE_ESTIMATORS.get(cfg.ppo.advantage_estimator)
-    needs_rm = "model" in cfg.reward.sources
+    needs_rm = "model" in cfg.reward.sources and cfg.ppo.objective != "distill"  # distillation: no reward model
     if est is not None and not est.needs_critic and not (needs_rm and cfg.reward_model.model is None):
         return {"critic.model"}
     return set()

@@ -147,8 +147,9 @@ def _adapter_base(path: str) -> str:
 
 
 def _path_key(key: str) -> str:
-    """The config key of a model role's path: actor -> actor.model (PPO's roles), model -> model.name_or_path."""
-    return f"{key}.model" if key in ("actor", "critic", "reference", "reward_model") else f"{key}.name_or_path"
+    """The config key of a model role's path: actor -> actor.model (PPO's roles, and distillation's
+    teacher), model -> model.name_or_path."""
+    return f"{key}.model" if key in ("actor", "critic", "reference", "reward_model", "teacher") else f"{key}.name_or_path"
 
 
 def value_model_reason(path: str) -> str | None:

@@ -27,6 +27,7 @@ from rlhf.modeling.load import (
     use_packing,
 )
 from rlhf.modeling.roles import Policy, ValueModel
+from rlhf.rl.distill import is_distill, reference_path
 from rlhf.rl.rewards import RewardModelScore, RewardSource
 from rlhf.rl.rollout import Rollout, score_rollout
 
@@ -41,11 +42,12 @@ class Models:
 
     def __init__(self, cfg: PPOConfig, tok: Any, info, n_updates: int, reward_source: RewardSource | None = None):
         ecfg = engine_config(cfg.engine, info)
-        ref_path = cfg.reference.model or cfg.actor.model
+        ref_path = reference_path(cfg)  # algorithm=distill: the teacher (rlhf/rl/distill.py)
+        ref_key = "teacher" if is_distill(cfg) else "reference"
         rm_path = cfg.reward_model.model or cfg.critic.model
         needs_critic = advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
         if cfg.model.tokenizer is None:  # each model brings its own: they must all be the actor's
-            loaded = (("reference", ref_path), ("critic", cfg.critic.model if needs_critic else None),
+            loaded = ((ref_key, ref_path), ("critic", cfg.critic.model if needs_critic else None),
                       ("reward_model", None if reward_source else rm_path))
             for key, path in loaded:
                 if path and path != cfg.actor.model and (
@@ -57,7 +59,7 @@ class Models:
                                                       seed=cfg.seed, key="actor")), fused=fused)
         critic = ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, cfg.critic.model, cfg.critic.lora), tok, seed=cfg.seed, key="critic"))) if needs_critic else None
-        ref = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key="reference",
+        ref = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key=ref_key,
                                                     lora=False)), fused=fused)
         rm = None if reward_source else ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, rm_path), tok, seed=cfg.seed, key="reward_model", lora=False)))
@@ -74,7 +76,9 @@ class Models:
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
                                              info=info)
-        self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=cfg.reference.offload), info)
+        self.reference_role = ref_key
+        self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=getattr(cfg, self.reference_role).offload),
+                                      info)
         self.reward = rm and FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
         self.reward_source = reward_source or RewardModelScore(self.reward, cfg.rollout.micro_batch_size,
                                                                self.pack_length)
@@ -86,7 +90,7 @@ class Models:
     def engines(self) -> dict[str, Any]:
         """The engines this run built, by role: a critic-free run has no critic, and a run whose reward
         source is not the reward model has no reward model."""
-        return {k: e for k, e in (("actor", self.actor), ("critic", self.critic), ("reference", self.reference),
+        return {k: e for k, e in (("actor", self.actor), ("critic", self.critic), (self.reference_role, self.reference),
                                   ("reward_model", self.reward)) if e is not None}
 
     def memory_report(self) -> dict:

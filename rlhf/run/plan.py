@@ -178,10 +178,13 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
               ("critic", cfg.critic.model, cfg.critic.lora, True, True, False),
               ("reference", cfg.reference.model or cfg.actor.model, None, False, False, cfg.reference.offload),
               ("reward_model", cfg.reward_model.model or cfg.critic.model, None, False, True, cfg.reward_model.offload)]
+    distill = cfg.ppo.objective == "distill"  # the teacher in the reference's place, no reward model
+    if distill:
+        wanted[2] = ("teacher", cfg.teacher.model, None, False, False, cfg.teacher.offload)
     out = []
     for name, path, lora, trained, value, offload in wanted:
         if (name == "critic" and (not est.needs_critic or "critic.model" in unused)) or (
-                name == "reward_model" and "model" not in cfg.reward.sources):
+                name == "reward_model" and ("model" not in cfg.reward.sources or distill)):
             continue  # not loaded by this algorithm / reward source (rlhf/rl/models.py Models)
         arch = build_arch(model_cfg(cfg, path, lora), tok, name, value=value, lora=trained)
         out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), r.micro_batch_size, seq,
