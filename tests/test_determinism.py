@@ -9,7 +9,6 @@ two runs' metrics.jsonl (wall-clock keys aside) and exported safetensors bytes a
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import socket
@@ -154,22 +153,14 @@ def test_batches_are_cut_into_fixed_chunks_with_a_pad_column():
 def test_injected_graph_path_draws_the_rows_streams(monkeypatch):
     """The decode step captured in a (faked) CUDA graph computes each row's noise from its state tensors:
     the same tokens as the eager decoder, replay after replay."""
-    from test_inference import _FakeCudaGraph
+    from test_inference import fake_cuda_graphs
 
     gen = importlib.import_module("engine.inference.generate")
     hf = tiny_llama()
     model = InferenceModel(hf.config, hf.state_dict().items(), dtype=torch.float32, device="cpu")
     ids, mask, seeds = prompt_batch()
     eager = gen.generate(model, ids[:8], mask[:8], 6, pad_token_id=PAD, sampling=SAMPLING, row_seeds=seeds[:8])
-    fake_stream = type("FakeStream", (), {"wait_stream": lambda self, other: None})
-    monkeypatch.setattr(gen, "graphs_enabled", lambda m: True)
-    monkeypatch.setattr(gen.DecodeGraph, "replay", lambda self: self._step())
-    monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", fake_stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    fake_cuda_graphs(monkeypatch, gen)
     for _ in range(2):
         graphed = gen.generate(model, ids[:8], mask[:8], 6, pad_token_id=PAD, sampling=SAMPLING, row_seeds=seeds[:8])
         assert torch.equal(graphed.sequences, eager.sequences)

@@ -278,15 +278,10 @@ class _FakeCudaGraph:
         self.generators.append(generator)
 
 
-def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
-    """The graph path's host side on CPU, with torch.cuda faked: 'capture' runs the step once (a real
-    capture only records it) and 'replay' re-runs it on the same state tensors. Checks capture before
-    the prefill, one graph per (batch, sampling), the whole-cache decode shape, the
-    sparse "all done" check with trimming, and per-call seeding."""
+def fake_cuda_graphs(monkeypatch, gen) -> None:
+    """Fake torch.cuda's graph API on CPU for engine.inference.generate (`gen`, the module): graphs are
+    enabled, 'capture' runs the step once and 'replay' re-runs it on the same state tensors."""
     import contextlib
-    import importlib
-
-    gen = importlib.import_module("engine.inference.generate")  # the module, not the function
 
     fake_stream = type("FakeStream", (), {"wait_stream": lambda self, other: None})
     monkeypatch.setattr(gen, "graphs_enabled", lambda model: True)
@@ -297,6 +292,18 @@ def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
     monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+
+
+def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
+    """The graph path's host side on CPU, with torch.cuda faked: 'capture' runs the step once (a real
+    capture only records it) and 'replay' re-runs it on the same state tensors. Checks capture before
+    the prefill, one graph per (batch, sampling), the whole-cache decode shape, the
+    sparse "all done" check with trimming, and per-call seeding."""
+    import importlib
+
+    gen = importlib.import_module("engine.inference.generate")  # the module, not the function
+
+    fake_cuda_graphs(monkeypatch, gen)
 
     hf = hf_model(llama_untied_gqa)
     ids, mask = ragged_batch()
