@@ -269,6 +269,8 @@ def test_algorithm_group_sets_the_estimator_and_ppo_is_the_default():
         if algo in ("grpo", "rloo", "gspo"):  # outcome estimators: no KL in the reward by default (#33)
             assert cfg.ppo.kl_coef == 0 and not cfg.ppo.adaptive_kl
         assert rollout_rows(cfg.rollout) == 64  # the same number of sampled responses as PPO's default
+        # GSPO clips whole responses at a tiny range: 0.2-0.4 per step on healthy runs, over PPO's 0.2
+        assert cfg.alarms.clipfrac == (0.6 if algo == "gspo" else C.AlarmsConfig().clipfrac)
         validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
 
 
