@@ -335,7 +335,8 @@ def test_cli_run_without_a_critic(stages, tmp_path, algo):
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_per_estimator(tmp_path):
-    """Per estimator: every row's advantages and one ZeRO-3 actor update's gradients (KL loss term,
+    """Per estimator, per policy loss (clip, gspo, cispo) and with the sampler/trainer corrections (tis,
+    sequence-level mis): every row's advantages and one ZeRO-3 actor update's gradients (KL loss term,
     its loss aggregation, asymmetric clip) on 2 gloo ranks = in 1 process (tests/engine_scripts/rl_estimators.py)."""
     import socket
 
@@ -349,7 +350,7 @@ def test_two_ranks_equal_one_process_per_estimator(tmp_path):
         proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
     two, one = torch.load(tmp_path / "rl_w2.pt"), torch.load(tmp_path / "rl_w1.pt")
-    assert sorted(two) == sorted(one) == ["grpo", "reinforce_pp", "rloo"]
+    assert sorted(two) == sorted(one) == ["cispo", "grpo", "grpo_tis", "gspo", "reinforce_pp", "rloo", "rloo_mis_seq"]
     for name in one:
         a, b = two[name], one[name]
         assert a["advantages"].abs().sum() > 0, name

@@ -5,10 +5,11 @@ tests/test_rl_algorithms.py.
     python rl_estimators.py <out>                        1 process, every row
 
 GLOBAL rows = PROMPTS prompts x N samples, in prompt order, so each rank holds whole prompt groups
-(as rlhf/ppo.py lays them out). Per estimator (grpo, rloo, reinforce_pp): `build_experience` on this
-rank's rows (REINFORCE++ whitens over every rank), then one ZeRO-3 `TrainEngine.train_step` with
-rlhf/ppo.py's actor loss (KL loss term on, a different loss aggregation per estimator, asymmetric
-clip). Rank 0 saves every row's advantages and the full gradients to <out>/rl_w<world>.pt.
+(as rlhf/ppo.py lays them out). Per run of RUNS (each estimator: grpo, rloo, reinforce_pp;
+each policy loss: clip, gspo, cispo; the sampler/trainer corrections tis and sequence-level mis):
+`build_experience` on this rank's rows (REINFORCE++ whitens over every rank), then one ZeRO-3
+`TrainEngine.train_step` with rlhf/ppo.py's actor loss (KL loss term on, a different loss
+aggregation per estimator, asymmetric clip). Rank 0 saves every row's advantages and the full gradients to <out>/rl_w<world>.pt.
 """
 from __future__ import annotations
 
@@ -28,8 +29,15 @@ from rlhf.rl.update import make_actor_loss
 
 VOCAB, P, T, PROMPTS, N, MICRO, TEMPERATURE = 64, 4, 6, 4, 3, 2, 0.7
 GLOBAL = PROMPTS * N
-RUNS = {  # estimator: (kl_coef in the reward, loss aggregation)
-    "grpo": (0.0, "seq_mean_token_mean"), "rloo": (0.0, "seq_mean_token_sum"), "reinforce_pp": (0.1, "token_mean"),
+RUNS = {  # name: (estimator, kl_coef in the reward, loss aggregation, actor-loss options)
+    "grpo": ("grpo", 0.0, "seq_mean_token_mean", {}), "rloo": ("rloo", 0.0, "seq_mean_token_sum", {}),
+    "reinforce_pp": ("reinforce_pp", 0.1, "token_mean", {}),
+    # the policy losses of the registry beyond clip, and the sampler/trainer correction (#30, #33)
+    "gspo": ("grpo", 0.0, "token_mean", {"policy_loss": "gspo", "cliprange_low": 3e-4, "cliprange_high": 4e-4}),
+    "cispo": ("grpo", 0.0, "token_mean", {"policy_loss": "cispo", "cliprange_low": 1.0, "cliprange_high": 0.3}),
+    "grpo_tis": ("grpo", 0.0, "token_mean", {"is_correction": "tis", "is_cap": 1.05}),
+    "rloo_mis_seq": ("rloo", 0.1, "token_mean", {"is_correction": "mis", "is_low": 0.9, "is_high": 1.1,
+                                                 "is_level": "sequence"}),
 }
 
 
@@ -59,6 +67,7 @@ def rollout() -> dict:
     score[:N] = 1.0  # the first prompt's group: all right
     return {**batch, "response_mask": attention_mask[:, P:], "logp_old": logp + 0.1 * torch.randn(GLOBAL, T, generator=g),
             "logp_ref": logp + 0.3 * torch.randn(GLOBAL, T, generator=g), "score": score,
+            "logp_gen": logp + 0.1 * torch.randn(GLOBAL, T, generator=g),  # the sampler's, a little off
             "group": torch.arange(PROMPTS).repeat_interleave(N) + 10}
 
 
@@ -70,11 +79,11 @@ def main(out_dir: str) -> None:
     sl = slice(info.rank * per_rank, (info.rank + 1) * per_rank)
     mine = {k: v[sl] if torch.is_tensor(v) else v for k, v in full.items()}
     result = {}
-    for name, (kl_coef, loss_agg) in RUNS.items():
-        scored = {k: mine[k] for k in ("logp_old", "logp_ref", "score", "position_ids")}
+    for name, (estimator, kl_coef, loss_agg, options) in RUNS.items():
+        scored = {k: mine[k] for k in ("logp_old", "logp_ref", "score", "position_ids", "logp_gen")}
         exp = build_experience(mine["sequences"], mine["attention_mask"], mine["response_mask"], P, scored,
                                kl_coef=kl_coef, kl_estimator="k1", clip_reward_value=5.0, gamma=0.9, lam=0.95,
-                               estimator=name, group=mine["group"])
+                               estimator=estimator, group=mine["group"])
         engine = TrainEngine(actor(), EngineConfig(stage=3), OptimConfig(grad_clip=0.0), total_steps=1, info=info)
         grads = {}
 
@@ -84,8 +93,8 @@ def main(out_dir: str) -> None:
                 grads[pname] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
         engine.optimizer.register_step_pre_hook(capture)
-        loss = make_actor_loss(0.2, TEMPERATURE, 0.0, cliprange_low=0.1, cliprange_high=0.3, loss_agg=loss_agg,
-                               horizon=T, kl_loss_coef=0.5)
+        loss = make_actor_loss(0.2, TEMPERATURE, 0.0, **{"cliprange_low": 0.1, "cliprange_high": 0.3, **options},
+                               loss_agg=loss_agg, horizon=T, kl_loss_coef=0.5)
         out = engine.train_step([exp.rows(list(range(i, i + MICRO))) for i in range(0, per_rank, MICRO)], loss)
         every = [None] * info.world_size
         dist.all_gather_object(every, exp.advantages)
