@@ -3,6 +3,7 @@ rlhf/algos/preference.py's DPO loss, the config's refusals, and one tiny run thr
 from __future__ import annotations
 
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -115,13 +116,18 @@ def test_bad_online_dpo_settings_name_the_key(overrides, key):
 @pytest.mark.slow
 def test_cli_online_dpo_run(tiny_stages, tmp_path):
     """Two steps of 4 prompts x 3 samples: every prompt group is a pair, a tie or unpaired; no critic is
-    built or saved; the actor moved and is exported; the summary adds the pairs up."""
+    built or saved; the actor moved and is exported; the summary adds the pairs up; resumed from its
+    step-1 checkpoint, step 2 repeats exactly."""
     out = tmp_path / "odpo"
-    run_stage("ppo", f"output_dir={out}", "algorithm=online_dpo", f"actor.model={tiny_stages / 'sft'}",
-              f"critic.model={tiny_stages / 'reward'}", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=3",
-              "rollout.mini_batch_size=12", "rollout.micro_batch_size=4", "rollout.max_new_tokens=8",
-              "eval.max_new_tokens=8", "data.num_eval_prompts=4", "train.max_steps=2", "train.eval_every=0",
-              "train.save_every=0", "actor.lr=1e-3")
+
+    def odpo(*extra):
+        run_stage("ppo", f"output_dir={out}", "algorithm=online_dpo", f"actor.model={tiny_stages / 'sft'}",
+                  f"critic.model={tiny_stages / 'reward'}", "rollout.prompts_per_step=4",
+                  "rollout.n_samples_per_prompt=3", "rollout.mini_batch_size=12", "rollout.micro_batch_size=4",
+                  "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "data.num_eval_prompts=4", "train.max_steps=2",
+                  "train.eval_every=0", "train.save_every=1", "actor.lr=1e-3", *extra)
+
+    odpo()
     train = metrics(out, "train")
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
@@ -142,3 +148,9 @@ def test_cli_online_dpo_run(tiny_stages, tmp_path):
     assert "online_dpo: " in log and "2 steps of 4 prompts x 3 samples, 2 actor (no critic) updates" in log
     plan = log.split("models on this rank:")[1].split("\n")[0]
     assert "critic" not in plan and "reference" in plan and "reward_model" in plan
+    # exact resume: drop the last checkpoint and the export, continue from step 1
+    shutil.rmtree(out / "checkpoints" / "step_0000002")
+    shutil.rmtree(out / "model")
+    odpo("train.resume=true")
+    keys = ("pairs", "tied_groups", "unpaired_groups", "actor_loss", "dpo_margin", "dpo_accuracy", "reward", "kl")
+    assert [[r[k] for k in keys] for r in metrics(out, "train")] == [[r[k] for k in keys] for r in train]
