@@ -51,6 +51,7 @@ from rlhf.rl import alarms, distill, online_dpo, rewards
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
+from rlhf.rl.remote import RewardServerDown
 from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
 from rlhf.run.app import stage_main
@@ -214,7 +215,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
                            sampling(cfg), eos, pad, seeds)
         t1 = time.time()
-        scored = models.score(rollout)
+        try:
+            scored = models.score(rollout)
+        except RewardServerDown:  # reward.down_timeout_s passed: the state after `step` steps kept, this step
+            if step > run.start or run.resume_path is None:  # redone on resume (unless resumed from that very one)
+                logger.error("the reward server is down: checkpoint %s written before stopping", run.save(step))
+            raise
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
@@ -239,6 +245,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             times[key].append(rec[key])
         kl_ctl.update(rec["kl"], rollout_rows(r))
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
+        rec.update(rewards.http_stats(models.reward_source))  # this rank's http requests, p50/p99 latency
         rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/rl/alarms.py)
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:

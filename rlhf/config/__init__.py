@@ -8,7 +8,8 @@ from rlhf.config.schema import (
     DTYPES, PRECISIONS, REWARD_SOURCES, SCHEMAS, AlarmsConfig, CadenceConfig, DataConfig, DPOAlgoConfig, DPOConfig,
     EvaluateConfig, FrozenModelConfig, GenerationConfig, LoggerConfig, LoraConfig, ModelConfig, OptimGroupConfig,
     PPOAlgoConfig, PPOConfig, PPOTrainConfig, RewardConfig, RewardLossConfig, RewardSourcesConfig, RolloutConfig,
-    SFTConfig, StageConfig, TrainConfig, TrainedModelConfig, stage_engine,
+    SERVED_REWARDS, ServeConfig, ServedRewardConfig, ServerConfig, SFTConfig, StageConfig, TrainConfig,
+    TrainedModelConfig, stage_engine,
 )
 from rlhf.core.errors import ConfigError
 
@@ -16,6 +17,7 @@ __all__ = [
     "DTYPES", "PRECISIONS", "REWARD_SOURCES", "SCHEMAS", "AlarmsConfig", "CadenceConfig", "ConfigError",
     "DPOAlgoConfig", "DPOConfig", "DataConfig", "EvaluateConfig", "FrozenModelConfig", "GenerationConfig",
     "LoggerConfig", "LoraConfig", "ModelConfig", "OptimGroupConfig", "PPOAlgoConfig", "PPOConfig", "PPOTrainConfig",
-    "RewardConfig", "RewardLossConfig", "RewardSourcesConfig", "RolloutConfig", "SFTConfig", "StageConfig",
+    "RewardConfig", "RewardLossConfig", "RewardSourcesConfig", "RolloutConfig", "SERVED_REWARDS", "SFTConfig",
+    "ServeConfig", "ServedRewardConfig", "ServerConfig", "StageConfig",
     "TrainConfig", "TrainedModelConfig", "as_yaml", "compose", "register_schemas", "stage_engine", "to_config",
 ]

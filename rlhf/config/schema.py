@@ -27,7 +27,8 @@ from omegaconf import II
 from engine.config import EngineConfig, PRECISIONS as ENGINE_PRECISIONS
 
 PRECISIONS = ("auto", *ENGINE_PRECISIONS)
-REWARD_SOURCES = ("model", "judge", "answer", "function")  # reward.sources; each built in rlhf/rl/rewards.py
+REWARD_SOURCES = ("model", "judge", "answer", "function", "http")  # reward.sources; each built in rlhf/rl/rewards.py
+SERVED_REWARDS = ("auto", "model", "judge", "function")  # reward.source of `python -m rlhf.serve`
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
@@ -376,6 +377,17 @@ class RewardSourcesConfig:
     sources: list[str] = field(default_factory=lambda: ["model"])  # model | judge | answer | function (several: summed)
     weights: list[float] = field(default_factory=list)  # one weight per source ([] = all 1.0)
     function: str | None = None  # the function source: module:function, called as fn(prompt, response, row) -> float
+    # The http source (rlhf/rl/remote.py): a `python -m rlhf.serve` server (or any server speaking its
+    # POST /score), e.g. http://127.0.0.1:8000; its API key from the environment variable RLHF_REWARD_API_KEY
+    url: str | None = None  # the http source: the reward server's base URL (POST <url>/score)
+    timeout_s: float = 30.0  # the http source: seconds one request may take before it counts as a timeout and is retried
+    max_concurrency: int = 4  # the http source: requests in flight at once (each of at most request_rows rows)
+    retries: int = 3  # the http source: retries of a failed request (exponential backoff with jitter) before its rows are masked
+    backoff_s: float = 0.5  # the http source: the first retry waits about this long, each next one twice as long (x0.5-1.5 jitter)
+    request_rows: int = 64  # the http source: rows per request (a step's rows split into requests of this many)
+    # the http source: a server unreachable (connections refused) for longer than this stops the run with an
+    # error naming reward.url, a checkpoint of the last completed step written first
+    down_timeout_s: float = 120.0
 
 
 @dataclass(kw_only=True)
@@ -449,4 +461,44 @@ class EvaluateConfig:
     eval: GenerationConfig = field(default_factory=GenerationConfig)  # mode=policy: generations (as the stages' eval.*)
 
 
-SCHEMAS = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}
+@dataclass(kw_only=True)
+class ServedRewardConfig:
+    """What `python -m rlhf.serve` scores with: a reward model, the gold judge or a function."""
+
+    source: str = "auto"  # auto (function when reward.function is set, else model) | model | judge | function
+    # The reward model: a reward stage's output_dir (its model/ is read) or a HF directory / hub name
+    model: str | None = field(default="outputs/reward", metadata={"hub": "model"})
+    function: str | None = None  # module:function, per row fn(prompt, response, row) or TRL's batched convention
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """The HTTP side of `python -m rlhf.serve` (rlhf/rl/service.py)."""
+
+    host: str = "127.0.0.1"  # the address bound; another than loopback needs an API key
+    port: int = 8000  # the TCP port (0 = a free one, printed at start)
+    # The key clients send as `Authorization: Bearer <key>`; null = the environment variable
+    # RLHF_REWARD_API_KEY, or none (refused unless host is a loopback address)
+    api_key: str | None = None
+    max_batch: int = 64  # rows per scoring forward: rows of concurrent requests are batched up to this
+    max_wait_ms: float = 5.0  # how long the first queued row waits for others to fill a batch
+    max_rows: int = 4096  # rows one request may carry (more: refused with 413)
+    max_body_mb: float = 16.0  # bytes one request body may have, in MiB (more: refused with 413)
+    log_every_s: float = 30.0  # seconds between the server's log lines of request counts, latencies and batch sizes
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    """`python -m rlhf.serve`: a reward model, the judge or a function scored over HTTP."""
+
+    output_dir: str = "outputs/serve"  # config.yaml and, when the server stops, summary.json (its counts) go here
+    seed: int = 1234  # seeds torch before loading (a model built from a config)
+    model: ModelConfig = field(default_factory=ModelConfig)  # tokenizer and dtype for the reward model (name_or_path unused)
+    data: DataConfig = field(default_factory=DataConfig)  # max_len, max_prompt_len, overlong, add_bos: text rows' tokenization
+    engine: EngineConfig = field(default_factory=stage_engine)  # device and precision of the reward model
+    reward: ServedRewardConfig = field(default_factory=ServedRewardConfig)  # what scores the rows
+    server: ServerConfig = field(default_factory=ServerConfig)  # address, key, batching and limits
+
+
+SCHEMAS = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig,
+           "serve": ServeConfig}

@@ -19,7 +19,7 @@ from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_ES
 from rlhf.config.schema import (
     DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, CadenceConfig, DataConfig, DPOConfig, EvaluateConfig,
     GenerationConfig, LoggerConfig, ModelConfig, OptimGroupConfig, PPOConfig, RewardConfig, RewardSourcesConfig,
-    RolloutConfig, SFTConfig, StageConfig, TrainConfig,
+    RolloutConfig, SERVED_REWARDS, ServeConfig, SFTConfig, StageConfig, TrainConfig,
 )
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import load_function
@@ -420,6 +420,27 @@ def validate_reward_sources(rw: RewardSourcesConfig) -> None:
     else:
         _need(rw.function is None, f"reward.function={rw.function!r} is set but 'function' is not in "
                                    f"reward.sources {list(rw.sources)} (add it, e.g. reward.sources=[function])")
+    if "http" in rw.sources:
+        validate_http_source(rw)
+    else:
+        _need(rw.url is None, f"reward.url={rw.url!r} is set but 'http' is not in reward.sources {list(rw.sources)} "
+                              f"(add it, e.g. reward.sources=[http])")
+
+
+def validate_http_source(rw: RewardSourcesConfig) -> None:
+    """The http source's keys: a URL with a scheme and host, positive finite times, counts >= 1 (retries >= 0)."""
+    url = rw.url or ""
+    scheme, _, rest = url.partition("://")
+    _need(scheme in ("http", "https") and bool(rest.split("/")[0]),
+          f"reward.url must be the reward server's base URL, e.g. http://127.0.0.1:8000 (python -m rlhf.serve), "
+          f"got {rw.url!r}")
+    for key in ("timeout_s", "backoff_s", "down_timeout_s"):
+        v = getattr(rw, key)
+        _need(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, f"reward.{key} must be a finite number of "
+              f"seconds > 0, got {v!r}")
+    for key, low in (("max_concurrency", 1), ("request_rows", 1), ("retries", 0)):
+        v = getattr(rw, key)
+        _need(isinstance(v, int) and v >= low, f"reward.{key} must be an integer >= {low}, got {v!r}")
 
 
 def validate_alarms(a: AlarmsConfig) -> None:
@@ -460,3 +481,49 @@ def validate_evaluate(cfg: EvaluateConfig, info) -> None:
     validate_logger(cfg.logger)
     validate_generation(cfg.eval, "eval")
     engine_config(cfg.engine, info)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def served_source(r) -> str:
+    """reward.source of `python -m rlhf.serve` with auto resolved: function when reward.function is set, else model."""
+    return ("function" if r.function else "model") if r.source == "auto" else r.source
+
+
+def validate_serve(cfg: ServeConfig, info, api_key: str | None) -> str:
+    """Everything `python -m rlhf.serve` needs, checked before any model loads (`api_key`: server.api_key or
+    the environment's RLHF_REWARD_API_KEY); returns the reward source served (model | judge | function)."""
+    _need(bool(cfg.output_dir), "output_dir must be set")
+    r, s = cfg.reward, cfg.server
+    _need(r.source in SERVED_REWARDS, f"reward.source must be one of {SERVED_REWARDS}, got {r.source!r}")
+    source = served_source(r)
+    if source == "function":
+        _need(bool(r.function), "reward.source=function needs reward.function=module:function")
+        load_function(r.function, "reward.function")
+    else:
+        _need(r.function is None, f"reward.function={r.function!r} is set but reward.source={r.source} serves "
+                                  f"{source}: drop one of them")
+    if source == "model":
+        _need(bool(r.model), "reward.model must be set: the reward model to serve (a reward stage's output_dir, "
+                             "e.g. outputs/reward, a HF directory or a hub name)")
+        check_model_path(r.model, "reward.model")
+        validate_model(dataclasses_replace(cfg.model, name_or_path=r.model, fallback_to_config=False), prefix="model")
+        validate_data(cfg.data, needs_path=False)
+        engine_config(cfg.engine, info, frozen=True)
+    _need(isinstance(s.host, str) and bool(s.host), f"server.host must be an address to bind, got {s.host!r}")
+    _need(isinstance(s.port, int) and 0 <= s.port <= 65535, f"server.port must be in [0, 65535] (0 = a free one), "
+          f"got {s.port!r}")
+    _need(api_key is None or (isinstance(api_key, str) and len(api_key) >= 8),
+          "server.api_key (or RLHF_REWARD_API_KEY) must be at least 8 characters")
+    _need(api_key is not None or s.host in LOOPBACK_HOSTS,
+          f"server.host={s.host} serves beyond this machine: set an API key (server.api_key, or the environment "
+          f"variable RLHF_REWARD_API_KEY); without one only a loopback host ({', '.join(LOOPBACK_HOSTS)}) is served")
+    for key in ("max_batch", "max_rows"):
+        _need(isinstance(getattr(s, key), int) and getattr(s, key) >= 1,
+              f"server.{key} must be an integer >= 1, got {getattr(s, key)!r}")
+    for key, low in (("max_wait_ms", 0.0), ("max_body_mb", 1e-6), ("log_every_s", 1e-6)):
+        v = getattr(s, key)
+        _need(math.isfinite(v) and v >= low, f"server.{key} must be a finite number {'>= 0' if low == 0 else '> 0'}, "
+              f"got {v!r}")
+    return source

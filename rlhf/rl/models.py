@@ -28,7 +28,7 @@ from rlhf.modeling.load import (
 )
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.rl.distill import is_distill, reference_path
-from rlhf.rl.rewards import RewardModelScore, RewardSource
+from rlhf.rl.rewards import RewardModelScore, RewardSource, begin as begin_rewards
 from rlhf.rl.rollout import Rollout, score_rollout
 
 
@@ -103,7 +103,9 @@ class Models:
     def score(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """The "score" step: old and reference log-probs (at the sampling temperature), critic values, and
         the reward source's scores; the sampler's log-probs ride along as `logp_gen` (when the rollout
-        has them)."""
+        has them). A source that works in the background (http) is started first, so its requests run
+        while the forwards here do."""
+        begin_rewards(self.reward_source, rollout)
         scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.prompt_len, actor=self.actor.model,
                                reference=self.reference.model, critic=self.critic.model if self.critic else None,
                                micro_batch_size=self.micro_batch_size, temperature=self.temperature,

@@ -5,6 +5,7 @@
     python -m rlhf.ppo reward.sources=[answer] data.path=qa.jsonl               # exact match with each row's answer
     python -m rlhf.ppo reward.sources=[function] reward.function=mypkg.mod:score
     python -m rlhf.ppo reward.sources=[judge,function] reward.weights=[1,0.5] reward.function=mypkg.mod:score
+    python -m rlhf.ppo reward.sources=[http] reward.url=http://127.0.0.1:8000   # a `python -m rlhf.serve` server
 
 Each source implements `RewardSource` (below): `score(rollout) -> [B] float32`, one score
 per row of this rank, `rollout.group[i]` being the index of row i's prompt in the table of prompt rows
@@ -28,6 +29,11 @@ the source was built with. The sources (`reward.sources`, weights `reward.weight
                 -> list[float]`, once per step over this rank's responses, each of the prompt rows'
                 other fields passed as a keyword list (`answer=[...]`, `task=[...]`; None where a row
                 lacks it); only the keywords it names, unless it takes **kwargs
+    http      a reward server (`HttpReward`, rlhf/rl/remote.py; `python -m rlhf.serve`, rlhf/rl/service.py) at
+              `reward.url`: each row's prompt, decoded response and prompt-row fields, and its token ids when the
+              server's tokenizer is the actor's (its /health says), so a served reward model scores the very
+              tokens an in-process one would; sent when the step's scoring begins (`begin`), concurrently with
+              the other forwards; a row unscored after `reward.retries` is NaN (counted in reward_errors)
 
 A function that raises, or returns something that is not a finite number, is an error for that row
 (batched: a call that raises, or returns other than one number per completion, fails all its rows):
@@ -40,9 +46,12 @@ any one drops the row).
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -55,6 +64,7 @@ from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import as_score, load_function
 from rlhf.core.task import judge, parse_prompt
 from rlhf.modeling.forward import position_ids_from_mask, row_values
+from rlhf.rl.remote import API_KEY_ENV, RewardClient
 from rlhf.rl.rollout import Rollout
 
 logger = logging.getLogger("rlhf.rewards")
@@ -309,6 +319,94 @@ def check_function(cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict
                           f"{source.first_error.removeprefix(source.name + ': ')}")
 
 
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A short hash of a tokenizer's vocabulary and special ids: equal on both ends of an http source
+    means token ids mean the same there (the client then sends them)."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id]
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()[:16]
+
+
+def wire_fields(row: dict) -> dict:
+    """A prompt row's fields sent with each of its responses (answer, task, ...): scalars only, no prompt."""
+    return {k: v for k, v in row.items() if k != "prompt" and (v is None or isinstance(v, (str, int, float, bool)))}
+
+
+class HttpReward(TextReward):
+    """`reward.sources=[http]`: the scores of a reward server at reward.url (rlhf/rl/remote.py). `begin(rollout)`
+    sends the rows and returns at once; `score(rollout)` collects them (sending them first if not begun).
+    A row unscored after the retries is NaN, counted in `errors` (reward_errors); a server refusing
+    connections for longer than reward.down_timeout_s raises RewardServerDown (a TrainingError)."""
+
+    def __init__(self, cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict], *, seed: int | None = None):
+        super().__init__(f"http {cfg.url}", None, tokenizer, rows, guarded=True)
+        self.client = RewardClient(cfg.url, api_key=os.environ.get(API_KEY_ENV) or None, timeout_s=cfg.timeout_s,
+                                   max_concurrency=cfg.max_concurrency, retries=cfg.retries, backoff_s=cfg.backoff_s,
+                                   request_rows=cfg.request_rows, down_timeout_s=cfg.down_timeout_s, seed=seed)
+        self.send_ids: bool | None = None  # decided by the first /health answer
+        self.pending: tuple[Any, Any] | None = None  # (rollout, Pending) of a `begin`
+
+    def _ids_ok(self) -> bool:
+        """Whether the server's tokenizer is ours (its /health); unknown while it is unreachable (text only)."""
+        if self.send_ids is None:
+            try:
+                health = self.client.health()
+            except Exception as e:  # noqa: BLE001 - unreachable now: text this time, asked again next time
+                if isinstance(e, ConfigError):
+                    raise
+                logger.warning("reward server %s: /health failed (%s: %s)", self.client.url, type(e).__name__, e)
+                return False
+            self.send_ids = health.get("tokenizer") == tokenizer_fingerprint(self.tok)
+            logger.info("reward server %s: %s; sending %s", self.client.url, health.get("source"),
+                        "token ids and text (same tokenizer)" if self.send_ids else "text only (another tokenizer)")
+        return self.send_ids
+
+    def wire_rows(self, rollout) -> list[dict]:
+        """This rank's rows as sent: prompt, response text, the prompt row's fields, and the real tokens."""
+        ids = rollout.sequences[rollout.attention_mask.bool()].split(rollout.attention_mask.sum(1).tolist()) \
+            if self._ids_ok() else None
+        out = []
+        for i, (g, response) in enumerate(zip(rollout.group.tolist(), self.texts(rollout))):
+            row = self.rows[g]
+            wire = {"prompt": row["prompt"], "response": response, "fields": wire_fields(row)}
+            if ids is not None:
+                wire["ids"] = ids[i].tolist()
+            out.append(wire)
+        return out
+
+    def begin(self, rollout) -> None:
+        rows = self.wire_rows(rollout)
+        self.client.first_error = None  # the previous call's requests have all been collected
+        self.pending = (rollout, self.client.submit(rows))
+
+    def score(self, rollout) -> torch.Tensor:
+        if self.pending is None or self.pending[0] is not rollout:
+            self.begin(rollout)
+        pending, self.pending = self.pending[1], None
+        scores = pending.result()
+        self.errors = sum(math.isnan(x) for x in scores)  # every NaN is a row the server did not score
+        self.first_error = f"{self.name}: {self.client.first_error}" if self.errors else None
+        self.client.check()  # a refused key, or a server down too long: the run stops
+        return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
+
+
+def begin(source: RewardSource, rollout) -> None:
+    """Start the sources that work in the background (http) on `rollout`, before the other forwards."""
+    for part in getattr(source, "parts", [(1.0, source)]):
+        if hasattr(part[1], "begin"):
+            part[1].begin(rollout)
+
+
+def http_stats(source: RewardSource, reset: bool = True) -> dict[str, float]:
+    """The http source's request figures since the last call (empty without one): http_requests, http_rows,
+    http_retries, http_timeouts, http_p50_ms, http_p99_ms."""
+    for _, part in getattr(source, "parts", [(1.0, source)]):
+        if isinstance(part, HttpReward):
+            s = part.client.stats(reset=reset)
+            return {f"http_{k}": v for k, v in s.items() if k != "failed_rows"}
+    return {}
+
+
 class WeightedSum:
     """`sum_k weight_k * source_k.score(rollout)`; `errors` / `first_error` gathered from the parts."""
 
@@ -341,6 +439,7 @@ def build(cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict],
         "judge": lambda: TextReward("judge", judge_reward, tokenizer, rows),
         "answer": lambda: TextReward("answer", answer_reward, tokenizer, rows),
         "function": lambda: FunctionReward(cfg.function, load_function(cfg.function), tokenizer, rows),
+        "http": lambda: HttpReward(cfg, tokenizer, rows),
     }
     if ("model" in cfg.sources) != (reward_model is not None):
         raise ValueError("build() needs the reward model's source exactly when 'model' is a source")
@@ -353,6 +452,7 @@ def report_errors(source: RewardSource, step: int) -> int:
     """This rank's failed rows of the last `score` call; one WARN line naming the function when any."""
     n = getattr(source, "errors", 0)
     if n:
-        logger.warning("step %d: reward function failed on %d row(s) of this rank, dropped from the update "
-                       "(first: %s)", step, n, source.first_error)
+        kind = "server" if (source.first_error or "").startswith("http ") else "function"
+        logger.warning("step %d: reward %s failed on %d row(s) of this rank, dropped from the update "
+                       "(first: %s)", step, kind, n, source.first_error)
     return n

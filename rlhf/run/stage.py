@@ -246,10 +246,7 @@ class Run:
                 self.bar.write(f"step {done}: {self.eval_line(self._evaluate(done))}")
             saves = bool(t.save_every) and (done % t.save_every == 0 or done == self.total)
             if saves or self.stop_reason:  # a stop saves first, so the run can be resumed or inspected
-                self.state.save_checkpoint(os.path.join(checkpoint_root(self.out_dir), f"step_{done:07d}"),
-                                           {"step": done, "before": self.before, "run": self.record, **self.state_fn()})
-                if self.info.is_main:
-                    prune_checkpoints(checkpoint_root(self.out_dir), t.keep_last_n)
+                self.save(done)
             if self.stop_reason:
                 logger.warning("stopping after step %d of %d (checkpoint saved): %s", done, self.total,
                                self.stop_reason)
@@ -283,6 +280,16 @@ class Run:
                         **(extra(step) if extra else {})}
                 self.log_train(step, last, {name: format(last[k], spec) for name, (k, spec) in postfix.items()})
         return last
+
+    def save(self, done: int) -> str:
+        """A checkpoint of the state after `done` steps (collective), the oldest pruned; returns its path. The
+        loop saves by train.save_every; a stage calls it when a step cannot finish (PPO's reward server
+        down), so that train.resume=true redoes that step."""
+        path = os.path.join(checkpoint_root(self.out_dir), f"step_{done:07d}")
+        self.state.save_checkpoint(path, {"step": done, "before": self.before, "run": self.record, **self.state_fn()})
+        if self.info.is_main:
+            prune_checkpoints(checkpoint_root(self.out_dir), self.train.keep_last_n)
+        return path
 
     def stop(self, reason: str) -> None:
         """End the loop cleanly after the current step (called from the loop body or an evaluation):
