@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import time
 from typing import Any
@@ -92,7 +93,12 @@ def run(cfg: ServeConfig) -> dict[str, Any]:
           f"max wait {s.max_wait_ms:g} ms)", flush=True)
     t0 = time.time()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
-    server.run(sockets=[sock])
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: as KeyboardInterrupt here
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     meter = app.state.meter
     logger.info("serve: %s", meter.line())
     summary = {"stage": "serve", "source": describe["source"], "url": f"http://{s.host}:{port}",

@@ -452,9 +452,13 @@ def validate_alarms(a: AlarmsConfig) -> None:
           f"alarms.gen_kl must be a finite number > 0 (nats per token), got {a.gen_kl}")
 
 
-def unused_sources(cfg: PPOConfig) -> set[str]:
+def unused_sources(cfg: PPOConfig | ServeConfig) -> set[str]:
     """Model keys a PPO run will not read: critic.model without a critic, unless it is the reward
-    model's default path and the reward model is a reward source."""
+    model's default path and the reward model is a reward source; rlhf.serve's reward.model unless it
+    serves the model."""
+    if isinstance(cfg, ServeConfig):
+        return set() if cfg.reward.source not in SERVED_REWARDS or served_source(cfg.reward) == "model" else \
+            {"reward.model"}
     est = ADVANTAGE_ESTIMATORS.get(cfg.ppo.advantage_estimator)
     needs_rm = "model" in cfg.reward.sources and cfg.ppo.objective != "distill"  # distillation: no reward model
     if est is not None and not est.needs_critic and not (needs_rm and cfg.reward_model.model is None):

@@ -22,7 +22,7 @@ from engine import exit_process, latest_checkpoint, list_checkpoints
 from engine.checkpoint import META
 from engine.distributed import barrier
 from engine.errors import CheckpointError
-from rlhf.config import PPOConfig, as_yaml, cli, compose, to_config
+from rlhf.config import PPOConfig, ServeConfig, as_yaml, cli, compose, to_config
 from rlhf.config.ds_config import ds_overrides, log_report
 from rlhf.config.validate import unused_sources
 from rlhf.core.errors import ConfigError, DataFormatError, TrainingError
@@ -82,7 +82,7 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
         with user_errors():
             config = to_config(raw, schema)
             _check_ds_config_applied(config, ds_report)
-            unused = unused_sources(config) if isinstance(config, PPOConfig) else set()
+            unused = unused_sources(config) if isinstance(config, (PPOConfig, ServeConfig)) else set()
             check_sources(config, unused=frozenset(unused))  # keys the run will not read are not probed
             run(config)
 
