@@ -158,7 +158,7 @@ class RewardClient:
         if down is not None and time.monotonic() - down > self.down_timeout_s:
             raise RewardServerDown(
                 f"the reward server at {self.url} (reward.url) has refused connections for "
-                f"{time.monotonic() - down:.0f} s, longer than reward.down_timeout_s={self.down_timeout_s:g}: start it "
+                f"{time.monotonic() - down:.1f} s, longer than reward.down_timeout_s={self.down_timeout_s:g}: start it "
                 f"again (python -m rlhf.serve ...) and resume the run (train.resume=true)")
 
     def _refusal(self, r: httpx.Response) -> str:

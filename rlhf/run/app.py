@@ -42,7 +42,8 @@ def user_errors():
     try:
         yield
     except (ConfigError, DataFormatError, FileNotFoundError, TrainingError, CheckpointError) as e:
-        kind = {TrainingError: "training", CheckpointError: "checkpoint"}.get(type(e), "configuration/data")
+        kind = "training" if isinstance(e, TrainingError) else "checkpoint" if isinstance(e, CheckpointError) else \
+            "configuration/data"  # subclasses too (the http reward source's RewardServerDown is a TrainingError)
         print(f"error ({kind}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
