@@ -12,9 +12,10 @@ import typing
 import pytest
 
 from conftest import CLOSED_PORT, ROOT, run_stage
-from rlhf.config import DPOConfig, EvaluateConfig, PPOConfig, RewardConfig, SFTConfig
+from rlhf.config import DPOConfig, EvaluateConfig, PPOConfig, RewardConfig, ServeConfig, SFTConfig
 
-STAGES = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig}
+STAGES = {"sft": SFTConfig, "reward": RewardConfig, "dpo": DPOConfig, "ppo": PPOConfig, "evaluate": EvaluateConfig,
+          "serve": ServeConfig}
 OFFLINE_LIMIT_S = 5.0  # on a busy machine: at most this, or a plain start (--cfg job) + SLACK_S
 SLACK_S = 3.0
 

@@ -58,6 +58,14 @@ NOT_RUN = {
     "python -m rlhf.evaluate model.name_or_path=runs/ppo_lora output_dir=runs/eval_ppo": OWN_MODEL,
     "python -m rlhf.evaluate model.name_or_path=runs/rm_lora output_dir=runs/eval_rm": OWN_MODEL,
     'SEEDS="1234 1 2" bash scripts/run_all.sh': "tests/test_ppo.py::test_run_all_seed_sweep (SEEDS=\"3 4\")",
+    # a server runs until stopped; tests/test_serve.py starts real ones and runs PPO against them
+    "python -m rlhf.serve reward.model=outputs/reward server.port=8000": "tests/test_serve.py (a server runs until "
+                                                                         "stopped: started there on a free port)",
+    "python -m rlhf.ppo reward.sources=[http] reward.url=http://127.0.0.1:8000": "needs a running server: "
+        "tests/test_serve.py::test_ppo_over_http_equals_in_process_and_combines_with_the_judge",
+    "python scripts/bench_serve.py": "a load test of 30 s and more (its --duration 2 form is run)",
+    "python scripts/bench_serve.py --ppo --sft outputs/sft": "two PPO runs of 3 steps (the PPO comparison is "
+        "tests/test_serve.py::test_ppo_over_http_equals_in_process_and_combines_with_the_judge)",
 }
 
 # Placeholders in the documented commands -> local stand-ins ({W}: the workspace, {M}: a tiny local model).
