@@ -3,6 +3,7 @@ client's retries and counts against a misbehaving FastAPI app in this process, a
 reward.sources=[http] against the same reward model in-process. Every wait is bounded."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -237,7 +238,7 @@ class Fake:
     """A FastAPI app in a thread whose /score misbehaves as `mode` says."""
 
     def __init__(self):
-        self.mode, self.calls, self.seen = "ok", 0, []
+        self.mode, self.calls, self.seen, self.inflight, self.most = "ok", 0, [], 0, 0
         app = FastAPI()
 
         @app.post("/score")
@@ -256,6 +257,11 @@ class Fake:
                 return {"scores": [1.0] * (n - 1)}
             if mode == "strings":
                 return {"scores": ["1.0"] * n}
+            if mode == "gate":  # holds each request 0.2 s without blocking the loop: counts requests in flight
+                self.inflight += 1
+                self.most = max(self.most, self.inflight)
+                await asyncio.sleep(0.2)
+                self.inflight -= 1
             if mode == "slow":
                 time.sleep(1.0)  # blocks this server's loop: every concurrent request waits too
             if mode == "nan":  # one NaN and one null: those rows alone fail
@@ -318,6 +324,18 @@ def test_nan_null_and_a_flaky_500_then_good_answers(fake):
     assert (s["failed_rows"], s["retries"], s["requests"]) == (0, 2, 2)
 
 
+def test_max_concurrency_bounds_the_requests_in_flight_and_backoff_s_the_wait(fake):
+    fake.mode, fake.most = "gate", 0
+    rows = [{"prompt": "p", "response": "x" * i} for i in range(1, 9)]
+    client = RewardClient(fake.url, max_concurrency=2, request_rows=1)
+    assert client.score(rows) == [float(i) for i in range(1, 9)]  # each answer in its row's place
+    assert fake.most == 2 and client.stats()["requests"] == 8
+    fake.mode = "flaky"  # one retry, after backoff_s x [0.5, 1.5)
+    t0 = time.perf_counter()
+    assert RewardClient(fake.url, retries=1, backoff_s=0.4, request_rows=4).score(ROWS4) == [1.0, 2.0, 3.0, 4.0]
+    assert time.perf_counter() - t0 >= 0.2
+
+
 def test_a_slow_server_counts_timeouts(fake):
     fake.mode, fake.calls = "slow", 0
     client = RewardClient(fake.url, retries=1, backoff_s=0.01, timeout_s=0.3, request_rows=4)
@@ -376,6 +394,11 @@ def test_http_source_and_serve_options_are_validated_by_value():
         (["reward.source=judge", "reward.function=math:fabs"], None, "reward.function='math:fabs' is set but "
          "reward.source=judge serves judge"),
         (["reward.source=other"], None, "reward.source must be one of"),
+        (["reward.source=judge", "server.max_rows=0"], None, "server.max_rows must be an integer >= 1, got 0"),
+        (["reward.source=judge", "server.max_body_mb=0"], None, "server.max_body_mb must be a finite number > 0"),
+        (["reward.source=judge", "server.log_every_s=0"], None, "server.log_every_s must be a finite number > 0"),
+        (["reward.source=function"], None, "reward.source=function needs reward.function=module:function"),
+        (["reward.model=null"], None, "reward.model must be set: the reward model to serve"),
     ]:
         with pytest.raises(ConfigError) as e:
             serve(*overrides, key=key)
