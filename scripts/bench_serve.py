@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -142,7 +143,11 @@ def load(url: str, rows: list[dict], ref: list[float], clients: int, per_request
                         continue
                     out["lat"].append(dt)
                     out["rows"] += len(idx)
-                    out["lost"] += sum(s is None or abs(s - ref[i]) > 1e-5 for s, i in zip(scores, idx))
+                    # another row's score is off by O(1); batch composition moves a score by float rounding only
+                    rel = [abs(s - ref[i]) / max(1.0, abs(ref[i])) if s is not None else math.inf
+                           for s, i in zip(scores, idx)]
+                    out["lost"] += sum(r > 1e-3 for r in rel)
+                    out["max_rel"] = max([out.get("max_rel", 0.0), *rel])
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
     t0 = time.perf_counter()
@@ -160,29 +165,35 @@ def ppo_compare(args, model: str, url: str, tmp: str) -> list[str]:
               "train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=8", "alarms.enabled=false",
               "engine.precision=fp32", "algorithm=grpo", "rollout.n_samples_per_prompt=4"]
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "WANDB_MODE": "disabled"}
-    recs, times = {}, {}
-    for name, extra in (("in-process", ["reward.sources=[model]"]),
-                        ("http", ["reward.sources=[http]", f"reward.url={url}"])):
-        out = os.path.join(tmp, f"ppo_{name}")
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "rlhf.ppo", f"output_dir={out}", *common, *extra], cwd=ROOT,
-                           env=env, capture_output=True, text=True, timeout=args.ppo_timeout)
-        if p.returncode:
-            sys.exit(f"PPO ({name}) exited {p.returncode}:\n{p.stderr[-3000:]}")
-        times[name] = time.perf_counter() - t0
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            recs[name] = [r for r in map(json.loads, f) if r["kind"] == "train"]
-    a, b = recs["in-process"], recs["http"]
-    diff = max(abs(x["reward"] - y["reward"]) for x, y in zip(a, b))
-    step = {k: statistics.mean(r["generation_s"] + r["scoring_s"] + r["training_s"] for r in v) for k, v in recs.items()}
-    scoring = {k: statistics.mean(r["scoring_s"] for r in v) for k, v in recs.items()}
-    return [f"PPO (grpo, 4 samples per prompt), {args.ppo_steps} steps, same seed:",
-            f"  per-step reward, http vs in-process: max |diff| {diff:.2e} over {len(a)} steps "
-            f"({'equal' if diff <= 1e-5 else 'DIFFERENT'}); rewards {[round(r['reward'], 5) for r in b]}",
-            f"  step time http / in-process: {step['http'] / step['in-process']:.3f} "
-            f"({step['http']:.3f} s / {step['in-process']:.3f} s); scoring phase {scoring['http'] / scoring['in-process']:.3f} "
-            f"({scoring['http']:.3f} s / {scoring['in-process']:.3f} s); whole runs {times['http']:.0f} s / "
-            f"{times['in-process']:.0f} s"]
+    lines = [f"PPO (grpo, 4 samples per prompt), {args.ppo_steps} steps, same seed, {args.ppo_repeats} pair(s) "
+             "run interleaved (in-process, http, in-process, http, ...):"]
+    step_ratios, scoring_ratios = [], []
+    for rep in range(args.ppo_repeats):
+        recs = {}
+        for name, extra in (("in-process", ["reward.sources=[model]"]),
+                            ("http", ["reward.sources=[http]", f"reward.url={url}"])):
+            out = os.path.join(tmp, f"ppo_{name}_{rep}")
+            p = subprocess.run([sys.executable, "-m", "rlhf.ppo", f"output_dir={out}", *common, *extra], cwd=ROOT,
+                               env=env, capture_output=True, text=True, timeout=args.ppo_timeout)
+            if p.returncode:
+                sys.exit(f"PPO ({name}) exited {p.returncode}:\n{p.stderr[-3000:]}")
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                recs[name] = [r for r in map(json.loads, f) if r["kind"] == "train"]
+        a, b = recs["in-process"], recs["http"]
+        diff = max(abs(x["reward"] - y["reward"]) for x, y in zip(a, b))
+        step = {k: statistics.mean(r["generation_s"] + r["scoring_s"] + r["training_s"] for r in v)
+                for k, v in recs.items()}
+        scoring = {k: statistics.mean(r["scoring_s"] for r in v) for k, v in recs.items()}
+        step_ratios.append(step["http"] / step["in-process"])
+        scoring_ratios.append(scoring["http"] / scoring["in-process"])
+        lines.append(f"  pair {rep + 1}: per-step reward max |diff| {diff:.2e} over {len(a)} steps "
+                     f"({'equal' if diff <= 1e-5 else 'DIFFERENT'}; rewards {[round(r['reward'], 5) for r in b]}); "
+                     f"step time http / in-process {step_ratios[-1]:.3f} ({step['http']:.3f} s / "
+                     f"{step['in-process']:.3f} s), scoring phase {scoring_ratios[-1]:.3f} ({scoring['http']:.3f} s / "
+                     f"{scoring['in-process']:.3f} s)")
+    lines.append(f"  median step-time ratio {statistics.median(step_ratios):.3f}, scoring-phase ratio "
+                 f"{statistics.median(scoring_ratios):.3f}")
+    return lines
 
 
 def main() -> None:
@@ -197,6 +208,7 @@ def main() -> None:
     ap.add_argument("--ppo", action="store_true", help="also compare a PPO step over HTTP with in-process")
     ap.add_argument("--sft", default="outputs/sft", help="--ppo: the actor")
     ap.add_argument("--ppo-steps", type=int, default=3)
+    ap.add_argument("--ppo-repeats", type=int, default=2, help="--ppo: interleaved pairs of runs")
     ap.add_argument("--ppo-timeout", type=float, default=1200)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -207,28 +219,36 @@ def main() -> None:
     scorer, _ = build_scorer(cfg, "model", init_distributed())
     rows = rows_of(args.rows)
     ref, rate0 = in_process(scorer, rows, args.max_batch, max(3.0, args.duration / 2))
+    inproc = [rate0]  # measured before every HTTP phase and after the last: each phase vs its two neighbours
     proc, url = start_server(model, args.max_batch, os.path.join(tmp, "serve.log"))
     lines = [f"load: {os.getloadavg()[0]:.1f} (1-min load average at start, {os.cpu_count()} CPUs); model {model}; "
              f"{len(rows)} rows, {args.rows_per_request} per request, server.max_batch={args.max_batch}",
-             f"{'clients':>7} {'rows/s':>9} {'x in-proc':>9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>7} "
-             f"{'lost':>5} {'dup':>4} {'err':>4} {'RSS MiB before->after':>22}"]
+             f"{'clients':>7} {'rows/s':>9} {'in-proc':>9} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>7} "
+             f"{'lost':>5} {'dup':>4} {'err':>4} {'max rel diff':>12} {'RSS MiB before->after':>22}"]
+    phases: list[dict] = []
     try:
-        for n in args.clients:
+        for k, n in enumerate(args.clients):
+            if k:
+                inproc.append(in_process(scorer, rows, args.max_batch, max(3.0, args.duration / 2))[1])
             before = httpx.get(f"{url}/metrics").json()
             res = load(url, rows, ref, n, args.rows_per_request, args.duration, args.timeout)
             after = httpx.get(f"{url}/metrics").json()
             dup = max(0, (after["rows_scored"] - before["rows_scored"]) - (after["rows_requested"] - before["rows_requested"]))
+            res.update(n=n, dup=dup, before=before, after=after)
+            phases.append(res)
+        inproc.append(in_process(scorer, rows, args.max_batch, max(3.0, args.duration / 2))[1])
+        for k, res in enumerate(phases):
+            base = (inproc[k] + inproc[k + 1]) / 2  # the in-process rate just before and just after this phase
             rate = res["rows"] / res["elapsed"]
             p50, p99 = percentile(res["lat"], 50) * 1e3, percentile(res["lat"], 99) * 1e3
-            lines.append(f"{n:>7} {rate:>9.1f} {rate / rate0:>9.2f} {p50:>8.1f} {p99:>8.1f} {p99 / p50:>7.2f} "
-                         f"{res['lost']:>5} {dup:>4} {res['errors']:>4} {before['rss_mib']:>10} -> {after['rss_mib']:<9}"
-                         f"  (batches of {after['batch_rows_mean']} rows on average; {res['sent']} rows sent)")
-        _, rate1 = in_process(scorer, rows, args.max_batch, max(3.0, args.duration / 2))
-        base = (rate0 + rate1) / 2
-        lines.insert(2, f"in-process batched scoring: {rate0:.1f} rows/s before, {rate1:.1f} after the HTTP phases "
-                        f"(the 'x in-proc' column divides by the first)")
-        lines.append(f"(with the mean in-process rate {base:.1f} rows/s as the baseline instead: multiply x in-proc "
-                     f"by {rate0 / base:.2f})")
+            b, a = res["before"], res["after"]
+            lines.append(f"{res['n']:>7} {rate:>9.1f} {base:>9.1f} {rate / base:>6.2f} {p50:>8.1f} {p99:>8.1f} "
+                         f"{p99 / p50:>7.2f} {res['lost']:>5} {res['dup']:>4} {res['errors']:>4} "
+                         f"{res.get('max_rel', math.nan):>12.1e} {b['rss_mib']:>10} -> {a['rss_mib']:<9}"
+                         f"  (server batches: {a['batch_rows_mean']} rows on average; {res['sent']} rows sent)")
+        lines.append("in-proc: the in-process batched rate, the mean of its measurements just before and after the "
+                     f"phase ({', '.join(f'{r:.1f}' for r in inproc)} rows/s in order); ratio = rows/s / in-proc; "
+                     "lost = rows without a score or off their own row's by > 1e-3 (relative)")
         if args.ppo:
             lines += ppo_compare(args, model, url, tmp)
     finally:

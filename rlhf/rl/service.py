@@ -204,10 +204,12 @@ class Batcher:
         self.queue = asyncio.Queue()
         self.task = asyncio.get_running_loop().create_task(self.run())
 
-    async def submit(self, rows: list[dict]) -> tuple[list[float | None], dict[int, str]]:
+    def submit(self, rows: list[dict]) -> asyncio.Future:
+        """Queue `rows` now (no await between parsing a request and queueing it); the future of their
+        (scores, errors)."""
         fut = asyncio.get_running_loop().create_future()
-        await self.queue.put(Job(rows, fut))
-        return await fut
+        self.queue.put_nowait(Job(rows, fut))
+        return fut
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -382,7 +384,7 @@ def make_app(scorer: Any, limits: Limits, *, api_key: str | None, describe: dict
             meter.duplicate_requests += 1
             fut = seen[rid]
         else:
-            fut = asyncio.ensure_future(batcher.submit(rows))
+            fut = batcher.submit(rows)
             if rid is not None:
                 seen[rid] = fut
                 while len(seen) > 4096:
