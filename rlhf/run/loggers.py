@@ -11,7 +11,8 @@ held-out samples of each evaluation (`RunLog.samples`) go to each logger's table
     wandb        wandb.Table under eval/samples            (offline by default: output_dir/wandb)
     tensorboard  add_scalar; a markdown table, add_text    (logger.tensorboard_dir, else output_dir/tensorboard)
     mlflow       log_batch; log_table samples/step_N.json  (logger.mlflow_tracking_uri, MLFLOW_TRACKING_URI, else
-                                                            the file store output_dir/mlruns)
+                                                            the file store output_dir/mlruns; in a file store
+                                                            `eval/gold_score/add` is `eval/gold_score.add`)
     trackio      trackio.log; trackio.Table                (trackio's local store: TRACKIO_DIR)
     csv          <kind>_<name>.csv: step,value per scalar  (logger.csv_dir, else output_dir/csv; DeepSpeed's
                                                             csv_monitor layout)
@@ -95,10 +96,18 @@ def mlflow_uri(cfg: LoggerConfig, output_dir: str) -> str:
             or "file://" + os.path.abspath(os.path.join(output_dir, "mlruns")))
 
 
+def mlflow_file_name(name: str) -> str:
+    """A scalar's name in an MLflow file store: `kind/` then the rest with "/" as "." (the file store keeps a
+    metric as a file at its name's path, so `eval/gold_score` and `eval/gold_score/shift` could not both exist)."""
+    kind, _, rest = name.partition("/")
+    return f"{kind}/{rest.replace('/', '.')}" if rest else name
+
+
 class MLflowSink:
     def __init__(self, cfg: LoggerConfig, output_dir: str, config: dict[str, Any]):
         self.uri = mlflow_uri(cfg, output_dir)
-        if self.uri.startswith("file:") or "://" not in self.uri:
+        self.file_store = self.uri.startswith("file:") or "://" not in self.uri
+        if self.file_store:
             # NOTE: MLflow 3 refuses its file store unless asked for it; a file store is what a local run wants
             # (mlflow-skinny has no SQLAlchemy for the sqlite store)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -115,7 +124,7 @@ class MLflowSink:
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         now = int(time.time() * 1000)
-        metrics = [self.Metric(k, v, now, step) for k, v in values.items()]
+        metrics = [self.Metric(mlflow_file_name(k) if self.file_store else k, v, now, step) for k, v in values.items()]
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
