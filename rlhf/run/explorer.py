@@ -142,7 +142,10 @@ def page_data(runs: list[RunData]) -> dict[str, Any]:
 
 def plotly_js() -> str:
     """plotly.min.js as the plotly Python package ships it (the same file its `write_html` inlines)."""
-    import plotly  # deferred: only the explorer needs it (a dependency of the project, not of a stage)
+    try:
+        import plotly  # deferred: only the explorer needs it (the report extra)
+    except ImportError:
+        raise ValueError('the run explorer needs plotly, which is not installed: pip install -e ".[report]"') from None
 
     path = os.path.join(os.path.dirname(plotly.__file__), "package_data", "plotly.min.js")
     with open(path, encoding="utf-8") as f:
@@ -251,12 +254,13 @@ DATA.charts.forEach((c, i) => {
 });
 
 // ---- runs: config diff against the first run, summary, alarms
+const cfgValue = v => v === '(absent)' ? '<i>(absent)</i>' : esc(JSON.stringify(v));
 const rt = document.getElementById('run-tables');
 rt.innerHTML = DATA.runs.map((r, i) => {
   const diff = i === 0 ? '<p>(the first run: the others are compared with it)</p>' :
     (r.config_diff.length ? '<table class="config-diff"><tr><th>key</th><th>' + esc(DATA.first) + '</th><th>' +
-      esc(r.name) + '</th></tr>' + r.config_diff.map(d => '<tr><td>' + esc(d[0]) + '</td><td>' + esc(JSON.stringify(d[1])) +
-      '</td><td>' + esc(JSON.stringify(d[2])) + '</td></tr>').join('') + '</table>' : '<p>same config as the first run</p>');
+      esc(r.name) + '</th></tr>' + r.config_diff.map(d => '<tr><td>' + esc(d[0]) + '</td><td>' + cfgValue(d[1]) +
+      '</td><td>' + cfgValue(d[2]) + '</td></tr>').join('') + '</table>' : '<p>same config as the first run</p>');
   const summ = Object.keys(r.summary).length ? '<table class="summary">' + Object.entries(r.summary).map(
     ([k, v]) => '<tr><td>' + esc(k) + '</td><td>' + fmt(v) + '</td></tr>').join('') + '</table>' :
     '<p>no summary.json (unfinished?)</p>';
