@@ -23,6 +23,7 @@ from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage
 from rlhf.config import LoggerConfig
 from rlhf.config.validate import LOGGER_LIBRARIES, validate_logger
 from rlhf.core.errors import ConfigError
+from rlhf.report import main as report_main
 from rlhf.run.explorer import config_diff, curves, find_runs, fired_alarms, load_run, page_data
 from rlhf.run.loggers import markdown_table, mlflow_file_name, scalar_values
 from rlhf.run.runlog import TIES, RunLog, make_figure, read_samples, series
@@ -296,12 +297,10 @@ def test_explorer_curves_log_scale_ties_and_alarms():
 EXTERNAL = re.compile(r"""<(?:script|link|img|iframe)[^>]+(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I)
 
 
-def test_report_command_writes_one_self_contained_page(two_runs, tmp_path):
+def test_report_command_writes_one_self_contained_page(two_runs, tmp_path, capsys):
     out = tmp_path / "explorer.html"
-    proc = subprocess.run([sys.executable, "-m", "rlhf.report", str(two_runs), "--out", str(out)], cwd=ROOT,
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "2 run(s): a/sft, b/sft" in proc.stdout
+    report_main([str(two_runs), "--out", str(out)])  # python -m rlhf.report, in this process
+    assert "2 run(s): a/sft, b/sft" in capsys.readouterr().out
     page = out.read_text()
     assert not EXTERNAL.search(page), EXTERNAL.search(page).group(0)
     assert "<script src" not in page and "<link" not in page  # every script inline, no stylesheet fetched
@@ -309,9 +308,13 @@ def test_report_command_writes_one_self_contained_page(two_runs, tmp_path):
                       .group(1).replace("<\\/", "</"))
     assert [r["name"] for r in data["runs"]] == ["a/sft", "b/sft"]
     assert data == json.loads(json.dumps(page_data([load_run(str(two_runs / n / "sft"), f"{n}/sft") for n in "ab"])))
-    bad = subprocess.run([sys.executable, "-m", "rlhf.report", str(tmp_path / "nothing")], cwd=ROOT, env=cli_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "nothing: no such directory" in bad.stderr
+    with pytest.raises(SystemExit) as e:
+        report_main([str(tmp_path / "nothing")])
+    assert e.value.code == 2 and "nothing: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        report_main([str(tmp_path / "empty")])
+    assert "empty: no run in it (no metrics.jsonl at or under it)" in capsys.readouterr().err
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
