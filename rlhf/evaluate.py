@@ -23,7 +23,6 @@ Writes to `output_dir`: config.yaml, metrics.jsonl, samples.jsonl (every prompt 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -127,7 +126,8 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
     if prompts:
         with engine.generation() as generator:
             ev = gold_eval(generator, prompts, tok, cfg.eval, info, n_samples=len(prompts))
-        samples = [{**s, "answer": p.answer, "task": p.task} for s, p in zip(ev.pop("samples"), prompts)]
+        samples = [{"prompt": s["prompt"], "response": s["response"], "score": s["gold"], "answer": p.answer,
+                    "task": p.task} for s, p in zip(ev.pop("samples"), prompts)]
         out.update(ev)
         out["generation_path"] = engine.generation_path
     return out, samples
@@ -167,14 +167,6 @@ def evaluate_reward(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
     return out, samples
 
 
-def write_jsonl(path: str, rows: Sequence[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-
-
 def run(cfg: EvaluateConfig) -> dict[str, Any]:
     t_start = time.time()
     set_deterministic(cfg.engine.deterministic)
@@ -193,8 +185,8 @@ def run(cfg: EvaluateConfig) -> dict[str, Any]:
         save_config(out_dir, cfg)
         log = RunLog(out_dir, cfg.logger, is_main=True)
         log.log(0, "eval", mode=mode, **figures)
+        log.samples(0, samples)  # samples.jsonl (each with step 0) and each logger's table
         log.finish()
-        write_jsonl(os.path.join(out_dir, "samples.jsonl"), samples)
         summary = {"stage": "evaluate", "mode": mode, "model": cfg.model.name_or_path,
                    "time_s": round(time.time() - t_start, 1), **figures}
         write_summary(out_dir, summary)

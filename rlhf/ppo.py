@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from engine.distributed import all_reduce_sum
+from engine.distributed import all_gather_object, all_reduce_sum
 from engine.generation import SamplingParams
 from engine.inference import stream_seed
 from rlhf.algos import rl as rl_math
@@ -108,7 +108,25 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
     out["reward"] = (sums[1] / sums[2]).item() if sums[2] > 0 else float("nan")
     if sums[3] > 0:
         out["nonfinite_rows"] = int(sums[3])
+    out["samples"] = eval_samples(out.get("samples", []), prompts, g, tok, scored, kl, models.reward_source)
     return out
+
+
+def eval_samples(greedy: list[dict], prompts: list, g: Any, tok: Any, scored: dict, kl: torch.Tensor,
+                 source: Any) -> list[dict]:
+    """Per held-out prompt (in order, all ranks'): the greedy response and its gold score (`greedy`, from
+    gold_eval; none without a judge), and the sampled response with its reward, each reward source's
+    score (a weighted sum's parts), its KL to the reference and length in tokens."""
+    parts = source.last_scores if isinstance(source, rewards.WeightedSum) else {}
+    texts = tok.batch_decode(g.responses.masked_fill(g.response_mask == 0, tok.pad_token_id), skip_special_tokens=True)
+    mine = [{"sampled_response": t, "reward": float(scored["score"][i]),
+             **{f"reward/{name}": float(v[i]) for name, v in parts.items()},
+             "kl": float(kl[i]), "sampled_length": int(g.response_mask[i].sum())} for i, t in enumerate(texts)]
+    sampled = [row for part in all_gather_object(mine) for row in part]  # rank order = prompt order
+    by_prompt = {s["prompt"]: s for s in greedy}
+    return [{"task": p.task, "prompt": p.text, **{k: v for k, v in by_prompt.get(p.text, {}).items()
+                                                  if k not in ("task", "prompt")}, **row}
+            for p, row in zip(prompts, sampled)]
 
 
 # ----------------------------------------------------------------------------- the run

@@ -24,7 +24,7 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 # tokenizer, data, SFT and the reward model / PPO stage apps; plots and report; a Triton kernel in the interpreter
 "$PY" -m pytest -q tests/test_foundation.py tests/test_sft.py tests/test_report.py -k "not torchrun"
 "$PY" -m pytest -q tests/test_kernels_swiglu.py -k "not gpu"
-# wandb, offline (the tests log with logger.backend=local, which never imports it)
+# wandb, offline (the tests log with logger=local, which never imports it)
 "$PY" - <<'PY'
 import tempfile, wandb
 run = wandb.init(project="min-versions", mode="offline", dir=tempfile.mkdtemp())

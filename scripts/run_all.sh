@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole pipeline in one command: SFT -> reward model -> PPO (or, with PIPELINE=dpo, SFT -> DPO),
-# each stage reading the previous stage's output, all under one root, then report.md + plots there.
+# each stage reading the previous stage's output, all under one root, then report.md + plots there, and
+# report.html: the run explorer (python -m rlhf.report; curves, configs, alarms, samples in one page).
 #
 #   bash scripts/run_all.sh                                   # embedded default, CPU (~10 min on 2 cores)
 #   PIPELINE=dpo bash scripts/run_all.sh dpo:dpo.beta=0.2     # SFT -> DPO on the pairs, no reward model / PPO
@@ -82,6 +83,14 @@ for arg in "$@"; do
   esac
 done
 
+explorer() {  # $ROOT/report.html: the run explorer over every run under $ROOT (needs plotly: the report extra)
+  if python -c "import plotly" 2>/dev/null; then
+    python -m rlhf.report "$ROOT" --out "$ROOT/report.html"
+  else
+    echo "run_all.sh: no $ROOT/report.html: the run explorer needs plotly (pip install -e \".[report]\")"
+  fi
+}
+
 if [ -n "${SEEDS:-}" ]; then  # a seed sweep: this script once per seed, then the table of all of them
   seeds=()
   for s in $SEEDS; do
@@ -94,6 +103,7 @@ if [ -n "${SEEDS:-}" ]; then  # a seed sweep: this script once per seed, then th
     SEEDS="" OUTPUT_DIR="$ROOT/seed_$s" bash scripts/run_all.sh "$@" "all:seed=$s"
   done
   python scripts/report.py "$ROOT" --sweep "${seeds[@]}"
+  explorer  # over every seed's stages
   exit 0
 fi
 
@@ -137,3 +147,4 @@ if [ -n "$SKIPPED" ]; then
 else
   python scripts/report.py "$ROOT" --pipeline "$PIPELINE" --total-s "$(( $(date +%s) - start ))"
 fi
+explorer

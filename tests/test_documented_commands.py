@@ -271,6 +271,8 @@ def _argv(command: str, ws: dict[str, str], out: str) -> tuple[list[str], dict[s
         launcher = [sys.executable, "-m", "torch.distributed.run", *words[1:i], "--master_addr", "127.0.0.1",
                     "--master_port", _free_port()]
         return [*launcher, "-m", words[i + 1], *_stage_args(module, words[i + 2:], out)], env
+    if words[:3] == ["python", "-m", "rlhf.report"]:  # reads the workspace's runs, writes one page: as written
+        return [sys.executable, *words[1:]], env
     if words[:2] == ["python", "-m"]:
         module = words[2].removeprefix("rlhf.")
         return [sys.executable, "-m", words[2], *_stage_args(module, words[3:], out)], env
@@ -311,6 +313,9 @@ def test_documented_command_runs(command, workspace, tmp_path):
         assert os.path.isfile(os.path.join(root, "report.md"))
         assert os.path.isfile(os.path.join(root, "report.json")) == (last == "ppo")  # the headline figures: SFT -> RM -> PPO
         assert summary(os.path.join(root, last))["steps"] >= 1
+    elif "rlhf.report" in argv:
+        page = argv[argv.index("--out") + 1] if "--out" in argv else os.path.join(argv[3], "report.html")
+        assert "run explorer:" in proc.stdout and os.path.getsize(os.path.join(workspace["W"], page)) > 4_000_000
     elif "stage_plan.py" in argv[1]:
         assert proc.stdout.split()[0] in ("skip", "resume", "run")
     elif "report.py" in argv[1]:

@@ -402,12 +402,30 @@ def test_activation_checkpointing_wandb_and_logging():
     # DeepSpeedExamples Megatron-LM/scripts/ds_zero2_config.json's block
     ds = {"activation_checkpointing": {"partition_activations": True, "contiguous_memory_optimization": False},
           "wandb": {"enabled": True, "group": "g", "team": "my team", "project": "rlhf-ds"}}
-    assert mapped(ds) == {"engine.activation_checkpointing": True, "logger.backend": "wandb",
+    assert mapped(ds) == {"engine.activation_checkpointing": True, "logger.wandb": True,
                           "logger.project": "rlhf-ds", "logger.entity": "my team"}
     assert "no run groups" in ignored(ds)["wandb.group"]
     assert mapped({"wandb": {"enabled": False, "project": "p"}}) == {}
     with pytest.raises(ConfigError, match="activation_checkpointing.cpu_checkpointing=true is not available"):
         map_ds_config({"activation_checkpointing": {"cpu_checkpointing": True}}, 1, SFT)
+
+
+def test_tensorboard_and_csv_monitor_blocks():
+    # DeepSpeed's monitor blocks (docs config-json "Monitoring Module"): output_path/job_name is where it writes
+    ds = {"tensorboard": {"enabled": True, "output_path": "logs/ds_logs/", "job_name": "train_bert"},
+          "csv_monitor": {"enabled": True, "output_path": "csv", "job_name": "auto"}}
+    assert mapped(ds) == {"logger.tensorboard": True, "logger.tensorboard_dir": "logs/ds_logs/train_bert",
+                          "logger.csv": True, "logger.csv_dir": "csv"}
+    assert ignored(ds)["csv_monitor.job_name"] == "auto: our value is kept"
+    off = {"tensorboard": {"enabled": False, "output_path": "x"}, "csv_monitor": {"job_name": "j"}}
+    assert mapped(off) == {}
+    assert ignored(off) == {"tensorboard.enabled": "the tensorboard monitor is off (tensorboard.enabled is not true)",
+                            "tensorboard.output_path": "the tensorboard monitor is off (tensorboard.enabled is not true)",
+                            "csv_monitor.job_name": "the csv_monitor monitor is off (csv_monitor.enabled is not true)"}
+    with pytest.raises(ConfigError, match="tensorboard.job_name must be a non-empty string, got 3"):
+        map_ds_config({"tensorboard": {"enabled": True, "job_name": 3}}, 1, SFT)
+    with pytest.raises(ConfigError, match="tensorboard.flush_secs is not a DeepSpeed key this mapping knows"):
+        map_ds_config({"tensorboard": {"enabled": True, "flush_secs": 3}}, 1, SFT)
 
 
 @pytest.mark.parametrize("ds, message", [
@@ -430,11 +448,11 @@ def test_features_we_do_not_have_and_unknown_keys_name_the_key(ds, message):
 
 def test_features_switched_off_are_listed_not_refused():
     ds = {"elasticity": {"enabled": False}, "sequence_parallel_size": 1, "autotuning": {"enabled": False},
-          "tensorboard": {"enabled": True, "output_path": "logs/"}, "aio": {"block_size": 1048576}}
+          "comet": {"enabled": True}, "aio": {"block_size": 1048576}}
     assert mapped(ds) == {}
     why = ignored(ds)
     assert why["elasticity"] == why["sequence_parallel_size"] == "off"
-    assert "not TensorBoard" in why["tensorboard"] and "NVMe" in why["aio"]
+    assert "not Comet" in why["comet"] and "NVMe" in why["aio"]
 
 
 # ----------------------------------------------------------------------------- the command line

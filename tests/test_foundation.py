@@ -47,9 +47,10 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-# The key that names what a group option is (zero0 = stage 0, local = backend local): kept in its file
-# even where it equals the schema's default, so the option means its name whatever the default.
-OPTION_KEYS = {"engine": {"stage"}, "logger": {"backend"}}
+# The key that names what a group option is (zero0 = stage 0): kept in its file even where it equals the
+# schema's default, so the option means its name whatever the default. (logger=local sets nothing: every
+# other logger option turns its own flag on, so logger=[tensorboard,wandb] composes both.)
+OPTION_KEYS = {"engine": {"stage"}}
 
 
 def test_the_yaml_holds_only_what_differs_from_the_schema():

@@ -465,6 +465,9 @@ def test_run_all_smoke(tmp_path):
     assert "after PPO" in report and "Reward model" in report
     assert "ppo.kl_estimator=k1" in report and "sampled estimate" in report and "gold score (%)" in report
     assert summary(root / "ppo")["gold_score_before"] == pytest.approx(summary(root / "sft")["gold_score_after"])
+    # the run explorer beside report.md: every stage a run of its page, with its samples
+    page = (root / "report.html").read_text()
+    assert all(f'"name": "{stage}"' in page for stage in ("sft", "reward", "ppo")) and '"sampled_response": ' in page
 
 
 # The smallest pipeline that still checkpoints PPO (save_every=1), for the skip/resume test.
@@ -498,6 +501,8 @@ def test_run_all_seed_sweep(tmp_path):
     run_all(root, SEEDS="3 4")
     sweep = json.loads((root / "sweep.json").read_text())
     assert sweep["seeds"] == [3, 4]
+    assert all(f'"name": "seed_{seed}/{stage}"' in (root / "report.html").read_text() for seed in (3, 4)
+               for stage in ("sft", "reward", "ppo"))
     for seed, row in zip((3, 4), sweep["runs"]):
         for stage in ("sft", "reward", "ppo"):
             assert f"\nseed: {seed}\n" in (root / f"seed_{seed}" / stage / "config.yaml").read_text(), (seed, stage)

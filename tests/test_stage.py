@@ -13,7 +13,7 @@ import torch
 from engine.checkpoint import META, write_meta
 from rlhf.config import SFTConfig, TrainConfig
 from rlhf.core.errors import TrainingError
-from rlhf.run.runlog import read_metrics
+from rlhf.run.runlog import read_metrics, read_samples
 from rlhf.run.stage import Run
 
 
@@ -44,7 +44,7 @@ def make_run(tmp_path, **train):
 def drive(run, state, evals, total=5, skipped=()):
     def evaluate():
         evals.append(len(evals))
-        return {"score": float(len(evals)), "samples": ["not logged"]}
+        return {"score": float(len(evals)), "samples": [{"prompt": "p", "response": f"evaluation {len(evals)}"}]}
 
     run.begin(state, total, evaluate, lambda ev: f"score {ev['score']}", state_fn=lambda: {"extra": 1})
     for step in run.steps():
@@ -61,6 +61,9 @@ def test_cadence_of_logs_evaluations_and_checkpoints(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path), "train")] == [2, 4, 5]  # every 2nd and the last
     assert [(r["step"], r["score"]) for r in read_metrics(str(tmp_path), "eval")] == [(0, 1.0), (3, 2.0), (5, 3.0)]
     assert all("samples" not in r for r in read_metrics(str(tmp_path)))
+    # each evaluation's samples in samples.jsonl, with its step
+    assert [(r["step"], r["response"]) for r in read_samples(str(tmp_path))] == [
+        (0, "evaluation 1"), (3, "evaluation 2"), (5, "evaluation 3")]
     assert [name for name, _ in state.saved] == ["step_0000002", "step_0000004", "step_0000005"]
     saved = state.saved[0][1]
     assert {k: v for k, v in saved.items() if k != "run"} == {"step": 2, "before": {"score": 1.0}, "extra": 1}
@@ -80,6 +83,9 @@ def test_resume_keeps_the_before_evaluation_and_truncates_metrics(tmp_path):
     assert run.start == 4 and run.before == {"score": 1.0} and run.extra_state["extra"] == 1
     assert evals == [0]  # only the final evaluation: "before" came from the checkpoint
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 2, 3, 4, 5, 5]
+    # the first run's step-5 samples dropped with its records after step 4; the resumed run's step-5 ones kept
+    assert [(r["step"], r["response"]) for r in read_samples(str(tmp_path))] == [
+        (0, "evaluation 1"), (3, "evaluation 2"), (5, "evaluation 1")]
 
 
 def test_consecutive_skipped_steps_stop_the_run(tmp_path):

@@ -63,9 +63,8 @@ IGNORED = {
     "flops_profiler": PROFILING,
     "comms_logger": PROFILING,
     "timers": PROFILING,
-    "tensorboard": "metrics go to metrics.jsonl and PNG plots (logger.backend=wandb for W&B), not TensorBoard",
-    "csv_monitor": "metrics go to metrics.jsonl (one JSON record per line) already",
-    "comet": "metrics go to metrics.jsonl (logger.backend=wandb for W&B), not Comet",
+    "comet": "metrics go to metrics.jsonl and the loggers of logger=... (wandb, tensorboard, mlflow, trackio, csv), "
+             "not Comet",
     "nebula": "checkpoints are written locally by torch.distributed.checkpoint",
     "disable_allgather": INTERNALS,
 }
@@ -93,7 +92,7 @@ UNSUPPORTED = {
 }
 HANDLED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16", "bf16",
            "bfloat16", "optimizer", "scheduler", "gradient_clipping", "zero_optimization", "activation_checkpointing",
-           "steps_per_print", "wandb", "hybrid_engine")
+           "steps_per_print", "wandb", "tensorboard", "csv_monitor", "hybrid_engine")
 
 ZERO_INTERNALS = (
     "allgather_partitions", "allgather_bucket_size", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
@@ -138,7 +137,7 @@ def targets_for(schema: type, app: str = "this app") -> Targets:
     return Targets(
         app=app, optim=tuple(p for p in ("train", "actor", "critic") if f"{p}.lr" in keys), batch=batch,
         max_steps="train.max_steps" if batch and batch[0].startswith("train.") else None,
-        log_every="train.log_every" if "train.log_every" in keys else None, logger="logger.backend" in keys,
+        log_every="train.log_every" if "train.log_every" in keys else None, logger="logger.wandb" in keys,
     )
 
 
@@ -535,12 +534,9 @@ class _Mapper:
 
     def wandb(self, b: dict) -> None:
         _block("wandb", b, ("enabled", "group", "team", "project"))
-        if not self.t.logger or _enabled("wandb", b) is not True:
-            for k in b:
-                self.ignore(f"wandb.{k}", "W&B is off (wandb.enabled is not true)" if self.t.logger else
-                            f"{self.t.app} has no logger")
+        if not self.monitor_on("wandb", b):
             return
-        self.set("wandb.enabled", "logger.backend", "wandb")
+        self.set("wandb.enabled", "logger.wandb", True)
         for k, ours in (("project", "logger.project"), ("team", "logger.entity")):
             if k in b and not _is_auto(b[k]):
                 if not isinstance(b[k], str):
@@ -548,6 +544,33 @@ class _Mapper:
                 self.set(f"wandb.{k}", ours, b[k])
         if "group" in b:
             self.ignore("wandb.group", "the logger has no run groups (logger.name names the run)")
+
+    def monitor(self, key: str, b: dict, ours: str) -> None:
+        """DeepSpeed's tensorboard / csv_monitor block: {enabled, output_path, job_name} -> logger.<name>=true and
+        its directory output_path/job_name (DeepSpeed's layout; either alone is used as it is)."""
+        _block(key, b, ("enabled", "output_path", "job_name"))
+        if not self.monitor_on(key, b):
+            return
+        name = ours.split(".")[1]
+        self.set(f"{key}.enabled", ours, True)
+        given = [k for k in ("output_path", "job_name") if k in b and not _is_auto(b[k])]
+        for k in given:
+            if not isinstance(b[k], str) or not b[k]:
+                raise ConfigError(f"{key}.{k} must be a non-empty string, got {b[k]!r}")
+        if given:
+            self.set(" + ".join(f"{key}.{k}" for k in given), f"logger.{name}_dir", os.path.join(*(b[k] for k in given)))
+        for k in ("output_path", "job_name"):
+            if k in b and k not in given:
+                self.auto(f"{key}.{k}")
+
+    def monitor_on(self, key: str, b: dict) -> bool:
+        """Whether a monitor block is on; when it is not (or this app has no logger) its keys are ignored."""
+        if self.t.logger and _enabled(key, b) is True:
+            return True
+        for k in b:
+            self.ignore(f"{key}.{k}", f"the {key} monitor is off ({key}.enabled is not true)" if self.t.logger else
+                        f"{self.t.app} has no logger")
+        return False
 
     def hybrid_engine(self, b: dict) -> None:
         pre = "hybrid_engine."
@@ -610,6 +633,10 @@ class _Mapper:
                     self.set(key, self.t.log_every, _number(key, v, integer=True, minimum=1))
             elif key == "wandb":
                 self.wandb(v)
+            elif key == "tensorboard":
+                self.monitor(key, v, "logger.tensorboard")
+            elif key == "csv_monitor":
+                self.monitor(key, v, "logger.csv")
             elif key == "hybrid_engine":
                 self.hybrid_engine(v)
         return self.m

@@ -118,11 +118,21 @@ def stage_engine() -> EngineConfig:
 
 @dataclass(kw_only=True)
 class LoggerConfig:
-    backend: str = "local"  # local | wandb (both write metrics.jsonl)
-    project: str = "rlhf"  # wandb project
+    """Where a run's figures go besides metrics.jsonl (always written, main rank only): conf/logger/<name>.yaml
+    turns one on, `logger=[tensorboard,wandb]` several (rlhf/run/loggers.py)."""
+
+    wandb: bool = False  # Weights & Biases (logger=wandb)
+    tensorboard: bool = False  # TensorBoard event files through tensorboardX (logger=tensorboard; pip extra tensorboard)
+    mlflow: bool = False  # MLflow through mlflow-skinny (logger=mlflow; pip extra mlflow)
+    trackio: bool = False  # trackio's local store (logger=trackio; pip extra trackio; TRACKIO_DIR picks the store)
+    csv: bool = False  # one <kind>_<name>.csv per scalar, as DeepSpeed's csv_monitor (logger=csv)
+    project: str = "rlhf"  # the W&B / trackio project, the MLflow experiment
     entity: str | None = None  # wandb entity (team or user); null = the default one
-    name: str | None = None  # wandb run name; null = wandb picks one
+    name: str | None = None  # the run's name in W&B, MLflow and trackio; null = each picks one
     mode: str = "offline"  # wandb: online | offline | disabled
+    tensorboard_dir: str | None = None  # event files' directory; null = <output_dir>/tensorboard
+    mlflow_tracking_uri: str | None = None  # null = MLFLOW_TRACKING_URI, else a file store in <output_dir>/mlruns
+    csv_dir: str | None = None  # the CSV files' directory; null = <output_dir>/csv
 
 
 @dataclass(kw_only=True)

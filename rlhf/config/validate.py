@@ -4,6 +4,7 @@ arithmetic (global = micro x accumulation x world size). Each error is a ConfigE
 are imported from the layers that define them, below this one."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import os
@@ -142,10 +143,28 @@ def validate_data(d: DataConfig, *, needs_response: bool = True, needs_path: boo
             raise ConfigError(str(e)) from None
 
 
+# logger=<name> -> (the module it imports, the pip extra that installs it); csv needs no library
+LOGGER_LIBRARIES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboardX", "tensorboard"),
+                    "mlflow": ("mlflow", "mlflow"), "trackio": ("trackio", "trackio"), "csv": (None, None)}
+
+
+def enabled_loggers(lg: LoggerConfig) -> list[str]:
+    """The loggers `lg` turns on besides metrics.jsonl, in LOGGER_LIBRARIES' order (wandb with mode=disabled: off)."""
+    return [n for n in LOGGER_LIBRARIES if getattr(lg, n) is True and not (n == "wandb" and lg.mode == "disabled")]
+
+
 def validate_logger(lg: LoggerConfig) -> None:
-    _need(lg.backend in ("local", "wandb"), f"logger.backend must be 'local' or 'wandb', got {lg.backend!r}")
+    for name in LOGGER_LIBRARIES:
+        _need(isinstance(getattr(lg, name), bool), f"logger.{name} must be true or false, got {getattr(lg, name)!r}")
     _need(lg.mode in ("online", "offline", "disabled"),
           f"logger.mode must be online, offline or disabled, got {lg.mode!r}")
+    _need(bool(lg.project), "logger.project must be a non-empty name (the W&B / trackio project, the MLflow experiment)")
+    for name in enabled_loggers(lg):
+        module, extra = LOGGER_LIBRARIES[name]
+        # NOTE: found, not imported: the library loads only on the main rank, when the run opens its logs
+        _need(module is None or importlib.util.find_spec(module) is not None,
+              f"logger.{name}=true (logger={name}) needs the {module} package, which is not installed: "
+              f"pip install -e \".[{extra}]\" (or pip install {module})")
 
 
 def validate_generation(g: GenerationConfig, prefix: str) -> None:

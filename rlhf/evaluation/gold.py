@@ -154,14 +154,15 @@ def gold_eval(
     g: GenerationConfig,
     info: Any,
     *,
-    n_samples: int = 3,
+    n_samples: int | None = None,
 ) -> dict[str, Any]:
     """Generate for every prompt (rank r takes prompts[r::world]; `info`: the engine's DistInfo) and
     score with the gold judge (`Judge`: eval.judge's function, else the built-in).
 
     `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
     gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
-    characters) and `samples` (the first few prompt/response/score triples). Torch's RNG is left
+    characters) and `samples`: per prompt (the first `n_samples`; None: every one) its task, prompt, response,
+gold (the judge's score, None where none applies) and length (characters). Torch's RNG is left
     as it was (sampled evaluation must not shift the training run's random stream).
     """
     params = sampling_params(g)
@@ -190,7 +191,8 @@ def gold_eval(
     for task in sorted({t for _, t in judged if t}):
         vals = [s for s, t in judged if t == task]
         result[f"gold_score/{task}"] = 100.0 * sum(vals) / len(vals)
-    result["samples"] = [{"prompt": p, "response": t, "score": s} for _, p, t, s, _ in merged[:n_samples]]
+    result["samples"] = [{"task": task, "prompt": p, "response": t, "gold": s, "length": len(t)}
+                         for _, p, t, s, task in merged[:n_samples]]
     return result
 
 

@@ -54,8 +54,14 @@ def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict
     """`evaluate_pairs`' figures from `score_pairs`' (index, chosen score, rejected score) of `examples`."""
     c = torch.tensor([s[1] for s in scored])
     r = torch.tensor([s[2] for s in scored])
-    out: dict[str, Any] = {"accuracy": pair_accuracy(c, r).item(), "chosen_score": c.mean().item(),
-                           "rejected_score": r.mean().item(), "score_std": torch.cat([c, r]).std().item()}
+    # ties: the fraction of pairs scored equal (a zero head ties every pair, as at step 0: accuracy 0.0 then
+    # means "no preference yet", which the plots show as "ties")
+    out: dict[str, Any] = {"accuracy": pair_accuracy(c, r).item(), "ties": (c == r).float().mean().item(),
+                           "chosen_score": c.mean().item(), "rejected_score": r.mean().item(),
+                           "score_std": torch.cat([c, r]).std().item()}
+    out["samples"] = [{"task": task_or_none(examples[i].prompt), "prompt": examples[i].prompt, "chosen": examples[i].chosen,
+                       "rejected": examples[i].rejected, "chosen_score": sc, "rejected_score": sr,
+                       "margin": sc - sr} for i, sc, sr in scored]
     agree, scores, labels = [], [], []
     by_task: dict[str, list[float]] = {}
     for (i, sc, sr) in scored:
@@ -75,6 +81,14 @@ def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict
     if labels:
         out["gold_auc"] = auc(scores, labels)
     return out
+
+
+def task_or_none(prompt: str) -> str | None:
+    """The embedded task's kind of `prompt`, None for any other prompt."""
+    try:
+        return task_of(prompt)
+    except ValueError:
+        return None
 
 
 def held_out_summary(ev: dict[str, Any]) -> dict[str, Any]:

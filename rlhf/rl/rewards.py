@@ -410,14 +410,18 @@ def http_stats(source: RewardSource, reset: bool = True) -> dict[str, float]:
 class WeightedSum:
     """`sum_k weight_k * source_k.score(rollout)`; `errors` / `first_error` gathered from the parts."""
 
-    def __init__(self, parts: Sequence[tuple[float, RewardSource]]):
+    def __init__(self, parts: Sequence[tuple[float, RewardSource]], names: Sequence[str] = ()):
         self.parts = list(parts)
+        self.names = list(names) or [f"source{i}" for i in range(len(self.parts))]
+        self.last_scores: dict[str, torch.Tensor] = {}  # each source's unweighted scores [B] of the last call
 
     def score(self, rollout) -> torch.Tensor:
         total = None
-        for w, src in self.parts:
-            s = w * src.score(rollout).float()
-            total = s if total is None else total + s
+        self.last_scores = {}
+        for name, (w, src) in zip(self.names, self.parts):
+            raw = src.score(rollout).float()
+            self.last_scores[name] = raw
+            total = w * raw if total is None else total + w * raw
         return total
 
     @property
@@ -445,7 +449,7 @@ def build(cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict],
         raise ValueError("build() needs the reward model's source exactly when 'model' is a source")
     weights = list(cfg.weights) or [1.0] * len(cfg.sources)
     parts = [(float(w), makers[name]()) for w, name in zip(weights, cfg.sources)]
-    return parts[0][1] if len(parts) == 1 and parts[0][0] == 1.0 else WeightedSum(parts)
+    return parts[0][1] if len(parts) == 1 and parts[0][0] == 1.0 else WeightedSum(parts, cfg.sources)
 
 
 def report_errors(source: RewardSource, step: int) -> int:

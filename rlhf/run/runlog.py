@@ -1,8 +1,10 @@
-"""What a run leaves behind besides its model: metrics.jsonl, PNG plots, summary.json, wandb.
+"""What a run leaves behind besides its model: metrics.jsonl, samples.jsonl, PNG plots, summary.json,
+and what the loggers of `logger=...` write (rlhf/run/loggers.py: W&B, TensorBoard, MLflow, trackio, CSV).
 
 Only the main rank writes. `metrics.jsonl` holds one JSON object per record with `step` and
-`kind` ("train", "eval", ...); on resume the records after the restored step are dropped so the
-file reads as one uninterrupted run. wandb runs offline unless `logger.mode=online`, and with
+`kind` ("train", "eval", ...); `samples.jsonl` one per held-out sample of each evaluation, with its
+`step`. On resume the records after the restored step are dropped from both so the files read as
+one uninterrupted run. wandb runs offline unless `logger.mode=online`, and with
 `logger.mode=disabled` it is never imported.
 """
 from __future__ import annotations
@@ -15,10 +17,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf.config import LoggerConfig
+from rlhf.run.loggers import open_sinks, scalar_values, table_of
 
 logger = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
+SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"
 
 
@@ -36,27 +40,30 @@ class RunLog:
                  resume_step: int | None = None, final: bool = False):
         self.output_dir, self.is_main = output_dir, is_main
         self.path = os.path.join(output_dir, METRICS)
-        self._wandb = None
+        self.samples_path = os.path.join(output_dir, SAMPLES)
+        self.sinks: list = []
         if not is_main:
             return
         os.makedirs(output_dir, exist_ok=True)
         if resume_step is None:
             open(self.path, "w").close()
+            open(self.samples_path, "w").close()
         else:
             self._truncate_after(resume_step, final)
-        if cfg.backend == "wandb" and cfg.mode != "disabled":
-            import wandb
-
-            self._wandb = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, mode=cfg.mode,
-                                     dir=output_dir, config=config_dict, resume="allow")
+        self.sinks = open_sinks(cfg, output_dir, config_dict or {})
 
     def _truncate_after(self, step: int, final: bool) -> None:
         """Records after `step` dropped (and, `final`: a resume of the last step, which evaluates again,
-        its "after" evaluation too)."""
+        its "after" evaluation too); the samples of the evaluations dropped with them."""
         kept = [r for r in read_metrics(self.output_dir) if r.get("step", 0) < step
                 or (r.get("step", 0) == step and not (final and r.get("kind") == "eval"))]
         with open(self.path, "w") as f:
             for r in kept:
+                f.write(json.dumps(r) + "\n")
+        last = step - 1 if final else step
+        kept_samples = [r for r in read_samples(self.output_dir) if r.get("step", 0) <= last]
+        with open(self.samples_path, "w") as f:
+            for r in kept_samples:
                 f.write(json.dumps(r) + "\n")
 
     def log(self, step: int, kind: str, **values: Any) -> None:
@@ -65,17 +72,41 @@ class RunLog:
         record = {"step": step, "kind": kind, **{k: _clean(v) for k, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({f"{kind}/{k}": v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        scalars = scalar_values(record)
+        for sink in self.sinks:
+            sink.scalars(step, scalars)
+
+    def samples(self, step: int, samples: Sequence[dict[str, Any]]) -> None:
+        """An evaluation's held-out samples (prompt, response, gold, ...): appended to samples.jsonl with
+        their step, and each logger's table of step `step`."""
+        if not self.is_main or not samples:
+            return
+        rows = [{k: _clean(v) for k, v in s.items()} for s in samples]
+        with open(self.samples_path, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        columns, table = table_of(rows)
+        for sink in self.sinks:
+            sink.table(step, columns, table)
 
     def finish(self) -> None:
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        for sink in self.sinks:
+            sink.finish()
+        self.sinks = []
+
+
+def read_samples(output_dir: str, step: int | None = None) -> list[dict]:
+    """samples.jsonl's records (of evaluation `step`, or all)."""
+    return [r for r in read_jsonl(os.path.join(output_dir, SAMPLES)) if step is None or r.get("step") == step]
 
 
 def read_metrics(output_dir: str, kind: str | None = None) -> list[dict]:
-    path = os.path.join(output_dir, METRICS)
+    return [r for r in read_jsonl(os.path.join(output_dir, METRICS)) if kind is None or r.get("kind") == kind]
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL file a run appends to ([] when it is absent): a cut last line (a run killed
+    while appending) is left out, any other bad line is an error naming it."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -88,7 +119,7 @@ def read_metrics(output_dir: str, kind: str | None = None) -> list[dict]:
             if i < len(lines) - 1:
                 raise ValueError(f"{path}:{i + 1}: not a JSON record (the file is corrupt)") from None
             # NOTE: a run killed while appending leaves a cut last line: it was never a record
-    return [r for r in rows if kind is None or r.get("kind") == kind]
+    return rows
 
 
 def write_summary(output_dir: str, summary: dict) -> str:
@@ -109,6 +140,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join(f"  {k:<{width}}  {fmt(v)}" for k, v in summary.items())
 
 
+TIES = "ties"  # a value `series` gives where every pair tied: drawn as a label, not a point
 Panel = tuple  # (ylabel, [(label, xs, ys), ...]) or (ylabel, [...], xlabel); xlabel defaults to "step"
 
 
@@ -137,7 +169,15 @@ def make_figure(title: str, panels: Sequence[Panel], *, ncols: int = 1, sharex: 
     flat = list(axes.flat)
     for ax, (ylabel, series_, xlabel) in zip(flat, panels):
         for label, xs, ys in series_:
-            ax.plot(xs, ys, label=label, marker="o" if len(xs) < 20 else None, markersize=3)
+            pts = [(x, y) for x, y in zip(xs, ys) if not isinstance(y, str)]
+            line = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label,
+                           marker="o" if len(xs) < 20 else None, markersize=3)[0]
+            for x, y in zip(xs, ys):
+                if isinstance(y, str):  # a value with no place on the axis (TIES): its name at that step
+                    lo, hi = ax.get_xlim()
+                    ax.set_xlim(min(lo, x - 0.5), max(hi, x + 0.5))
+                    ax.annotate(y, (x, 0.5), xycoords=("data", "axes fraction"), ha="center", fontsize=8,
+                                color=line.get_color())
         ax.set_ylabel(ylabel)
         ax.set_xlabel(xlabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -165,5 +205,9 @@ def plot_series(path: str, title: str, panels: Sequence[Panel], *, ncols: int = 
 
 
 def series(rows: list[dict], key: str) -> tuple[list, list]:
-    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    """(steps, values) of `key` in `rows`. A pair accuracy of a record whose pairs all tied (`ties` == 1: a
+    reward model's zero head at step 0 scores every response alike) is "ties", not the 0.0 it computes to:
+    the plots write "ties" there instead of a point."""
+    pts = [(r["step"], TIES if key.split("/")[0] == "accuracy" and r.get("ties") == 1 else r[key])
+           for r in rows if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pts], [p[1] for p in pts]

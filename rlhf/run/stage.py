@@ -16,7 +16,8 @@ A stage that trains one engine on rows (SFT, reward, DPO) runs the whole loop as
 
 What a stage says is only its own: data, its step, its evaluation, its summary figures. What
 every stage gets the same way:
-  - output_dir with config.yaml, metrics.jsonl (truncated after the resumed step), checkpoints/
+  - output_dir with config.yaml, metrics.jsonl and samples.jsonl (each evaluation's held-out samples;
+    both truncated after the resumed step), the loggers of `logger=...`, checkpoints/
     (`train.save_every`, `train.keep_last_n`). A fresh run (nothing to resume) into a directory that
     holds a previous run's checkpoints or outputs stops before any model loads, naming
     `train.resume=true` and `train.overwrite=true`; only the latter deletes them;
@@ -218,7 +219,7 @@ class Run:
                                "a step count: changed batch sizes re-cut the rows):\n  %s", path, "\n  ".join(changes))
             if self.info.is_main and os.path.exists(os.path.join(self.out_dir, "summary.json")):
                 os.remove(os.path.join(self.out_dir, "summary.json"))  # unfinished again until this run ends
-        self.log = RunLog(self.out_dir, self.cfg.logger, is_main=self.info.is_main,
+        self.log = RunLog(self.out_dir, self.cfg.logger, is_main=self.info.is_main, config_dict=self.record["config"],
                           resume_step=self.start if path else None, final=self.start == total)
         if self.info.is_main:
             save_config(self.out_dir, self.as_given)
@@ -343,8 +344,8 @@ class Run:
                 out["compile_s"] = round(compile_seconds(), 1)
             out.update(steps=self.total, **summary, model_dir=model_dir)
             write_summary(self.out_dir, out)
-            for s in samples:
-                print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['score']})")
+            for s in samples[:3]:  # every one is in samples.jsonl
+                print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['gold']})")
             print(f"{self.title} done ({self.out_dir}):\n{format_summary(out)}", flush=True)
             sys.stdout.flush()
         self.log.finish()
@@ -353,5 +354,6 @@ class Run:
     def _evaluate(self, step: int) -> dict[str, Any]:
         ev = self.evaluate()
         self.log.log(step, "eval", **without_samples(ev))
+        self.log.samples(step, ev.get("samples", []))
         self._last_eval = (step, ev)
         return ev
