@@ -75,6 +75,8 @@ def test_algorithm_distill_sets_its_keys():
     assert (p.objective, p.advantage_estimator, p.gamma, p.kl_coef, p.kl_estimator) == (
         "distill", "reinforce", 0.0, 1.0, "k1")
     assert cfg.rollout.n_samples_per_prompt == 1 and p.kl_loss_coef == 0
+    # the measured settings (docs/algorithms.md, "Distillation, measured"); the critic's lr untouched
+    assert (cfg.actor.lr, cfg.train.max_steps, cfg.critic.lr, cfg.actor.scheduler) == (2e-4, 24, 5e-4, "constant")
     validate_ppo(cfg, ONE)
 
 
@@ -129,17 +131,22 @@ def test_a_teacher_with_another_tokenizer_is_refused(tiny_stages, tmp_path):
 def test_cli_distill_run_brings_the_student_towards_a_larger_teacher(tiny_stages, tmp_path):
     """The student (tiny_stages' 2-step SFT, hidden 32) distils from a larger, longer-trained SFT
     checkpoint (hidden 48): no reward model or critic is built, the teacher takes the reference's place,
-    the reverse KL to it (k1, summed over the response) falls over the steps and on the held-out prompts."""
+    the reverse KL to it (k1, summed over the response) falls over the steps and on the held-out prompts;
+    resumed from its step-5 checkpoint, step 6 and the final evaluation repeat exactly."""
     teacher = tmp_path / "teacher"
     big = [o.replace("hidden_size=32", "hidden_size=48") for o in SMALL_MODEL]
     run_stage("sft", f"output_dir={teacher}", *big, "train.max_steps=30", "train.lr=1e-2", "train.eval_every=0",
               "train.save_every=0", "data.num_eval_prompts=4")
     out = tmp_path / "distill"
-    run_stage("ppo", f"output_dir={out}", "algorithm=distill", f"teacher.model={teacher}",
-              f"actor.model={tiny_stages / 'sft'}", "rollout.prompts_per_step=32", "rollout.mini_batch_size=32",
-              "rollout.micro_batch_size=32", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
-              "data.num_eval_prompts=16", "train.max_steps=6", "train.eval_every=0", "train.save_every=0",
-              "actor.lr=1e-2")
+
+    def distill(*extra):
+        run_stage("ppo", f"output_dir={out}", "algorithm=distill", f"teacher.model={teacher}",
+                  f"actor.model={tiny_stages / 'sft'}", "rollout.prompts_per_step=32", "rollout.mini_batch_size=32",
+                  "rollout.micro_batch_size=32", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
+                  "data.num_eval_prompts=16", "train.max_steps=6", "train.eval_every=0", "train.save_every=5",
+                  "actor.lr=1e-2", *extra)
+
+    distill()
     train = metrics(out, "train")
     kls = [r["kl"] for r in train]
     assert len(kls) == 6 and all(math.isfinite(k) for k in kls)
@@ -154,3 +161,14 @@ def test_cli_distill_run_brings_the_student_towards_a_larger_teacher(tiny_stages
     plan = (out / "ppo.log").read_text().split("models on this rank:")[1].split("\n")[0]
     assert "teacher" in plan and "reward_model" not in plan and "critic" not in plan and "reference" not in plan
     assert (out / "model" / "config.json").is_file() and not (out / "critic").exists()
+    # exact resume: drop the last checkpoint and the export, continue from step 5
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_0000005", "step_0000006"]
+    shutil.rmtree(out / "checkpoints" / "step_0000006")
+    shutil.rmtree(out / "model")
+    distill("train.resume=true")
+    keys = ("kl", "reward", "actor_loss", "entropy", "response_len", "clipfrac")
+    assert [[r[k] for k in keys] for r in metrics(out, "train")] == [[r[k] for k in keys] for r in train]
+    assert [(r["step"], r["kl"], r["gold_score"]) for r in metrics(out, "eval")] == [
+        (r["step"], r["kl"], r["gold_score"]) for r in ev]
+    assert (out / "model" / "config.json").is_file()

@@ -335,9 +335,10 @@ def test_cli_run_without_a_critic(stages, tmp_path, algo):
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_process_per_estimator(tmp_path):
-    """Per estimator, per policy loss (clip, gspo, cispo) and with the sampler/trainer corrections (tis,
-    sequence-level mis): every row's advantages and one ZeRO-3 actor update's gradients (KL loss term,
-    its loss aggregation, asymmetric clip) on 2 gloo ranks = in 1 process (tests/engine_scripts/rl_estimators.py)."""
+    """Per estimator, per policy loss (clip, gspo, cispo), with the sampler/trainer corrections (tis,
+    sequence-level mis), for distillation's reverse-KL reward and for online DPO's pair loss: every row's
+    advantages (online DPO: its pair role) and one ZeRO-3 actor update's loss, metrics and gradients on 2
+    gloo ranks = in 1 process (tests/engine_scripts/rl_estimators.py)."""
     import socket
 
     script = str(ROOT / "tests" / "engine_scripts" / "rl_estimators.py")
@@ -350,13 +351,23 @@ def test_two_ranks_equal_one_process_per_estimator(tmp_path):
         proc = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
     two, one = torch.load(tmp_path / "rl_w2.pt"), torch.load(tmp_path / "rl_w1.pt")
-    assert sorted(two) == sorted(one) == ["cispo", "grpo", "grpo_tis", "gspo", "reinforce_pp", "rloo", "rloo_mis_seq"]
+    assert sorted(two) == sorted(one) == ["cispo", "distill", "grpo", "grpo_tis", "gspo", "online_dpo", "reinforce_pp",
+                                          "rloo", "rloo_mis_seq"]
     for name in one:
         a, b = two[name], one[name]
         assert a["advantages"].abs().sum() > 0, name
         assert torch.allclose(a["advantages"], b["advantages"], atol=1e-6), name
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["kl_loss"] == pytest.approx(b["kl_loss"], rel=1e-5)
+        assert sorted(a["stats"]) == sorted(b["stats"])
+        for k, v in b["stats"].items():
+            assert a["stats"][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (name, k, a["stats"][k], v)
         assert sorted(a["grads"]) == sorted(b["grads"]) and len(b["grads"]) > 0
         for pname, g in b["grads"].items():
             scale = g.abs().max().item()
             assert (a["grads"][pname] - g).abs().max().item() <= 1e-5 * max(scale, 1e-8), (name, pname)
+    # distillation: score 0 and gamma 0, so each token's advantage is its own reward -k1 = logp_ref - logp_old
+    assert torch.allclose(one["distill"]["advantages"], -one["distill"]["k1"], atol=1e-6)
+    # online DPO: one pair per prompt group that is not tied (the first group's scores all 1: no pair)
+    roles = one["online_dpo"]["advantages"].reshape(4, 3)
+    assert roles[0].abs().sum() == 0 and one["online_dpo"]["stats"]["weight"] == (roles == 1).sum().item() >= 1
+    assert torch.equal((roles == 1).sum(1), (roles == -1).sum(1))
+

@@ -6,15 +6,20 @@ tests/test_rl_algorithms.py.
 
 GLOBAL rows = PROMPTS prompts x N samples, in prompt order, so each rank holds whole prompt groups
 (as rlhf/ppo.py lays them out). Per run of RUNS (each estimator: grpo, rloo, reinforce_pp;
-each policy loss: clip, gspo, cispo; the sampler/trainer corrections tis and sequence-level mis):
+each policy loss: clip, gspo, cispo; the sampler/trainer corrections tis and sequence-level mis;
+on-policy distillation's per-token reverse KL reward with reinforce at gamma 0):
 `build_experience` on this rank's rows (REINFORCE++ whitens over every rank), then one ZeRO-3
-`TrainEngine.train_step` with rlhf/ppo.py's actor loss (KL loss term on, a different loss
-aggregation per estimator, asymmetric clip). Rank 0 saves every row's advantages and the full gradients to <out>/rl_w<world>.pt.
+`TrainEngine.train_step` with rlhf/ppo.py's actor loss (KL loss term on unless the run sets it off, a
+different loss aggregation per estimator, asymmetric clip). Then online DPO: this rank's best-vs-worst
+pairs of its prompt groups and one ZeRO-3 update with rlhf/rl/online_dpo.py's `update` and pair loss
+(its "advantages": +1 chosen, -1 rejected, 0 neither, per row). Rank 0 saves every row's advantages,
+the step's loss and metrics and the full gradients to <out>/rl_w<world>.pt.
 """
 from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -24,12 +29,13 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
 from rlhf.modeling.forward import position_ids_from_mask, token_logprobs
 from rlhf.modeling.roles import Policy
+from rlhf.rl import online_dpo
 from rlhf.rl.experience import build_experience
 from rlhf.rl.update import make_actor_loss
 
 VOCAB, P, T, PROMPTS, N, MICRO, TEMPERATURE = 64, 4, 6, 4, 3, 2, 0.7
 GLOBAL = PROMPTS * N
-RUNS = {  # name: (estimator, kl_coef in the reward, loss aggregation, actor-loss options)
+RUNS = {  # name: (estimator, kl_coef in the reward, loss aggregation, actor-loss options [+ gamma, kl_loss_coef])
     "grpo": ("grpo", 0.0, "seq_mean_token_mean", {}), "rloo": ("rloo", 0.0, "seq_mean_token_sum", {}),
     "reinforce_pp": ("reinforce_pp", 0.1, "token_mean", {}),
     # the policy losses of the registry beyond clip, and the sampler/trainer correction (#30, #33)
@@ -38,6 +44,8 @@ RUNS = {  # name: (estimator, kl_coef in the reward, loss aggregation, actor-los
     "grpo_tis": ("grpo", 0.0, "token_mean", {"is_correction": "tis", "is_cap": 1.05}),
     "rloo_mis_seq": ("rloo", 0.1, "token_mean", {"is_correction": "mis", "is_low": 0.9, "is_high": 1.1,
                                                  "is_level": "sequence"}),
+    # algorithm=distill: logp_ref is the teacher's, score 0, the reward -k1 per token, each token's own (gamma 0)
+    "distill": ("reinforce", 1.0, "token_mean", {"gamma": 0.0, "kl_loss_coef": 0.0, "score": 0.0}),
 }
 
 
@@ -79,26 +87,54 @@ def main(out_dir: str) -> None:
     sl = slice(info.rank * per_rank, (info.rank + 1) * per_rank)
     mine = {k: v[sl] if torch.is_tensor(v) else v for k, v in full.items()}
     result = {}
-    for name, (estimator, kl_coef, loss_agg, options) in RUNS.items():
-        scored = {k: mine[k] for k in ("logp_old", "logp_ref", "score", "position_ids", "logp_gen")}
-        exp = build_experience(mine["sequences"], mine["attention_mask"], mine["response_mask"], P, scored,
-                               kl_coef=kl_coef, kl_estimator="k1", clip_reward_value=5.0, gamma=0.9, lam=0.95,
-                               estimator=estimator, group=mine["group"])
+    def engine_and_grads():
         engine = TrainEngine(actor(), EngineConfig(stage=3), OptimConfig(grad_clip=0.0), total_steps=1, info=info)
         grads = {}
 
-        def capture(optimizer, args, kwargs, engine=engine, grads=grads):
+        def capture(optimizer, args, kwargs):
             for pname, p in engine.unwrapped.named_parameters():
                 g = p.grad
                 grads[pname] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
 
         engine.optimizer.register_step_pre_hook(capture)
-        loss = make_actor_loss(0.2, TEMPERATURE, 0.0, **{"cliprange_low": 0.1, "cliprange_high": 0.3, **options},
-                               loss_agg=loss_agg, horizon=T, kl_loss_coef=0.5)
-        out = engine.train_step([exp.rows(list(range(i, i + MICRO))) for i in range(0, per_rank, MICRO)], loss)
+        return engine, grads
+
+    def gathered(x):
         every = [None] * info.world_size
-        dist.all_gather_object(every, exp.advantages)
-        result[name] = {"advantages": torch.cat(every), "grads": grads, "loss": out["loss"], "kl_loss": out["kl_loss"]}
+        dist.all_gather_object(every, x)
+        return torch.cat(every)
+
+    for name, (estimator, kl_coef, loss_agg, options) in RUNS.items():
+        options = dict(options)
+        gamma, kl_loss_coef = options.pop("gamma", 0.9), options.pop("kl_loss_coef", 0.5)
+        scored = {k: mine[k] for k in ("logp_old", "logp_ref", "score", "position_ids", "logp_gen")}
+        if "score" in options:  # a constant score (distillation's NoReward)
+            scored["score"] = torch.full_like(mine["score"], options.pop("score"))
+        exp = build_experience(mine["sequences"], mine["attention_mask"], mine["response_mask"], P, scored,
+                               kl_coef=kl_coef, kl_estimator="k1", clip_reward_value=5.0, gamma=gamma, lam=0.95,
+                               estimator=estimator, group=mine["group"])
+        engine, grads = engine_and_grads()
+        loss = make_actor_loss(0.2, TEMPERATURE, 0.0, **{"cliprange_low": 0.1, "cliprange_high": 0.3, **options},
+                               loss_agg=loss_agg, horizon=T, kl_loss_coef=kl_loss_coef)
+        out = engine.train_step([exp.rows(list(range(i, i + MICRO))) for i in range(0, per_rank, MICRO)], loss)
+        result[name] = {"advantages": gathered(exp.advantages), "grads": grads,
+                        "stats": {"loss": out["loss"], **({"kl_loss": out["kl_loss"]} if kl_loss_coef else {})}}
+    result["distill"]["k1"] = (full["logp_old"] - full["logp_ref"]) * full["response_mask"]  # every row's
+    # online DPO: the pairs of this rank's groups, then rlhf/rl/online_dpo.py's update (one ppo epoch)
+    cfg = SimpleNamespace(online_dpo=SimpleNamespace(loss_type="sigmoid", beta=0.1, sft_coef=0.5),
+                          rollout=SimpleNamespace(temperature=TEMPERATURE, micro_batch_size=MICRO),
+                          ppo=SimpleNamespace(ppo_epochs=1))
+    ro = SimpleNamespace(sequences=mine["sequences"], attention_mask=mine["attention_mask"], prompt_len=P,
+                         response_mask=mine["response_mask"], group=mine["group"])
+    pairs = online_dpo.pairs_of(ro, mine["score"])
+    engine, grads = engine_and_grads()
+    models = SimpleNamespace(actor=engine, ema=None, pack_length=None)
+    (out,) = online_dpo.update(models, ro, {k: mine[k] for k in ("logp_ref", "position_ids")}, pairs, cfg,
+                               online_dpo.make_loss(cfg), SimpleNamespace(check=lambda stats: None))
+    role = torch.zeros(per_rank)
+    role[pairs.chosen[pairs.valid]], role[pairs.rejected[pairs.valid]] = 1.0, -1.0
+    result["online_dpo"] = {"advantages": gathered(role), "grads": grads,
+                            "stats": {k: out[k] for k in ("loss", "weight", "dpo_margin", "dpo_accuracy")}}
     if info.is_main:
         torch.save(result, os.path.join(out_dir, f"rl_w{info.world_size}.pt"))
     dist.barrier()
