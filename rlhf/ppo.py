@@ -51,6 +51,7 @@ from rlhf.rl import alarms, distill, online_dpo, rewards
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
+from rlhf.rl.old_logprobs import OldLogprobs
 from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
 from rlhf.run.app import stage_main
@@ -184,6 +185,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
     kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
     monitor = alarms.Monitor(cfg.alarms)
+    old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
         ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table),
@@ -192,11 +194,14 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         return ev
 
     run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
-              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict()})
+              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict(),
+                                "old_logprobs": old_logprobs.state_dict()})
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
     if "alarms" in run.extra_state:
         monitor.load_state_dict(run.extra_state["alarms"])
+    if "old_logprobs" in run.extra_state:
+        old_logprobs.load_state_dict(run.extra_state["old_logprobs"])
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
@@ -214,7 +219,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
                            sampling(cfg), eos, pad, seeds)
         t1 = time.time()
-        scored = models.score(rollout)
+        from_sampler = not old_logprobs.recompute(step)
+        scored = models.score(rollout, old_from_sampler=from_sampler)
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
@@ -232,7 +238,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         else:
             a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
         t3 = time.time()
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped)
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped, from_sampler)
+        old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
         if dpo:
             rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
         for key in times:
