@@ -9,9 +9,10 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo algorithm=distill teacher.model=outputs/ppo actor.model=/runs/small_sft
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
-`rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old and reference
-log-probs, critic values, `reward.sources`: the reward model, the gold judge, an `answer` match, a user
-function or a weighted sum; rlhf/rl/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
+`rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old log-probs: the actor's
+forward, or the sampler's while their measured gap allows, `ppo.old_logprobs`, rlhf/rl/old_logprobs.py;
+reference log-probs, critic values, in `rollout.score_batch_size` rows per forward; `reward.sources`: the
+reward model, the gold judge, an `answer` match, a user function or a weighted sum; rlhf/rl/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
 on the last) -> advantages (`ppo.advantage_estimator`, a registry in rlhf/rl_math.py: gae with the
 critic, or critic-free grpo / rloo / reinforce_pp; `algorithm=` sets it with its other keys) ->
 update (`ppo.ppo_epochs` passes of mini-batches; rlhf/rl/update.py) -> metrics and the reward-hacking
