@@ -67,6 +67,7 @@ def worker(args: argparse.Namespace) -> None:
     from rlhf.run import app, stage
 
     cuda = torch.cuda.is_available()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     steps: list[dict] = []   # per step: {phase: seconds, "_start": t}
     flops: list[dict] = []   # per step: {phase: FLOPs}
     state: dict = {"phase": None, "in_step": False}
@@ -86,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
             if name != "generate" and not state["in_step"]:  # an evaluation's scoring: not a step's
                 return fn(*a, **k)
             sync()
-            start = time.perf_counter()
+            start = clock()
             if name == "generate":  # a step starts with its generation
                 close_step(start)
                 steps.append({"_start": start, **{p: 0.0 for p in PHASES}})
@@ -95,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
             state["phase"] = name
             out = fn(*a, **k)
             sync()
-            steps[-1][name] += time.perf_counter() - start
+            steps[-1][name] += clock() - start
             if name == "generate":
                 state["params"] = sum(p.numel() for p in a[0].unwrapped.parameters())
                 if args.count_flops:
@@ -115,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     def evaluate_after(fn):
         def wrapper(*a, **k):
             sync()
-            close_step(time.perf_counter())
+            close_step(clock())
             return fn(*a, **k)
         return wrapper
 
@@ -172,9 +173,9 @@ def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
 
 
-def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False) -> dict:
+def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall") -> dict:
     result = out + ".json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result,
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
            *(["--count-flops"] if count_flops else []), "--", f"output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -224,6 +225,9 @@ def main() -> None:
                     help="the achieved-FLOP-rate run's shape (small: the tests' tiny one)")
     ap.add_argument("--flops-steps", type=int, default=3, help="RL steps of the achieved-FLOP-rate run (its first "
                     "left out when there are more)")
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="wall: seconds; cpu: this process's CPU seconds (one thread: OMP_NUM_THREADS=1), which "
+                         "other jobs on a shared machine barely move")
     ap.add_argument("--small", action="store_true", help="the timed runs on the tests' tiny model shape (a smoke run)")
     ap.add_argument("--json", help="also write the medians, the matmul rates and the FLOP table to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -258,7 +262,7 @@ def main() -> None:
                     shutil.rmtree(out, ignore_errors=True)
                     res = run_worker(trees[name], out, [f"actor.model={sft}", f"critic.model={reward}",
                                                         f"train.max_steps={args.steps}", *ALGOS[algo], *QUIET,
-                                                        *args.overrides])
+                                                        *args.overrides], clock=args.clock)
                     for s in res["steps"][1:]:  # the first step warms up
                         for p in PHASES:
                             phases[(name, algo)][p].append(s[p])
@@ -271,7 +275,8 @@ def main() -> None:
         if tmp:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tmp], capture_output=True)
     med = {k: {p: statistics.median(v) if v else float("nan") for p, v in d.items()} for k, d in phases.items()}
-    print(f"\nRL step phases, median seconds over {args.reps} rounds x {args.steps - 1} steps "
+    print(f"\nRL step phases, median {'CPU ' if args.clock == 'cpu' else ''}seconds over {args.reps} rounds x "
+          f"{args.steps - 1} steps "
           f"(device {device_name()}; baseline {args.baseline}):")
     print(f"{'algo':5s} {'tree':9s} " + " ".join(f"{p:>10s}" for p in (*PHASES, "step")))
     for algo in algos:
@@ -301,7 +306,7 @@ def achieved(work: str, algo: str, args: argparse.Namespace, rates: dict[str, fl
     out = os.path.join(work, f"{algo}_{args.flops_model}")
     shutil.rmtree(out, ignore_errors=True)
     res = run_worker(ROOT, out, [f"actor.model={sft}", f"critic.model={reward}", f"train.max_steps={args.flops_steps}",
-                                 *ALGOS[algo], *QUIET, *args.overrides], count_flops=True)
+                                 *ALGOS[algo], *QUIET, *args.overrides], count_flops=True, clock=args.clock)
     precision = engine_precision(args.overrides)
     params = res["actor_params"]
     first = 1 if len(res["steps"]) > 1 else 0  # the first step warms up
