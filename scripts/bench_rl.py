@@ -20,7 +20,7 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
    each run (warm-up: the generation layout built, allocators filled) is left out.
 4. The limit: `torch.matmul` of two n x n matrices (`--matmul-n`) in fp32 and bf16, 2n^3 FLOPs per call,
    median of a few calls, measured between the rounds.
-5. `--flops-model 25m` (default): a ~25M-parameter Llama shape (hidden 512, 6 layers, 8 heads, 2 KV
+5. `--flops-model 25m` (default): a ~25M-parameter Llama shape (hidden 512, 8 layers, 8 heads, 2 KV
    heads, MLP 1408, the shipped 4k vocabulary), SFT/RM of one step in that shape, then this tree's step
    (`--algos`' first) with every forward counted: 2 x (parameters less the input embedding) FLOPs per
    real token of each forward (generation: each token of the final sequences once; training forwards x 3
@@ -47,7 +47,7 @@ ALGOS = {"grpo": ["algorithm=grpo"], "ppo": []}
 # the tests' small model (tests/conftest.py SMALL_MODEL): --small builds the timed runs' SFT/RM in it
 SHAPE_SMALL = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
                "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2"]
-SHAPE_25M = ["model.config.hidden_size=512", "model.config.intermediate_size=1408", "model.config.num_hidden_layers=6",
+SHAPE_25M = ["model.config.hidden_size=512", "model.config.intermediate_size=1408", "model.config.num_hidden_layers=8",
              "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2"]
 
 
