@@ -9,9 +9,10 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo algorithm=distill teacher.model=outputs/ppo actor.model=/runs/small_sft
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
-`rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old and reference
-log-probs, critic values, `reward.sources`: the reward model, the gold judge, an `answer` match, a user
-function or a weighted sum; rlhf/rl/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
+`rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old log-probs: the actor's
+forward, or the sampler's while their measured gap allows, `ppo.old_logprobs`, rlhf/rl/old_logprobs.py;
+reference log-probs, critic values, in `rollout.score_batch_size` rows per forward; `reward.sources`: the
+reward model, the gold judge, an `answer` match, a user function or a weighted sum; rlhf/rl/rewards.py) -> rewards (-kl_coef x KL per token + the clipped score
 on the last) -> advantages (`ppo.advantage_estimator`, a registry in rlhf/rl_math.py: gae with the
 critic, or critic-free grpo / rloo / reinforce_pp; `algorithm=` sets it with its other keys) ->
 update (`ppo.ppo_epochs` passes of mini-batches; rlhf/rl/update.py) -> metrics and the reward-hacking
@@ -51,6 +52,7 @@ from rlhf.rl import alarms, distill, online_dpo, rewards
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
+from rlhf.rl.old_logprobs import OldLogprobs
 from rlhf.rl.remote import RewardServerDown
 from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
@@ -203,6 +205,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
     kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
     monitor = alarms.Monitor(cfg.alarms)
+    old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
         ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table),
@@ -211,11 +214,14 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         return ev
 
     run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
-              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict()})
+              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict(),
+                                "old_logprobs": old_logprobs.state_dict()})
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
     if "alarms" in run.extra_state:
         monitor.load_state_dict(run.extra_state["alarms"])
+    if "old_logprobs" in run.extra_state:
+        old_logprobs.load_state_dict(run.extra_state["old_logprobs"])
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
@@ -233,8 +239,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
                            sampling(cfg), eos, pad, seeds)
         t1 = time.time()
+        from_sampler = not old_logprobs.recompute(step)
         try:
-            scored = models.score(rollout)
+            scored = models.score(rollout, old_from_sampler=from_sampler)
         except RewardServerDown:  # reward.down_timeout_s passed: the state after `step` steps kept, this step
             if step > run.start or run.resume_path is None:  # redone on resume (unless resumed from that very one)
                 logger.error("the reward server is down: checkpoint %s written before stopping", run.save(step))
@@ -256,7 +263,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         else:
             a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
         t3 = time.time()
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped)
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped, from_sampler)
+        old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
         if dpo:
             rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
         for key in times:

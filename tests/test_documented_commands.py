@@ -42,6 +42,10 @@ NOT_RUN = {
     "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
     "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "
                                                  "form (the tiny default) is run",
+    "PYTHONPATH=. python scripts/bench_rl.py --reps 3 --steps 5": "a benchmark of whole stage runs against a baseline "
+                                                                  "checkout; its smoke form is run by tests/test_bench_rl.py",
+    "python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none":
+        "tests/test_bench_rl.py runs it (checking the phases and the counted FLOPs on values)",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
                                            "reproduces them",
     "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; SEEDS= is run (test_ppo.py)",

@@ -336,6 +336,14 @@ class PPOAlgoConfig:
     is_low: float = 0.5  # mis: rho below this is masked (0 <= is_low < 1)
     is_high: float = 2.0  # mis: rho above this is masked (> 1)
     is_level: str = "token"  # token (rho per token) | sequence (rho = the response's geometric mean, one weight)
+    # Where the update's old log-probs come from (rlhf/rl/old_logprobs.py): recompute (the actor's scoring
+    # forward, every step) | sampler (the sampler's own, Rollout.logp_gen: that forward skipped; the gap
+    # measured on the first step and every old_logprobs_check_every steps, and a gap over
+    # old_logprobs_max_gap falls back to recompute for the rest of the run) | auto (recompute on the first 2
+    # steps and every old_logprobs_check_every; the sampler's reused while the last check stayed under)
+    old_logprobs: str = "auto"  # recompute | sampler | auto: the update's old log-probs (sampler: no actor scoring forward)
+    old_logprobs_max_gap: float = 1e-3  # sampler/auto: the largest gen_logprob_gap (mean |trainer - sampler| per token) reused
+    old_logprobs_check_every: int = 10  # sampler/auto: recompute (and measure the gap) every this many steps
     # What trains the actor: rl (ppo.advantage_estimator + ppo.policy_loss), online_dpo (the DPO-family
     # loss on each step's best-vs-worst sampled pairs, online_dpo.*), distill (the reference's place
     # taken by teacher.model, the per-token reverse KL to it the only reward); algorithm= sets it
@@ -369,6 +377,10 @@ class RolloutConfig:
     n_samples_per_prompt: int = 1
     mini_batch_size: int = 32  # rows per optimizer step (global)
     micro_batch_size: int = 32  # rows per forward on one rank (at most mini_batch_size / world size)
+    # Rows per scoring forward on one rank (reference, critic, reward model, and the actor when it recomputes
+    # the old log-probs): no gradient, no activations kept, so larger than the training micro-batch; null =
+    # 2 x micro_batch_size (at most the step's rows per rank)
+    score_batch_size: int | None = None  # rows per no-grad scoring forward on one rank (null = 2 x micro_batch_size)
     max_new_tokens: int = 16  # response tokens sampled per prompt
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)

@@ -278,6 +278,17 @@ def rollout_rows(r: RolloutConfig) -> int:
     return r.prompts_per_step * r.n_samples_per_prompt
 
 
+def score_batch_size(r: RolloutConfig, world_size: int) -> int:
+    """Rows per no-grad scoring forward on one rank: rollout.score_batch_size, null = 2 x the training
+    micro-batch (no activations are kept for a backward), at most the step's rows per rank."""
+    per_rank = rollout_rows(r) // world_size
+    return min(r.score_batch_size or 2 * r.micro_batch_size, max(per_rank, 1))
+
+
+# ppo.old_logprobs: the actor's scoring forward every step | the sampler's log-probs | chosen by the measured gap
+OLD_LOGPROBS = ("recompute", "sampler", "auto")
+
+
 def validate_dpo(cfg: DPOConfig, info) -> int:
     """Everything a DPO run needs, checked before any model loads; returns accumulation steps."""
     p = cfg.dpo
@@ -330,6 +341,17 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(0 <= p.is_low < 1 < p.is_high and math.isfinite(p.is_high),
           f"ppo.is_low and ppo.is_high must satisfy 0 <= is_low < 1 < is_high (finite): the MIS bounds around "
           f"ratio 1, got [{p.is_low}, {p.is_high}]")
+    _need(p.old_logprobs in OLD_LOGPROBS, f"ppo.old_logprobs must be one of {OLD_LOGPROBS}, got {p.old_logprobs!r}")
+    _need(math.isfinite(p.old_logprobs_max_gap) and p.old_logprobs_max_gap >= 0,
+          f"ppo.old_logprobs_max_gap must be a finite number >= 0 (nats per token), got {p.old_logprobs_max_gap}")
+    _need(p.old_logprobs_check_every >= 1, f"ppo.old_logprobs_check_every must be >= 1 (steps), got "
+          f"{p.old_logprobs_check_every}")
+    _need(p.old_logprobs != "sampler" or p.is_correction == "none",
+          f"ppo.old_logprobs=sampler takes the old log-probs from the sampler, so ppo.is_correction={p.is_correction} "
+          "would weigh every token by exp(logp_gen - logp_gen) = 1: the correction needs the trainer's log-probs "
+          "beside the sampler's (ppo.old_logprobs=recompute, or auto, which then recomputes every step)")
+    _need(r.score_batch_size is None or r.score_batch_size >= 1,
+          f"rollout.score_batch_size must be >= 1 (null = 2 x rollout.micro_batch_size), got {r.score_batch_size}")
     _need(0 <= p.overlong_buffer < r.max_new_tokens,
           f"ppo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}) (0 = off), got {p.overlong_buffer}")
     _need(math.isfinite(p.overlong_penalty) and p.overlong_penalty >= 0,

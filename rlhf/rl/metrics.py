@@ -15,9 +15,11 @@ from rlhf.rl.rollout import Rollout
 
 
 def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list, cfg: PPOConfig, kl_coef: float,
-                times: tuple[float, ...], dropped_groups: int = 0) -> dict[str, Any]:
+                times: tuple[float, ...], dropped_groups: int = 0, old_from_sampler: bool = False) -> dict[str, Any]:
     """One step's metrics over every rank's rows (a collective). reward: over the scored rows (not
-    empty, finite); kl and response_len: over the rows in the update (those less the dropped groups')."""
+    empty, finite); kl and response_len: over the rows in the update (those less the dropped groups').
+    `old_from_sampler` (ppo.old_logprobs reused the sampler's log-probs): no trainer log-probs to set
+    against the sampler's, so the sampler_gap figures are left out; `old_logprobs_sampler` says which."""
     p = cfg.ppo
     nonfinite = rollout.nonfinite if rollout.nonfinite is not None else torch.zeros_like(rollout.empty)
     dropped = rollout.dropped if rollout.dropped is not None else torch.zeros_like(rollout.empty)
@@ -49,7 +51,9 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
         rec["kl_loss"] = _mean(a_stats, "kl_loss")
     if p.dynamic_sampling:
         rec["dropped_groups"], rec["dropped_rows"] = int(sums[10]), int(sums[9])
-    rec.update(sampler_gap(exp, p))
+    rec["old_logprobs_sampler"] = int(old_from_sampler)
+    if not old_from_sampler:
+        rec.update(sampler_gap(exp, p))
     return rec
 
 

@@ -19,7 +19,7 @@ from engine.checkpoint import kill_point, published, read_meta
 from engine.ema import ParamEMA
 from rlhf.algos.rl import advantage_estimator
 from rlhf.config import ModelConfig, PPOConfig
-from rlhf.config.validate import engine_config, optim_config
+from rlhf.config.validate import engine_config, optim_config, score_batch_size
 from rlhf.core.errors import ConfigError
 from rlhf.modeling.export import export_hf
 from rlhf.modeling.load import (
@@ -72,7 +72,9 @@ class Models:
                               "data.max_prompt_len + rollout.max_new_tokens")
         self.pack_length = rl_pack_length(cfg, [m for m in (actor, critic, ref, rm) if m is not None])
         self.info = info
-        self.micro_batch_size, self.temperature = cfg.rollout.micro_batch_size, cfg.rollout.temperature
+        # the no-grad scoring forwards run on rollout.score_batch_size rows (2 x the training micro-batch by
+        # default): half the forwards of the default step, each on a fuller batch
+        self.score_batch_size, self.temperature = score_batch_size(cfg.rollout, info.world_size), cfg.rollout.temperature
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
                                              info=info)
@@ -80,8 +82,7 @@ class Models:
         self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=getattr(cfg, self.reference_role).offload),
                                       info)
         self.reward = rm and FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
-        self.reward_source = reward_source or RewardModelScore(self.reward, cfg.rollout.micro_batch_size,
-                                                               self.pack_length)
+        self.reward_source = reward_source or RewardModelScore(self.reward, self.score_batch_size, self.pack_length)
         self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
         for e in (self.actor, self.critic, self.reference, self.reward):
             if e is not None:
@@ -100,16 +101,22 @@ class Models:
         report["models"] = {k: e.memory_report()["model_state_bytes"] for k, e in self.engines().items()}
         return report
 
-    def score(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+    def score(self, rollout: Rollout, old_from_sampler: bool = False) -> dict[str, torch.Tensor]:
         """The "score" step: old and reference log-probs (at the sampling temperature), critic values, and
         the reward source's scores; the sampler's log-probs ride along as `logp_gen` (when the rollout
-        has them). A source that works in the background (http) is started first, so its requests run
-        while the forwards here do."""
+        has them). `old_from_sampler` (ppo.old_logprobs, rlhf/rl/old_logprobs.py): logp_old is the
+        sampler's `logp_gen`, and the actor's scoring forward is skipped. A source that works in the
+        background (http) is started first, so its requests run while the forwards here do."""
+        if old_from_sampler and rollout.logp_gen is None:
+            raise ValueError("old log-probs from the sampler, but the rollout has none (logp_gen)")
         begin_rewards(self.reward_source, rollout)
-        scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.prompt_len, actor=self.actor.model,
-                               reference=self.reference.model, critic=self.critic.model if self.critic else None,
-                               micro_batch_size=self.micro_batch_size, temperature=self.temperature,
+        scored = score_rollout(rollout.sequences, rollout.attention_mask, rollout.prompt_len,
+                               actor=None if old_from_sampler else self.actor.model, reference=self.reference.model,
+                               critic=self.critic.model if self.critic else None,
+                               micro_batch_size=self.score_batch_size, temperature=self.temperature,
                                pack_length=self.pack_length)
+        if old_from_sampler:
+            scored["logp_old"] = rollout.logp_gen
         scored["score"] = self.reward_source.score(rollout)
         if rollout.logp_gen is not None:
             scored["logp_gen"] = rollout.logp_gen

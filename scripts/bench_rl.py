@@ -1,0 +1,354 @@
+"""The RL step phase by phase (generate, score, advantages, update, overhead): this tree against a baseline
+commit in the same run, interleaved, medians; and the machine's limit beside it: a plain fp32/bf16 matmul's
+FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
+
+    PYTHONPATH=. python scripts/bench_rl.py                                 # GRPO + PPO defaults vs 103a0e2 (docs/engine.md)
+    PYTHONPATH=. python scripts/bench_rl.py --reps 5 --steps 6 --algos grpo --baseline HEAD~3
+    python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none
+
+1. Stage outputs built once in `--work`: an SFT model and a reward model of a few steps each, on the
+   default (the tiny model, the shipped data; their learning does not matter to the timing).
+2. The baseline commit checked out with `git worktree add --detach` into a temporary directory (removed
+   at the end); `--baseline none` measures this tree alone.
+3. For each of `--reps` rounds and each algorithm of `--algos` (grpo: `algorithm=grpo`, ppo: the default),
+   one stage run per tree, the order alternating between rounds (machine load hits both alike). Each run
+   is a subprocess of this script (`--worker`), importing `rlhf` from its tree and running
+   `python -m rlhf.ppo` in-process with timers around the step's phases, the same functions in both
+   trees: generate = `rlhf.ppo.generate`, score = `Models.score` (every scoring forward and the reward
+   source), advantages = `rlhf.ppo.build_experience`, update = `rlhf.ppo.update`, overhead = the rest of
+   the step (from one step's start to the next: metrics, alarms, logging, host syncs). The first step of
+   each run (warm-up: the generation layout built, allocators filled) is left out.
+4. The limit: `torch.matmul` of two n x n matrices (`--matmul-n`) in fp32 and bf16, 2n^3 FLOPs per call,
+   median of a few calls, measured between the rounds.
+5. `--flops-model 25m` (default): a ~25M-parameter Llama shape (hidden 512, 8 layers, 8 heads, 2 KV
+   heads, MLP 1408, the shipped 4k vocabulary), SFT/RM of one step in that shape, then this tree's step
+   (`--algos`' first) with every forward counted: 2 x (parameters less the input embedding) FLOPs per
+   real token of each forward (generation: each token of the final sequences once; training forwards x 3
+   for the backward); attention's own FLOPs are left out (short rows). Achieved = those FLOPs / the
+   phase's time, printed as a fraction of the measured matmul rate in the run's precision (measured
+   again right after this run; the larger of the two).
+Ratios are what a shared machine measures well; absolute seconds move with its load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PHASES = ("generate", "score", "advantages", "update", "overhead")
+QUIET = ["train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=4"]
+ALGOS = {"grpo": ["algorithm=grpo"], "ppo": []}
+# the tests' small model (tests/conftest.py SMALL_MODEL): --small builds the timed runs' SFT/RM in it
+SHAPE_SMALL = ["model.config.hidden_size=32", "model.config.intermediate_size=64", "model.config.num_hidden_layers=2",
+               "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2"]
+SHAPE_25M = ["model.config.hidden_size=512", "model.config.intermediate_size=1408", "model.config.num_hidden_layers=8",
+             "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2"]
+
+
+# ----------------------------------------------------------------------------- the worker (one stage run)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One `rlhf.ppo` run in this process, with the step's phases timed (and, with --count-flops, every
+    forward's FLOPs counted); writes {"steps": [{phase: seconds}], "flops": [{phase: FLOPs}] (per step),
+    "actor_params": N}. A step runs from its generation's start to the next one's (the last: to the final
+    evaluation); the evaluations outside the steps are not timed."""
+    sys.path.insert(0, args.tree)
+    import torch
+
+    import rlhf.ppo as ppo
+    from rlhf.rl import models as rl_models, rewards as rl_rewards, rollout as rl_rollout, update as rl_update
+    from rlhf.run import app, stage
+
+    cuda = torch.cuda.is_available()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    steps: list[dict] = []   # per step: {phase: seconds, "_start": t}
+    flops: list[dict] = []   # per step: {phase: FLOPs}
+    state: dict = {"phase": None, "in_step": False}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def close_step(now: float) -> None:
+        if state["in_step"]:
+            last = steps[-1]
+            last["overhead"] = now - last["_start"] - sum(last[p] for p in PHASES if p != "overhead")
+            state["in_step"] = False
+
+    def timed(name: str, fn):
+        def wrapper(*a, **k):
+            if name != "generate" and not state["in_step"]:  # an evaluation's scoring: not a step's
+                return fn(*a, **k)
+            sync()
+            start = clock()
+            if name == "generate":  # a step starts with its generation
+                close_step(start)
+                steps.append({"_start": start, **{p: 0.0 for p in PHASES}})
+                flops.append({p: 0.0 for p in PHASES})
+                state["in_step"] = True
+            state["phase"] = name
+            out = fn(*a, **k)
+            sync()
+            steps[-1][name] += clock() - start
+            if name == "generate":
+                state["params"] = sum(p.numel() for p in a[0].unwrapped.parameters())
+                if args.count_flops:
+                    flops[-1][name] += 2 * compute_params(a[0].unwrapped) * float(out.attention_mask.sum())
+            state["phase"] = None
+            return out
+        return wrapper
+
+    def counted(fn, factor: int):
+        def wrapper(model, batch, *a, **k):
+            if args.count_flops and state["in_step"] and state["phase"] in PHASES:
+                tokens = float(batch["attention_mask"].sum())
+                flops[-1][state["phase"]] += 2 * factor * compute_params(model) * tokens
+            return fn(model, batch, *a, **k)
+        return wrapper
+
+    def evaluate_after(fn):
+        def wrapper(*a, **k):
+            sync()
+            close_step(clock())
+            return fn(*a, **k)
+        return wrapper
+
+    ppo.generate = timed("generate", ppo.generate)
+    ppo.build_experience = timed("advantages", ppo.build_experience)
+    ppo.update = timed("update", ppo.update)
+    rl_models.Models.score = timed("score", rl_models.Models.score)
+    stage.Run.evaluate_after = evaluate_after(stage.Run.evaluate_after)
+    rl_rollout.token_logprobs = counted(rl_rollout.token_logprobs, 1)
+    rl_rollout.token_values = counted(rl_rollout.token_values, 1)
+    rl_rewards.row_values = counted(rl_rewards.row_values, 1)
+    rl_update.token_logprobs = counted(rl_update.token_logprobs, 3)  # forward + backward (2x)
+    rl_update.token_values = counted(rl_update.token_values, 3)
+
+    def finish() -> None:
+        done = [i for i, s in enumerate(steps) if "overhead" in s]
+        with open(args.result, "w") as f:
+            json.dump({"steps": [{p: steps[i][p] for p in PHASES} for i in done], "flops": [flops[i] for i in done],
+                       "actor_params": state.get("params")}, f)
+
+    exit_process = app.exit_process  # a run with a process group ends by exiting the process: write first
+    app.exit_process = lambda code: (finish(), exit_process(code))
+    sys.argv = ["rlhf.ppo", *args.overrides]
+    ppo.main()
+    finish()
+
+
+_PARAMS: dict[int, int] = {}
+
+
+def compute_params(model) -> int:
+    """The parameters a token's forward multiplies by: all but the input embedding (a lookup), the output
+    head counted also when it is tied to the input embedding (one tensor, two uses). 2 x this many FLOPs
+    per token forward."""
+    import torch
+
+    key = id(model)
+    if key not in _PARAMS:
+        embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+        tied = sum(m.weight.numel() for m in model.modules()
+                   if isinstance(m, torch.nn.Linear) and any(m.weight is w for w in embeddings))
+        _PARAMS[key] = sum(p.numel() for p in model.parameters()) - sum(w.numel() for w in embeddings) + tied
+    return _PARAMS[key]
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
+    env = {**os.environ, "PYTHONPATH": tree}
+    cmd = [sys.executable, "-m", f"rlhf.{module}", f"output_dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+
+
+def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall") -> dict:
+    result = out + ".json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
+           *(["--count-flops"] if count_flops else []), "--", f"output_dir={out}", *overrides]
+    proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    with open(result) as f:
+        return json.load(f)
+
+
+def matmul_rate(n: int, dtype_name: str, calls: int = 5) -> float:
+    """FLOP/s of a plain n x n matmul in `dtype_name` on this machine's device (median of `calls`)."""
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(calls + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:  # the first call warms up
+            times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def build_models(work: str, shape: list[str]) -> tuple[str, str]:
+    sft, reward = os.path.join(work, "sft"), os.path.join(work, "reward")
+    if not os.path.exists(os.path.join(sft, "summary.json")):
+        run_stage(ROOT, "sft", sft, "train.max_steps=1", *shape, *QUIET)
+    if not os.path.exists(os.path.join(reward, "summary.json")):
+        run_stage(ROOT, "reward", reward, f"model.name_or_path={sft}", "train.max_steps=1", *QUIET)
+    return sft, reward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="outputs/bench_rl", help="stage outputs (SFT/reward built once) and runs")
+    ap.add_argument("--baseline", default="103a0e2", help="the commit to compare with ('none': this tree alone)")
+    ap.add_argument("--algos", default="grpo,ppo", help="grpo (algorithm=grpo) and/or ppo (the default)")
+    ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (one run per tree and algorithm each)")
+    ap.add_argument("--steps", type=int, default=5, help="RL steps per run (the first is left out as warm-up)")
+    ap.add_argument("--matmul-n", type=int, default=1024, help="the limit's matmul size (n x n @ n x n)")
+    ap.add_argument("--flops-model", default="25m", choices=("25m", "small", "none"),
+                    help="the achieved-FLOP-rate run's shape (small: the tests' tiny one)")
+    ap.add_argument("--flops-steps", type=int, default=3, help="RL steps of the achieved-FLOP-rate run (its first "
+                    "left out when there are more)")
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"),
+                    help="wall: seconds; cpu: this process's CPU seconds (one thread: OMP_NUM_THREADS=1), which "
+                         "other jobs on a shared machine barely move")
+    ap.add_argument("--small", action="store_true", help="the timed runs on the tests' tiny model shape (a smoke run)")
+    ap.add_argument("--json", help="also write the medians, the matmul rates and the FLOP table to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help="extra rlhf.ppo overrides for every run (after --)")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2: the first step of each run is left out as warm-up")
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+    sft, reward = build_models(os.path.join(work, "small" if args.small else "default"), SHAPE_SMALL if args.small else [])
+    trees = {"this": ROOT}
+    tmp = None
+    if args.baseline != "none":
+        tmp = tempfile.mkdtemp(prefix="bench_rl_baseline_")
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tmp, args.baseline], check=True,
+                       capture_output=True)
+        trees["baseline"] = tmp
+    algos = args.algos.split(",")
+    phases: dict = {(t, a): {p: [] for p in (*PHASES, "step")} for t in trees for a in algos}
+    limit: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    try:
+        for rep in range(args.reps):
+            for algo in algos:
+                order = list(trees) if rep % 2 == 0 else list(reversed(trees))
+                for name in order:
+                    out = os.path.join(work, f"{algo}_{name}_{rep}")
+                    shutil.rmtree(out, ignore_errors=True)
+                    res = run_worker(trees[name], out, [f"actor.model={sft}", f"critic.model={reward}",
+                                                        f"train.max_steps={args.steps}", *ALGOS[algo], *QUIET,
+                                                        *args.overrides], clock=args.clock)
+                    for s in res["steps"][1:]:  # the first step warms up
+                        for p in PHASES:
+                            phases[(name, algo)][p].append(s[p])
+                        phases[(name, algo)]["step"].append(sum(s[p] for p in PHASES))
+                    print(f"  round {rep} {algo:4s} {name:8s} steps "
+                          f"{[round(sum(s[p] for p in PHASES), 3) for s in res['steps']]}", flush=True)
+            for dtype in limit:
+                limit[dtype].append(matmul_rate(args.matmul_n, dtype))
+    finally:
+        if tmp:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tmp], capture_output=True)
+    med = {k: {p: statistics.median(v) if v else float("nan") for p, v in d.items()} for k, d in phases.items()}
+    print(f"\nRL step phases, median {'CPU ' if args.clock == 'cpu' else ''}seconds over {args.reps} rounds x "
+          f"{args.steps - 1} steps "
+          f"(device {device_name()}; baseline {args.baseline}):")
+    print(f"{'algo':5s} {'tree':9s} " + " ".join(f"{p:>10s}" for p in (*PHASES, "step")))
+    for algo in algos:
+        for name in trees:
+            print(f"{algo:5s} {name:9s} " + " ".join(f"{med[(name, algo)][p]:10.4f}" for p in (*PHASES, "step")))
+        if "baseline" in trees:
+            print(f"{algo:5s} {'ratio':9s} " + " ".join(
+                f"{med[('baseline', algo)][p] / med[('this', algo)][p]:10.2f}" if med[("this", algo)][p] > 0 else
+                f"{'-':>10s}" for p in (*PHASES, "step")) + "   (baseline / this: > 1 = faster)")
+    rates = {d: statistics.median(v) for d, v in limit.items()}
+    print(f"\nmatmul {args.matmul_n}x{args.matmul_n}: fp32 {rates['fp32'] / 1e9:.1f} GFLOP/s, "
+          f"bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s (median of {args.reps} measurements)")
+    report = {"medians": {f"{algo}/{name}": med[(name, algo)] for algo in algos for name in trees},
+              "matmul_flops_per_s": rates}
+    if args.flops_model != "none":
+        report["achieved"] = achieved(work, algos[0], args, rates)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def achieved(work: str, algo: str, args: argparse.Namespace, rates: dict[str, float]) -> dict:
+    """This tree's step on the ~25M-parameter shape (or the small one): counted FLOPs per phase / its
+    median time; returns {phase: {"s", "flops"}}."""
+    shape = SHAPE_25M if args.flops_model == "25m" else SHAPE_SMALL
+    sft, reward = build_models(os.path.join(work, args.flops_model), shape)  # "small": the timed runs' models
+    out = os.path.join(work, f"{algo}_{args.flops_model}")
+    shutil.rmtree(out, ignore_errors=True)
+    res = run_worker(ROOT, out, [f"actor.model={sft}", f"critic.model={reward}", f"train.max_steps={args.flops_steps}",
+                                 *ALGOS[algo], *QUIET, *args.overrides], count_flops=True, clock=args.clock)
+    precision = engine_precision(args.overrides)
+    params = res["actor_params"]
+    # NOTE: the limit measured again right after the run: on a shared machine the rate between the
+    # rounds can be another load's (a 3x swing was seen), the larger of the two is the limit
+    rates = {**rates, precision: max(rates[precision], matmul_rate(args.matmul_n, precision))}
+    first = 1 if len(res["steps"]) > 1 else 0  # the first step warms up
+    steps, step_flops = res["steps"][first:], res["flops"][first:]
+    print(f"\n{algo} step on the {args.flops_model} shape ({params / 1e6:.1f}M parameters in the actor; {precision}; "
+          f"limit = the {precision} matmul rate, {rates[precision] / 1e9:.1f} GFLOP/s):")
+    print(f"{'phase':11s} {'s':>9s} {'GFLOP':>9s} {'GFLOP/s':>9s} {'of limit':>9s}")
+    total_f = total_t = 0.0
+    table = {}
+    for p in PHASES:
+        t = statistics.median([s[p] for s in steps])
+        f = statistics.median([x[p] for x in step_flops])
+        total_f, total_t = total_f + f, total_t + t
+        table[p] = {"s": t, "flops": f}
+        print(f"{p:11s} {t:9.4f} {f / 1e9:9.3f} {f / t / 1e9 if t else 0:9.2f} {f / t / rates[precision] if t else 0:9.1%}")
+    print(f"{'step':11s} {total_t:9.4f} {total_f / 1e9:9.3f} {total_f / total_t / 1e9:9.2f} "
+          f"{total_f / total_t / rates[precision]:9.1%}")
+    return {"phases": table, "actor_params": params, "precision": precision}
+
+
+def engine_precision(overrides: list[str]) -> str:
+    """The runs' precision: engine.precision= of the overrides, else what "auto" resolves to here."""
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from engine.config import EngineConfig, resolve_precision
+
+    given = [o.split("=", 1)[1] for o in overrides if o.startswith("engine.precision=")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = resolve_precision(EngineConfig(precision=given[-1] if given else "auto"), device).precision
+    return "bf16" if precision == "bf16" else "fp32"
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
+
+
+if __name__ == "__main__":
+    main()

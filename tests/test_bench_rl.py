@@ -1,0 +1,60 @@
+"""scripts/bench_rl.py (#31) in its smoke form: the RL step's phases timed in a real stage run (the tests'
+tiny model, this tree only), the matmul limit measured, and the step's FLOPs counted per forward."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, cli_env
+
+pytestmark = pytest.mark.slow
+
+SMOKE = "python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none"
+
+
+def test_documented_smoke_command_is_the_one_run_here():
+    doc = (ROOT / "scripts/bench_rl.py").read_text().split('"""')[1]
+    assert SMOKE in doc
+
+
+def test_smoke_run_times_every_phase_and_counts_the_flops(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = [sys.executable, *SMOKE.split()[1:-2], "--flops-model", "small", "--flops-steps", "2",
+            "--work", str(tmp_path / "work"),
+            "--json", str(out), "--", "reward.sources=[judge]", "rollout.prompts_per_step=2", "rollout.mini_batch_size=16",
+            "rollout.micro_batch_size=8", "rollout.max_new_tokens=6", "engine.precision=fp32"]
+    proc = subprocess.run(argv, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "RL step phases, median seconds" in proc.stdout and "matmul" in proc.stdout
+    report = json.loads(out.read_text())
+    med = report["medians"]["grpo/this"]
+    phases = ("generate", "score", "advantages", "update", "overhead")
+    assert all(med[p] >= 0 for p in phases) and med["generate"] > 0 and med["update"] > 0, med
+    assert med["step"] == pytest.approx(sum(med[p] for p in phases), rel=1e-9)  # one step's phases, one median
+    assert report["matmul_flops_per_s"]["fp32"] > 1e6 and report["matmul_flops_per_s"]["bf16"] > 0
+    # the counted FLOPs of the second step (ppo.old_logprobs=auto recomputes there: actor + reference
+    # forwards; the judge scores without a model), all over the same rows' real tokens T: generate 2NT,
+    # score 2 x 2NT, update 6NT (forward + backward)
+    flops = {p: v["flops"] for p, v in report["achieved"]["phases"].items()}
+    assert flops["generate"] > 0 and flops["advantages"] == 0 and flops["overhead"] == 0, flops
+    assert flops["score"] == pytest.approx(2 * flops["generate"], rel=1e-12), flops
+    assert flops["update"] == pytest.approx(3 * flops["generate"], rel=1e-12), flops
+
+
+def test_compute_params_counts_a_tied_head_once_per_use():
+    """2 x these parameters = a token's forward FLOPs: the input embedding is a lookup (left out), the
+    output head a matmul (counted, also when it shares the embedding's tensor)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_rl import compute_params
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for tied in (False, True):
+        cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+        model = LlamaForCausalLM(cfg)
+        # per layer: q, o (16x16), k, v (16x8), gate, up, down (16x24 each), 2 norms (16); final norm 16; head 40x16
+        layer = 2 * 16 * 16 + 2 * 16 * 8 + 3 * 16 * 24 + 2 * 16
+        assert compute_params(model) == 2 * layer + 16 + 40 * 16, tied
