@@ -39,6 +39,9 @@ SHAPES = {
     "llama-25m": dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
                       num_attention_heads=8, num_key_value_heads=8, vocab_size=8192, tie_word_embeddings=True,
                       max_position_embeddings=1024),  # 24.6M parameters
+    "llama-default": dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+                          num_attention_heads=6, num_key_value_heads=6, vocab_size=80, tie_word_embeddings=True,
+                          max_position_embeddings=128),  # conf/model/tiny.yaml, the embedded default (1.3M)
     "opt-1.3b": dict(model_type="opt", hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
                      vocab_size=50272, word_embed_proj_dim=2048, max_position_embeddings=2048),
 }
@@ -193,7 +196,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds after a warm-up (medians)")
-    ap.add_argument("--shapes", nargs="+", default=None, help=f"subset of {list(SHAPES)}")
+    ap.add_argument("--shapes", nargs="+", default=None, help=f"of {list(SHAPES)} (default: the 1B-class ones)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a check of the script, e.g. on CPU)")
     ap.add_argument("--out", default="bench_generation.json")
     a = ap.parse_args()
@@ -202,7 +205,7 @@ def main() -> None:
         sys.exit("bench_generation.py: no CUDA device here (use --device cpu --small to check the script)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     table = SMALL if a.small else SHAPES
-    names = a.shapes or list(table)
+    names = a.shapes or [n for n in table if n not in ("llama-25m", "llama-default")]  # (the CPU shapes: by name)
     rates = {k: matmul_rate(device, d, a.repeat) for k, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     print(json.dumps({"matmul_gflops": {k: v / 1e9 for k, v in rates.items()}}), flush=True)
     rows = []

@@ -32,6 +32,8 @@ from .sampling import SamplingParams, row_noise, sample
 if TYPE_CHECKING:
     from .model import InferenceModel
 
+CACHE_SLOTS = 64  # generate() rounds the KV cache's length up to a multiple of this
+
 
 @dataclass
 class GenerationOutput:
@@ -182,7 +184,10 @@ def generate(
         check_every = 8 if device.type == "cuda" else 1
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    model.setup_cache(B, P + max_new_tokens)
+    # The cache is sized in steps of CACHE_SLOTS slots, so phases whose prompts are a few tokens
+    # wider than before (left padding to the batch's longest) reuse it, and its graphs, instead of
+    # reallocating (setup_cache keeps the largest batch and length seen).
+    model.setup_cache(B, -(-(P + max_new_tokens) // CACHE_SLOTS) * CACHE_SLOTS)
     # Capture (first use) before the prefill: the capture's warm-up steps write cache slots.
     if row_seeds is not None and row_seeds.shape != (B,):
         raise ValueError(f"row_seeds must have one seed per prompt row: shape ({B},), got {tuple(row_seeds.shape)}")
