@@ -1,7 +1,7 @@
 """Generation throughput: `transformers` `generate` vs the injected model (engine/inference), same run.
 
     python scripts/bench_generation.py                       # GPU: Llama-1.2B and OPT-1.3B shapes, bf16
-    python scripts/bench_generation.py --small --device cpu  # tiny shapes: checks the script itself
+    python scripts/bench_generation.py --small --device cpu  # tiny shapes, short runs: checks the script itself
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --repeat 3
 
 Random weights; prompts of `--prompt` tokens (every row full length), `--new` new tokens with EOS
@@ -192,14 +192,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds after a warm-up (medians)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 16 64 (--small: 1 16)")
+    ap.add_argument("--prompt", type=int, default=None, help="default 256 (--small: 32)")
+    ap.add_argument("--new", type=int, default=None, help="default 256 (--small: 32)")
+    ap.add_argument("--repeat", type=int, default=None, help="interleaved rounds after a warm-up, medians (default 3, --small: 1)")
     ap.add_argument("--shapes", nargs="+", default=None, help=f"of {list(SHAPES)} (default: the 1B-class ones)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a check of the script, e.g. on CPU)")
     ap.add_argument("--out", default="bench_generation.json")
     a = ap.parse_args()
+    for key, full, small in (("batch", [1, 16, 64], [1, 16]), ("prompt", 256, 32), ("new", 256, 32), ("repeat", 3, 1)):
+        if getattr(a, key) is None:
+            setattr(a, key, small if a.small else full)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_generation.py: no CUDA device here (use --device cpu --small to check the script)")
