@@ -35,8 +35,9 @@ from .inference.sampling import SamplingParams, row_noise, sample
 
 # engine.generation=auto: a written rule, from scripts/bench_generation.py (docs/engine.md, "Generation
 # mode"): the injected model, its in-place weight refresh included in its time, generated faster than
-# transformers generate on every shape measured, on the CPU as on CUDA; so auto takes it wherever it can
-# run the model, and transformers where it cannot.
+# transformers generate on both Llama shapes measured on the CPU (1.43x at the embedded default, batch 64,
+# 16 new tokens; 1.66x at 24.6M parameters, batch 64, prompt 64, 128 new tokens), and on CUDA its decode
+# runs as CUDA graphs; so auto takes it wherever it can run the model, and transformers where it cannot.
 AUTO_RULE = "the injected model, weight refresh included, outran transformers generate on every shape measured (docs/engine.md)"
 
 
