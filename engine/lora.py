@@ -56,9 +56,36 @@ def lora_layers(module: nn.Module) -> dict[str, LoraLayer] | None:
 
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale * B @ A in fp32 ([out, in]): the one formula both the merge and the weight check use,
-    so a merged slot and its expected value agree bit for bit."""
-    return weight.float() + scale * (lora_b.float() @ lora_a.float())
+    """W + scale * B @ A in fp32 ([out, in]), one `addmm`: the one formula both the merge and the weight
+    check use, so a merged slot and its expected value agree bit for bit."""
+    return torch.addmm(weight.float(), lora_b.float(), lora_a.float(), alpha=scale)
+
+
+@dataclass(slots=True)
+class MergedWeight:
+    """A LoRA layer's merged weight, not yet computed: `write_into(slot)` puts W + scale * B @ A into
+    the injected model's slot. An fp32 slot on the weight's device is computed in place (W copied in,
+    then `addmm_` adds scale * B @ A: the same single addmm as `merged_weight`, bit for bit, and no
+    [out, in] temporary); any other slot gets `merged_weight`'s fp32 result, cast once."""
+
+    weight: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scale: float
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def value(self) -> torch.Tensor:
+        return merged_weight(self.weight, self.lora_a, self.lora_b, self.scale)
+
+    def write_into(self, slot: torch.Tensor) -> None:
+        if slot.dtype == torch.float32 and slot.device == self.weight.device and slot.is_contiguous():
+            slot.copy_(self.weight)
+            slot.addmm_(self.lora_b.float(), self.lora_a.float(), alpha=self.scale)
+        else:
+            slot.copy_(self.value())
 
 
 class LoraMerger:
@@ -68,8 +95,8 @@ class LoraMerger:
     one module, hence of one FSDP unit, which `named_full_parameters` keeps gathered while it yields
     that unit's tensors."""
 
-    def __init__(self, layers: dict[str, LoraLayer]):
-        self.layers = layers
+    def __init__(self, layers: dict[str, LoraLayer], lazy: bool = False):
+        self.layers, self.lazy = layers, lazy  # lazy: a merged weight is a `MergedWeight`, computed by its consumer
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def _split(self, name: str) -> tuple[str, str] | None:
@@ -95,7 +122,8 @@ class LoraMerger:
         if len(parts) < 3:
             return []
         del self._pending[prefix]
-        return [(prefix + ".weight", merged_weight(parts["W"], parts["A"], parts["B"], self.layers[prefix].scale))]
+        merged = MergedWeight(parts["W"], parts["A"], parts["B"], self.layers[prefix].scale)
+        return [(prefix + ".weight", merged if self.lazy else merged.value())]
 
     def finish(self) -> None:
         if self._pending:
@@ -104,12 +132,15 @@ class LoraMerger:
                              "W, lora_A (A) and lora_B (B)")
 
 
-def merge_lora(named: Iterable[tuple[str, torch.Tensor]], layers: dict[str, LoraLayer]) -> Iterator[tuple[str, torch.Tensor]]:
-    """`named` with every LoRA layer's tensors replaced by the merged weight (and its bias), HF-named."""
+def merge_lora(named: Iterable[tuple[str, torch.Tensor]], layers: dict[str, LoraLayer],
+               lazy: bool = False) -> Iterator[tuple[str, "torch.Tensor | MergedWeight"]]:
+    """`named` with every LoRA layer's tensors replaced by the merged weight (and its bias), HF-named;
+    `lazy`: as a `MergedWeight` (for `InferenceModel.load_weights`, which writes it into its slot
+    before taking the next item, while the FSDP unit holding W, A and B is still gathered)."""
     if not layers:
         yield from named
         return
-    merger = LoraMerger(layers)
+    merger = LoraMerger(layers, lazy)
     for name, tensor in named:
         yield from merger.push(name, tensor)
     merger.finish()

@@ -525,7 +525,7 @@ class TrainEngine(_ShardedModule):
         spent = [0.0]
         if check:
             raw = expected_tap(raw, dtype, layers, expected, spent)
-        named = merge_lora(raw, layers)
+        named = merge_lora(raw, layers, lazy=True)  # merged straight into the slots (engine/lora.py)
         if self._inference is None:
             self._inference = InferenceModel(hf_base_model(self.unwrapped).config, named, dtype=dtype,
                                              device=self.info.device)

@@ -1,20 +1,30 @@
 """Generation throughput: `transformers` `generate` vs the injected model (engine/inference), same run.
 
     python scripts/bench_generation.py                       # GPU: Llama-1.2B and OPT-1.3B shapes, bf16
-    python scripts/bench_generation.py --small --device cpu  # tiny shapes: checks the script itself
+    python scripts/bench_generation.py --small --device cpu  # tiny shapes, short runs: checks the script itself
+    python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --repeat 3
 
 Random weights; prompts of `--prompt` tokens (every row full length), `--new` new tokens with EOS
-disabled (both paths run the full length), greedy decoding on both paths. For each shape and batch
-size: tokens/s of each path and their ratio, ms per decode step of the injected path (total minus
-a 1-token prefill run, over new-1 steps), and the bandwidth floor of one decode step: bytes read
-per step (all weights + the KV cache at mid-generation) / the device-copy bandwidth measured here.
-Writes a Markdown table to stdout and JSON to --out.
+disabled (both paths run the full length), greedy decoding on both paths. The paths are timed
+interleaved, `--repeat` rounds after one warm-up round, and the medians reported: `transformers`
+`generate`; the injected model alone; and the injected model *with its weight refresh*, what a
+training engine's switch to generation costs: `load_weights` from fp32 master weights (a separate
+copy, as the training parameters are) into the fused slots, cast to the compute dtype, then generate.
+For each shape and batch size: tokens/s of each path and the ratios, ms per decode step of the
+injected path (total minus a 1-token prefill run, over new-1 steps), the bandwidth floor of one
+decode step (bytes read per step: all weights + the KV cache at mid-generation, over the
+device-copy bandwidth measured here), and the achieved FLOP rate of the injected path (refresh
+included): the model FLOPs of prefill and decode (2 x the matmul weights per token, the LM head on
+the prefill's last token only, and the causal attention's QK and AV products) over its time, as a
+fraction of a plain square matmul's rate in fp32 and bf16, measured in the same run (the machine's
+limit). Writes a Markdown table to stdout and JSON to --out.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -26,6 +36,12 @@ SHAPES = {
     "llama-1.2b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
                        max_position_embeddings=4096),
+    "llama-25m": dict(model_type="llama", hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=8, vocab_size=8192, tie_word_embeddings=True,
+                      max_position_embeddings=1024),  # 24.6M parameters
+    "llama-default": dict(model_type="llama", hidden_size=192, intermediate_size=512, num_hidden_layers=3,
+                          num_attention_heads=6, num_key_value_heads=6, vocab_size=80, tie_word_embeddings=True,
+                          max_position_embeddings=128),  # conf/model/tiny.yaml, the embedded default (1.3M)
     "opt-1.3b": dict(model_type="opt", hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32,
                      vocab_size=50272, word_embed_proj_dim=2048, max_position_embeddings=2048),
 }
@@ -40,6 +56,47 @@ SMALL = {
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def once(fn, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, device: torch.device, repeat: int) -> dict[str, float]:
+    """Median wall time of each of `fns`, run in turn `repeat` rounds after one warm-up round (the
+    same load on all of them: ratios are what to read on a shared machine)."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            times[k].append(once(fn, device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, repeat: int) -> float:
+    """FLOP/s of a plain n x n x n matmul (n = 4096 on CUDA, 512 elsewhere), median of `repeat` timings
+    of as many products as fill ~0.5 s (at least one)."""
+    n = 4096 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    reps = max(1, int(0.5 / once(lambda: a @ b, device)))
+    t = interleaved({"mm": lambda: [a @ b for _ in range(reps)]}, device, repeat)["mm"]
+    return 2 * n**3 * reps / t
+
+
+def generation_flops(args, weights: list[torch.Tensor], lm_head: torch.Tensor, B: int, P: int, N: int) -> float:
+    """Model FLOPs of a prefill of B x P tokens (LM head on the last only) and N - 1 decode steps:
+    2 x matmul weights per token and the causal attention's QK and AV products over the live slots."""
+    matmul = sum(t.numel() for t in weights if t.dim() == 2 and t is not lm_head and t.shape[0] != args.vocab_size)
+    attn_per_pair = 4 * args.n_layers * args.n_heads * args.head_dim  # QK and AV, per (query, key) pair
+    prefill = B * P * 2 * matmul + B * 2 * lm_head.numel() + B * attn_per_pair * P * (P + 1) / 2
+    decode = sum(B * (2 * (matmul + lm_head.numel()) + attn_per_pair * (P + t + 1)) for t in range(1, N))
+    return prefill + decode
 
 
 def timed(fn, device: torch.device, repeat: int) -> float:
@@ -64,7 +121,8 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n / t
 
 
-def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype, device, repeat: int) -> list[dict]:
+def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype, device, repeat: int,
+                rates: dict[str, float]) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from engine.inference import InferenceModel, SamplingParams, generate
@@ -74,8 +132,10 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
     torch.manual_seed(0)
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    inj = InferenceModel(hf.config, hf.state_dict().items(), dtype=dtype, device=device)
+    master = [(k, v.detach().float().clone()) for k, v in hf.state_dict().items()]  # the training engine's fp32 weights
+    inj = InferenceModel(hf.config, master, dtype=dtype, device=device)
     weight_bytes = inj.memory_bytes()["weights"]
+    n_params = sum(t.numel() for t in inj.weight_tensors())
     bw = copy_bandwidth(device)
     greedy = SamplingParams(greedy=True)
     rows = []
@@ -92,20 +152,34 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
         def run_inj(n=N):
             return generate(inj, ids, mask, n, eos_token_id=None, pad_token_id=0, sampling=greedy)
 
-        t_hf = timed(run_hf, device, repeat)
-        t_inj = timed(run_inj, device, repeat)
-        t_prefill = timed(lambda: run_inj(1), device, repeat)
+        def run_refresh_inj():
+            inj.load_weights(master)
+            return run_inj()
+
+        run_inj()  # the cache for this batch: allocated here, reused by every timed run
+        allocations = inj.allocations
+        t = interleaved({"hf": run_hf, "injected": run_inj, "refresh+injected": run_refresh_inj,
+                         "prefill": lambda: run_inj(1), "refresh": lambda: inj.load_weights(master)}, device, repeat)
         assert run_inj().sequences.shape[1] == P + N
+        assert inj.allocations == allocations, "a weight refresh or a generate re-allocated the injected model"
         kv_per_token = 2 * inj.args.n_layers * inj.args.n_kv_heads * inj.args.head_dim * torch.tensor([], dtype=dtype).element_size()
         step_bytes = weight_bytes + B * (P + N // 2) * kv_per_token
+        flops = generation_flops(inj.args, inj.weight_tensors(), inj.lm_head, B, P, N)
         row = {
-            "shape": name, "batch": B, "prompt": P, "new_tokens": N,
-            "hf_tokens_per_s": B * N / t_hf, "injected_tokens_per_s": B * N / t_inj, "speedup": t_hf / t_inj,
-            "injected_ms_per_decode_step": 1e3 * (t_inj - t_prefill) / max(N - 1, 1),
+            "shape": name, "params_M": n_params / 1e6, "batch": B, "prompt": P, "new_tokens": N, "repeat": repeat,
+            "hf_tokens_per_s": B * N / t["hf"], "injected_tokens_per_s": B * N / t["injected"],
+            "refresh_injected_tokens_per_s": B * N / t["refresh+injected"],
+            "speedup": t["hf"] / t["injected"], "speedup_with_refresh": t["hf"] / t["refresh+injected"],
+            "refresh_s": t["refresh"], "refresh_share": t["refresh"] / t["refresh+injected"],
+            "injected_ms_per_decode_step": 1e3 * (t["injected"] - t["prefill"]) / max(N - 1, 1),
             "floor_ms_per_step": 1e3 * step_bytes / bw, "weights_only_floor_ms": 1e3 * weight_bytes / bw,
-            "copy_bandwidth_GBps": bw / 1e9,
+            "copy_bandwidth_GBps": bw / 1e9, "model_gflop": flops / 1e9,
+            "achieved_gflops": flops / t["refresh+injected"] / 1e9,
+            "matmul_gflops": {k: v / 1e9 for k, v in rates.items()},
         }
         row["step_over_floor"] = row["injected_ms_per_decode_step"] / row["floor_ms_per_step"]
+        for k, v in rates.items():
+            row[f"fraction_of_{k}_matmul"] = flops / t["refresh+injected"] / v
         rows.append(row)
         print(json.dumps(row), flush=True)
     inj.release()  # (the HF model is freed on return)
@@ -118,32 +192,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--new", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=2)
-    ap.add_argument("--shapes", nargs="+", default=None, help=f"subset of {list(SHAPES)}")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 16 64 (--small: 1 16)")
+    ap.add_argument("--prompt", type=int, default=None, help="default 256 (--small: 32)")
+    ap.add_argument("--new", type=int, default=None, help="default 256 (--small: 32)")
+    ap.add_argument("--repeat", type=int, default=None, help="interleaved rounds after a warm-up, medians (default 3, --small: 1)")
+    ap.add_argument("--shapes", nargs="+", default=None, help=f"of {list(SHAPES)} (default: the 1B-class ones)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a check of the script, e.g. on CPU)")
     ap.add_argument("--out", default="bench_generation.json")
     a = ap.parse_args()
+    for key, full, small in (("batch", [1, 16, 64], [1, 16]), ("prompt", 256, 32), ("new", 256, 32), ("repeat", 3, 1)):
+        if getattr(a, key) is None:
+            setattr(a, key, small if a.small else full)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_generation.py: no CUDA device here (use --device cpu --small to check the script)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     table = SMALL if a.small else SHAPES
-    names = a.shapes or list(table)
+    names = a.shapes or [n for n in table if n not in ("llama-25m", "llama-default")]  # (the CPU shapes: by name)
+    rates = {k: matmul_rate(device, d, a.repeat) for k, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    print(json.dumps({"matmul_gflops": {k: v / 1e9 for k, v in rates.items()}}), flush=True)
     rows = []
     for name in names:
-        rows += bench_shape(name, table[name], a.batch, a.prompt, a.new, dtype, device, a.repeat)
+        rows += bench_shape(name, table[name], a.batch, a.prompt, a.new, dtype, device, a.repeat, rates)
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
                    "dtype": a.dtype, "rows": rows}, f, indent=1)
-    print("\n| shape | batch | hf tok/s | injected tok/s | speedup | ms/step | floor ms/step | step/floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| shape | batch | hf tok/s | injected tok/s | + refresh tok/s | speedup | with refresh | refresh share "
+          "| ms/step | step/floor | GFLOP/s (refresh incl.) | / fp32 matmul | / bf16 matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['shape']} | {r['batch']} | {r['hf_tokens_per_s']:,.0f} | {r['injected_tokens_per_s']:,.0f} | "
-              f"{r['speedup']:.1f}x | {r['injected_ms_per_decode_step']:.2f} | {r['floor_ms_per_step']:.2f} | "
-              f"{r['step_over_floor']:.2f} |")
+              f"{r['refresh_injected_tokens_per_s']:,.0f} | {r['speedup']:.2f}x | {r['speedup_with_refresh']:.2f}x | "
+              f"{r['refresh_share']:.1%} | {r['injected_ms_per_decode_step']:.2f} | {r['step_over_floor']:.1f} | "
+              f"{r['achieved_gflops']:.1f} | {r['fraction_of_fp32_matmul']:.2f} | {r['fraction_of_bf16_matmul']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ NOT_RUN = {
     "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
+    "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 "
+    "--repeat 3": "a CPU benchmark of tens of minutes on 2 cores (its --small form is run)",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
     "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "

@@ -101,13 +101,15 @@ def test_release_inference_cache_frees_the_injected_model():
     assert engine._inference is None
 
 
-def test_auto_is_hf_off_cuda_and_unmergeable_lora_falls_back_with_a_reason(caplog):
+def test_auto_is_injected_on_every_device_and_unmergeable_lora_falls_back_with_a_reason(caplog):
     from peft import LoraConfig, get_peft_model
 
     caplog.set_level(logging.INFO, logger="engine.train_engine")
     auto = engine_for(tiny(), generation="auto")
     with auto.generation() as gen:
-        assert gen.name == ("injected" if torch.cuda.is_available() else "hf")
+        assert gen.name == "injected"  # engine.generation.AUTO_RULE, measured on the CPU as on CUDA
+    assert any("engine.generation=auto on cpu, llama is supported: the injected model" in r.getMessage()
+               for r in caplog.records)
     # plain LoRA reaches the injected model merged (tests/test_weight_check.py); DoRA does not
     lora = get_peft_model(tiny(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True))
     eng = engine_for(lora, generation="injected")
@@ -137,3 +139,51 @@ def test_unsupported_architecture_falls_back(caplog):
 def test_bad_generation_value_names_the_key():
     with pytest.raises(ValueError, match="engine.generation"):
         validate_engine_config(EngineConfig(generation="vllm"), init_distributed())
+
+
+@pytest.mark.parametrize("lora,precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
+def test_the_layout_refreshed_in_place_equals_a_fresh_build_and_allocates_nothing(lora, precision):
+    """After optimizer steps, the injected model refreshed in place (weights copied into the slots,
+    LoRA merged in place for fp32 slots, through one fp32 temporary for bf16 ones) holds bit for bit
+    what an InferenceModel built afresh from the same parameters holds, and decodes the same greedy
+    tokens; the second and later switches allocate nothing (weights and KV cache kept)."""
+    from engine.inference import InferenceModel
+    from engine.lora import merge_lora
+
+    model = tiny()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False))
+    engine = engine_for(model, generation="injected", precision=precision)
+    ids, mask = prompts()
+    with engine.generation() as gen:
+        gen.generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD)
+    inj = engine._inference
+    first = (inj.allocations, inj.allocated_bytes, [t.data_ptr() for t in inj.weight_tensors()], inj.cache.k.data_ptr())
+    assert inj.allocations == 2 and inj.allocated_bytes == sum(inj.memory_bytes().values())  # weights, then the cache
+    for round_ in range(2):
+        engine.train_step([{"input_ids": torch.randint(3, 40, (4, 10), generator=torch.Generator().manual_seed(round_))}],
+                          lm_loss)
+        with engine.generation() as gen:
+            out = gen.generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True)
+    assert engine._inference is inj and inj.refreshes == 3
+    assert (inj.allocations, inj.allocated_bytes, [t.data_ptr() for t in inj.weight_tensors()],
+            inj.cache.k.data_ptr()) == first, "a switch after the first re-allocated the weights or the KV cache"
+    assert inj.last_refresh["bytes"] == inj.memory_bytes()["weights"]  # every slot written once (tied head: the embedding)
+    assert inj.last_refresh["tensors"] == len(inj.named_slots()[1])
+
+    named = merge_lora(engine.named_full_parameters(), engine._lora or {})
+    fresh = InferenceModel(engine.unwrapped.config, named, dtype=inj.dtype)
+    got, want = inj.named_slots()[0], fresh.named_slots()[0]
+    assert sorted(got) == sorted(want)
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, f"refreshed in place != built afresh: {differ[:4]}"
+    if lora:  # the adapters trained: the merged slot is not the base weight
+        base = dict(engine.named_full_parameters())["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]
+        assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"], base.to(inj.dtype))
+    from engine.generation import InjectedGenerator
+
+    again = InjectedGenerator(fresh).generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True)
+    assert torch.equal(out.sequences, again.sequences) and torch.equal(out.logprobs, again.logprobs)

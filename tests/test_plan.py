@@ -106,8 +106,9 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert list(ppo["models"]) == ["actor", "critic", "reference", "reward_model"]
     assert ppo["models"]["critic"]["total_params"] < ppo["models"]["actor"]["total_params"]  # value head, no LM head
     a = ppo["models"]["actor"]
-    # KV cache: 2 (k, v) x 7 layers x 32 rows per rank x (48 + 32) tokens x 4 heads x 64 dims x 2 bytes (bf16)
-    assert ppo["kv_cache_bytes"] == 2 * 7 * 32 * 80 * 256 * 2 and ppo["generation_path"] == "injected"
+    # KV cache: 2 (k, v) x 7 layers x 32 rows per rank x (48 + 32 tokens, rounded up to 32 slots: 96) x 4 heads
+    # x 64 dims x 2 bytes (bf16)
+    assert ppo["kv_cache_bytes"] == 2 * 7 * 32 * 96 * 256 * 2 and ppo["generation_path"] == "injected"
     assert a["grad_bytes"] > 0 and ppo["models"]["reference"]["grad_bytes"] == 0
     # the documented formulas (rlhf/plan.py): L*b*s*(7h + 2kv + 4i)*e; with checkpointing L*b*s*h*e + one block's
     # share; logits b*s*V*(e + 8); stage 0 in bf16 keeps autocast's casts of every parameter (Psi*e)
@@ -117,7 +118,7 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert a["logits_bytes"] == tokens * 4099 * 10 and a["gathered_bytes"] == a["total_params"] * 2
     assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
-    assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
+    assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "injected"
 
 
 def test_a_directory_holding_only_config_json_is_enough(tmp_path):

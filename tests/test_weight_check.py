@@ -206,7 +206,7 @@ def test_a_lora_adapter_left_unmerged_is_caught_naming_the_layer(monkeypatch):
     assert model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight.abs().sum() > 0
     engine = engine_for(model, generation="injected")
 
-    def base_weights_only(named, layers):  # the adapter never reaches the rollout model (verl #7495)
+    def base_weights_only(named, layers, lazy=False):  # the adapter never reaches the rollout model (verl #7495)
         for name, t in named:
             if ".lora_" not in name:
                 yield name.replace(".base_layer.", "."), t
@@ -268,6 +268,9 @@ def test_zero3_on_two_ranks_checks_consistently_and_every_rank_raises(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
         assert got["pass"] == {"injected": 2, "hf": 2}, (r, got)
+        # the layout refreshed in place after a ZeRO-3 step = one built afresh; the refresh allocated nothing
+        assert got["fresh"]["slots_equal"] and got["fresh"]["tokens_equal"], (r, got["fresh"])
+        assert got["allocations"][0] == got["allocations"][1] == 2, (r, got["allocations"])  # weights + KV cache
         for path in ("injected", "hf"):
             err = got["fault"][path]
             assert err is not None and err.startswith("WeightCheckError"), (r, path, err)

@@ -10,8 +10,8 @@ Memory timeline of one generation phase (`with engine.generation():`), per rank:
                 fused slot (first phase: slots allocated once, ~Ψ × dtype bytes; later phases:
                 `load_weights` into the same storage) and the unit is resharded: the gathered
                 copy never exists for the whole model at once.
-    2. cache    `setup_cache` / `generate` allocates k, v [L, B, Hkv, P + max_new, D] (zeros) and
-                reuses it while batch and length fit.
+    2. cache    `setup_cache` / `generate` allocates k, v [L, B, Hkv, cache_slots(P + max_new), D] (zeros:
+                the length rounded up to 32 slots) and reuses it while batch and length fit.
     3. graphs   CUDA only: the first decode step per (batch size, sampling) is captured; its private
                 memory pool holds one step's activations and is shared by all graphs of the model.
     4. decode   no allocation per token besides the output columns.
@@ -21,7 +21,7 @@ Memory timeline of one generation phase (`with engine.generation():`), per rank:
                 allocator. After `release()`, `load_weights` re-allocates (new storage, new graphs).
 """
 from .args import ModelArgs, supports
-from .generate import DecodeState, GenerationOutput, decode_step, generate
+from .generate import DecodeState, GenerationOutput, cache_slots, decode_step, generate
 from .model import InferenceModel, KVCache
 from .sampling import SamplingParams, filter_logits, row_noise, sample, stream_seed
 
@@ -32,6 +32,7 @@ __all__ = [
     "KVCache",
     "ModelArgs",
     "SamplingParams",
+    "cache_slots",
     "decode_step",
     "filter_logits",
     "generate",

@@ -32,6 +32,15 @@ from .sampling import SamplingParams, row_noise, sample
 if TYPE_CHECKING:
     from .model import InferenceModel
 
+CACHE_SLOTS = 32  # generate() rounds the KV cache's length up to a multiple of this
+
+
+def cache_slots(tokens: int) -> int:
+    """The KV cache length `generate` allocates for prompt + new tokens: rounded up to CACHE_SLOTS, so
+    phases whose prompts are a few tokens wider than before (left padding to the batch's longest)
+    reuse the cache, and its CUDA graphs, instead of reallocating (the memory plan uses it too)."""
+    return -(-tokens // CACHE_SLOTS) * CACHE_SLOTS
+
 
 @dataclass
 class GenerationOutput:
@@ -182,7 +191,7 @@ def generate(
         check_every = 8 if device.type == "cuda" else 1
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    model.setup_cache(B, P + max_new_tokens)
+    model.setup_cache(B, cache_slots(P + max_new_tokens))  # (setup_cache keeps the largest batch and length seen)
     # Capture (first use) before the prefill: the capture's warm-up steps write cache slots.
     if row_seeds is not None and row_seeds.shape != (B,):
         raise ValueError(f"row_seeds must have one seed per prompt row: shape ({B},), got {tuple(row_seeds.shape)}")

@@ -18,6 +18,7 @@ mask in `generate`. Batches smaller than the cache use its leading rows.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
@@ -95,13 +96,26 @@ class InferenceModel:
         self.graphs: dict = {}
         self.graph_pool = None
         self._slots: dict[str, torch.Tensor] | None = None
+        # What the switches to generation cost, for the engine's log and the tests: `allocations`
+        # counts every allocation of the fused weights or of the KV cache (a switch after the first
+        # adds none while the batch fits the cache), `allocated_bytes` their total; `refreshes`
+        # counts `load_weights` calls, `last_refresh` the last one's tensors, bytes written and seconds.
+        self.allocations = 0
+        self.allocated_bytes = 0
+        self.refreshes = 0
+        self.last_refresh: dict[str, float] = {"tensors": 0, "bytes": 0, "seconds": 0.0}
         self.load_weights(named_tensors)
 
     # ------------------------------------------------------------ weights
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> int:
         """Copy HF-named tensors into the fused slots (allocating them on first use or after
-        `release`). Same storage on every refresh. strict: every weight must arrive. Returns the count."""
+        `release`). Same storage on every refresh. strict: every weight must arrive. Returns the count.
+
+        A value may also be an object with `shape` and `write_into(slot)` (a LoRA merge,
+        engine/lora.py `MergedWeight`), which computes itself into the slot without a full-size
+        temporary where it can."""
+        start = time.perf_counter()
         it = iter(named_tensors)
         if self._slots is None:
             first = next(it, None)
@@ -111,7 +125,7 @@ class InferenceModel:
             self.device = self.device or first[1].device
             self._allocate()
             it = itertools.chain([first], it)
-        seen = set()
+        seen, written = set(), 0
         with torch.no_grad():
             for name, tensor in it:
                 name = name.removeprefix(PEFT_PREFIX)
@@ -120,13 +134,19 @@ class InferenceModel:
                     if name.endswith(IGNORED_SUFFIXES):
                         continue
                     raise KeyError(f"{name!r} is not a weight of the injected {self.args.model_type} model")
-                if slot.shape != tensor.shape:
+                if tuple(slot.shape) != tuple(tensor.shape):
                     raise ValueError(f"{name}: got shape {tuple(tensor.shape)}, expected {tuple(slot.shape)}")
-                slot.copy_(tensor)  # casts to the model's dtype / device
+                if isinstance(tensor, torch.Tensor):
+                    slot.copy_(tensor)  # casts to the model's dtype / device
+                else:
+                    tensor.write_into(slot)
                 seen.add(name)
+                written += slot.numel() * slot.element_size()
         missing = self._required - seen
         if strict and missing:
             raise ValueError(f"{len(missing)} weights not given, e.g. {sorted(missing)[:4]}")
+        self.refreshes += 1
+        self.last_refresh = {"tensors": len(seen), "bytes": written, "seconds": time.perf_counter() - start}
         return len(seen)
 
     def _allocate(self) -> None:
@@ -170,6 +190,8 @@ class InferenceModel:
         self._slots = {k: v for k, v in slots.items() if v is not None}
         self._required = set(self._slots) - ({"lm_head.weight"} if a.tie_embeddings else set())
         self.graphs.clear()
+        self.allocations += 1
+        self.allocated_bytes += self.memory_bytes()["weights"]
 
     def _llama_slots(self, q: int, kv: int) -> dict:
         f = self.args.ffn_dim
@@ -253,6 +275,8 @@ class InferenceModel:
             valid=torch.zeros(batch_size, max_seq_len, dtype=torch.bool, device=self.device),
             slots=torch.arange(max_seq_len, device=self.device),
         )
+        self.allocations += 1
+        self.allocated_bytes += self.memory_bytes()["kv_cache"]
         return True
 
     def release_cache(self) -> None:

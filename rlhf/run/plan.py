@@ -45,6 +45,7 @@ from omegaconf import OmegaConf
 
 from engine.config import resolve_precision
 from engine.generation import choose_generation_path
+from engine.inference import cache_slots
 from engine.lora import lora_layers
 from engine.memory import ZERO_FORMULAS, fmt_bytes, layout_bytes, planned_bytes, zero_formula_bytes
 from engine.optim import param_groups
@@ -230,7 +231,7 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         phases["scoring"] = max(phases["scoring"], logits + gathered)
         if m.name == "actor":
             path, why = choose_generation_path(ecfg.generation, device, a.config, adapters=a.adapters)
-            kv = 2 * a.layers * gen_rows * gen_len * a.kv * e
+            kv = 2 * a.layers * gen_rows * (cache_slots(gen_len) if path == "injected" else gen_len) * a.kv * e
             weights = a.total * e if path == "injected" or ecfg.stage >= 2 else 0
             report.update(generation_path=path, generation_why=why, kv_cache_bytes=kv, generation_weight_bytes=weights)
             phases["generation"] = kv + weights

@@ -185,7 +185,8 @@ def phase_compile(out_dir: str) -> dict:
 
     res = {"s3_eager": run("s3_eager", out_dir, stage=3, steps=5, save_state=True)[0]}
     res["compile_s_before"] = compile_seconds()
-    res["s3_compile"], engine = run("s3_compile", out_dir, stage=3, steps=5, save_state=True, compile=True)
+    res["s3_compile"], engine = run("s3_compile", out_dir, stage=3, steps=5, save_state=True, compile=True,
+                                    generation="hf")
     res["compile_s"] = compile_seconds()
     prompt = rows(DATA, 0, 2)["input_ids"][:, :5]
     with engine.generation() as gen:

@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 2 weight_check.py <out>
 
 pass: two generation phases (around a training step) on each path, checked without error: the
-number of checks. fault: the same with one element corrupted on rank 1 only (the injected model's
+number of checks. fresh (injected path, after the second phase): the layout refreshed in place against
+an InferenceModel built afresh from the gathered parameters (every slot bit-equal, the same greedy
+tokens), and the injected model's allocation count after the first and the second phase. fault: the same with one element corrupted on rank 1 only (the injected model's
 slot after its refresh; the gathered module's parameter on the transformers path): the error each
 rank raised, "WeightCheckError: ..." (None if it raised nothing). Every rank must raise and none hang.
 """
@@ -24,14 +26,31 @@ from toy import dataset, loss_fn, tiny_llama  # noqa: E402
 
 from engine import EngineConfig, OptimConfig, TrainEngine, exit_process, init_distributed  # noqa: E402
 from engine.errors import WeightCheckError  # noqa: E402
-from engine.generation import SamplingParams  # noqa: E402
+from engine.generation import InjectedGenerator, SamplingParams  # noqa: E402
+
+
+IDS = torch.tensor([[0, 0, 1, 5, 9], [1, 7, 3, 4, 8]])
+GREEDY = SamplingParams(max_new_tokens=4, greedy=True)
 
 
 def generate(engine):
-    ids = torch.tensor([[0, 0, 1, 5, 9], [1, 7, 3, 4, 8]])
     with engine.generation() as gen:
-        gen.generate(ids, (ids != 0).long(), SamplingParams(max_new_tokens=4, greedy=True), eos_token_id=2,
-                     pad_token_id=0)
+        return gen.generate(IDS, (IDS != 0).long(), GREEDY, eos_token_id=2, pad_token_id=0)
+
+
+def fresh_equals_refreshed(engine, refreshed_tokens: torch.Tensor) -> dict:
+    """An InferenceModel built afresh from the gathered parameters (collective) vs the engine's,
+    refreshed in place: slot by slot, bit for bit, and greedy tokens."""
+    from engine.inference import InferenceModel
+    from engine.parallelize import hf_base_model
+
+    old = engine._inference
+    fresh = InferenceModel(hf_base_model(engine.unwrapped).config, engine.named_full_parameters(), dtype=old.dtype)
+    got, want = old.named_slots()[0], fresh.named_slots()[0]
+
+    out = InjectedGenerator(fresh).generate(IDS, (IDS != 0).long(), GREEDY, eos_token_id=2, pad_token_id=0)
+    return {"slots_equal": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want),
+            "tokens_equal": torch.equal(out.sequences, refreshed_tokens), "tokens": out.sequences.tolist()}
 
 
 def build(info, path: str) -> TrainEngine:
@@ -50,9 +69,13 @@ def main(out: str) -> None:
     for path in ("injected", "hf"):
         engine = build(info, path)
         generate(engine)
+        allocations = engine._inference.allocations if path == "injected" else None
         engine.train_step(batch(info), loss_fn)
-        generate(engine)
+        second = generate(engine)
         result["pass"][path] = engine.weight_checks
+        if path == "injected":
+            result["allocations"] = [allocations, engine._inference.allocations]
+            result["fresh"] = fresh_equals_refreshed(engine, second.sequences)
 
         corrupt = info.rank == 1
         if path == "injected":
