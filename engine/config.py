@@ -54,10 +54,10 @@ class EngineConfig:
     find_unused_parameters: bool = False  # stage 0/1 (DDP): some trainable params get no gradient
     # Generation mode (`TrainEngine.generation()`): "injected" = engine.inference (fused weights,
     # static KV cache, CUDA graphs) for supported architectures (Llama family, OPT), "hf" =
-    # transformers `generate`, "auto" = injected wherever the model is supported, on every device
-    # (engine/generation.py AUTO_RULE, measured in docs/engine.md). An unsupported model falls back
+    # transformers `generate`, "auto" = injected on CUDA, hf elsewhere (engine/generation.py
+    # AUTO_RULE, measured in docs/engine.md). An unsupported model falls back
     # to hf, logged once.
-    generation: str = "auto"  # auto (injected for Llama-family/OPT on any device, else hf) | injected | hf
+    generation: str = "auto"  # auto (injected on CUDA for Llama-family/OPT, else hf) | injected | hf
     # Fused kernels (kernels/) in the model's forwards: norms, SwiGLU, rotary, and log-probs/entropy
     # straight from hidden states (engine/kernel_injection.py). Triton on CUDA, references elsewhere.
     kernels: bool = False  # fused kernels: norms, SwiGLU, rotary, log-probs from hidden states

@@ -33,30 +33,31 @@ from torch import nn
 from .inference.sampling import SamplingParams, row_noise, sample
 
 
-# engine.generation=auto: a written rule, from scripts/bench_generation.py (docs/engine.md, "Generation
-# mode"): the injected model, its in-place weight refresh included in its time, generated faster than
-# transformers generate on both Llama shapes measured on the CPU (1.43x at the embedded default, batch 64,
-# 16 new tokens; 1.66x at 24.6M parameters, batch 64, prompt 64, 128 new tokens), and on CUDA its decode
-# runs as CUDA graphs; so auto takes it wherever it can run the model, and transformers where it cannot.
-AUTO_RULE = "the injected model, weight refresh included, outran transformers generate on every shape measured (docs/engine.md)"
+# engine.generation=auto: a written rule (docs/engine.md, "Why auto ..."). On CUDA the injected model
+# (decode steps as CUDA graphs, refreshed in place) wherever it can run the model. Off CUDA transformers
+# generate: scripts/bench_generation.py times the bare injected decode, refresh included, at 1.43x (the
+# embedded default's shape) and 1.66x (24.6M parameters) transformers', but inside the default RL step
+# (scripts/bench_rl.py, the runs' generation_s) the generate phase measured level with transformers'
+# (0.89x and 1.17x; 0.395 vs 0.420 s and 0.457 vs 0.444 s per step), so there was no gain to take.
+AUTO_RULE = "the injected model on CUDA; off CUDA its decode gained nothing in the default RL step (docs/engine.md)"
 
 
 def choose_generation_path(want: str, device_type: str, config, *, adapters: bool = False) -> tuple[str, str]:
     """("injected" | "hf", why) for `engine.generation=want` on a `device_type` device, for a model of
     HF `config` (`adapters`: unmerged LoRA adapters, which the injected model does not apply). The
     engine's decision (TrainEngine.generation), also what `python -m rlhf.env` / `rlhf.plan` report.
-    `auto` follows AUTO_RULE on every device (`device_type` is named in the reason)."""
+    `auto` follows AUTO_RULE (`device_type` is named in the reason)."""
     from .inference import supports
 
     if want == "hf":
         return "hf", "engine.generation=hf"
+    if want == "auto" and device_type != "cuda":
+        return "hf", f"engine.generation=auto runs transformers generate off CUDA (device {device_type}): {AUTO_RULE}"
     if adapters:
         return "hf", "falling back: the injected model does not apply unmerged LoRA adapters"
     ok, reason = supports(config)
     if not ok:
         return "hf", f"falling back: {reason}"
-    if want == "auto":
-        return "injected", f"engine.generation=auto on {device_type}, {config.model_type} is supported: {AUTO_RULE}"
     return "injected", f"engine.generation={want}, {config.model_type} is supported"
 
 

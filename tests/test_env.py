@@ -35,7 +35,7 @@ def test_report_and_check_on_cpu():
 
     want = "bf16; this CPU has native" if cpu_has_bf16() else "fp32; this CPU has no native"
     assert f"precision: engine.precision=auto -> {want} bf16" in out
-    assert "generation path (sft, model: llama): injected (engine.generation=auto on cpu, llama is supported" in out
+    assert "generation path (sft, model: llama): hf (engine.generation=auto runs transformers generate off CUDA (device cpu)" in out
     assert "on cpu each op runs: PyTorch reference" in out
     skips = lines_of(out, "SKIP")
     assert [s.split()[1] for s in skips] == list(CHECKED) and all("no CUDA" in s for s in skips)

@@ -118,7 +118,7 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert a["logits_bytes"] == tokens * 4099 * 10 and a["gathered_bytes"] == a["total_params"] * 2
     assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
-    assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "injected"
+    assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
 
 
 def test_a_directory_holding_only_config_json_is_enough(tmp_path):
