@@ -344,8 +344,10 @@ class Run:
                 out["compile_s"] = round(compile_seconds(), 1)
             out.update(steps=self.total, **summary, model_dir=model_dir)
             write_summary(self.out_dir, out)
-            for s in samples[:3]:  # every one is in samples.jsonl
-                print(f"  sample: {s['prompt']!r} -> {s['response']!r} (gold {s['gold']})")
+            for s in samples[:3]:  # every one is in samples.jsonl; without a gold judge only the sampled response
+                response = s.get("response", s.get("sampled_response"))
+                gold = f" (gold {s['gold']})" if "gold" in s else ""
+                print(f"  sample: {s['prompt']!r} -> {response!r}{gold}")
             print(f"{self.title} done ({self.out_dir}):\n{format_summary(out)}", flush=True)
             sys.stdout.flush()
         self.log.finish()
