@@ -46,9 +46,10 @@ from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
-from rlhf.evaluation.gold import eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
+from rlhf.evaluation.gold import Judge, eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
 from rlhf.modeling.load import check_causal_lm, load_tokenizer
-from rlhf.rl import alarms, distill, online_dpo, rewards
+from rlhf.rl import alarms, distill, multiturn, online_dpo, rewards
+from rlhf.rl.environments import load_environment, make_runner
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
@@ -76,10 +77,12 @@ def sampling(cfg: PPOConfig) -> SamplingParams:
 
 
 def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offset: int = 0,
-             gold: bool = True) -> dict[str, Any]:
+             gold: bool = True, tools: Any = None) -> dict[str, Any]:
     """Greedy gold score (with `gold`: a judge applies to the prompts), and the sampled policy's KL to the
     reference and reward score, on held-out prompts (prompt i is row `group_offset + i` of the reward
-    source's table; a row it fails on is left out)."""
+    source's table; a row it fails on is left out). With `tools` (rollout.env: (runner, settings, glue,
+    rows)), also the greedy gold score with the environment (gold_score_tool; multiturn.tool_eval): the
+    plain gold score is then the one without the tool."""
     info = models.actor.info
     if not prompts:
         return {}
@@ -111,6 +114,15 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
     if sums[3] > 0:
         out["nonfinite_rows"] = int(sums[3])
     out["samples"] = eval_samples(out.get("samples", []), prompts, g, tok, scored, kl, models.reward_source)
+    if tools is not None and gold:
+        runner, settings, glue, rows = tools
+        judge = Judge(cfg.eval)
+        tool = multiturn.tool_eval(models.actor, prompts, rows, tok, runner, settings, glue,
+                                   lambda p, text: judge(p, text), cfg.eval.batch_size)
+        by_prompt = {t.pop("prompt"): t for t in tool.pop("tool_samples")}  # this rank's episodes
+        out["samples"] = [{**s, **{f"tool_{k}": v for k, v in by_prompt.get(s["prompt"], {}).items()}}
+                          for s in out["samples"]]
+        out.update(tool)
     return out
 
 
@@ -199,6 +211,19 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
         logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
 
+    # ---- the environment (rollout.env: multi-turn episodes, rlhf/rl/multiturn.py), before any weights load
+    env = None
+    if r.env:
+        if p.objective != "rl":
+            raise ConfigError(f"rollout.env works with the RL objective, not ppo.objective={p.objective}")
+        settings = multiturn.Settings.of(r)
+        runner = make_runner(load_environment(r.env), r.env_workers, r.env_timeout_s)
+        glue = multiturn.template_glue(tok, tuple(r.turn_stop))
+        env = (runner, settings, glue, eval_table)
+        logger.info("multi-turn: rollout.env=%s, up to %d turns of %d tokens, %d tokens per episode; glue: %s; "
+                    "%s", r.env, r.max_turns, r.max_new_tokens, settings.budget, glue.source,
+                    f"{r.env_workers} env workers" if r.env_workers else "environments in this process")
+
     # ---- models
     models = Models(cfg, tok, info, n_updates, reward_source=source)
     if needs_rm:  # the reward model's source, alone or inside a weighted sum
@@ -209,7 +234,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
         ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table),
-                                                               gold=bool(gold["eval_prompts_source"])))
+                                                               gold=bool(gold["eval_prompts_source"]), tools=env))
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         return ev
 
@@ -236,8 +261,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
         seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
-        rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
-                           sampling(cfg), eos, pad, seeds)
+        batch = collate_prompts([feats[i] for i in idx], pad, width)
+        if env is None:
+            rollout, episodes = generate(models.actor, batch, torch.tensor(idx), sampling(cfg), eos, pad, seeds), None
+        else:  # one episode per row, over turns with the environment
+            rollout, episodes = multiturn.generate_episodes(models.actor, batch, torch.tensor(idx), [table[i] for i in idx],
+                                                            sampling(cfg), tok, env[0], env[1], env[2], seeds)
         t1 = time.time()
         from_sampler = not old_logprobs.recompute(step)
         try:
@@ -247,6 +276,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                 logger.error("the reward server is down: checkpoint %s written before stopping", run.save(step))
             raise
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
+        if episodes is not None:  # the environment's reward parts, summed per episode, on top of reward.sources
+            scored["score"] = scored["score"] + episodes.env_reward.to(scored["score"].device)
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
@@ -272,6 +303,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         kl_ctl.update(rec["kl"], rollout_rows(r))
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
         rec.update(rewards.http_stats(models.reward_source))  # this rank's http requests, p50/p99 latency
+        if episodes is not None:  # turns, tool calls, observation tokens, env seconds, faults (summed over ranks)
+            rec.update(multiturn.step_env_metrics(episodes, info.device))
+            multiturn.check_failures(rec, episodes, env[1])
         rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/rl/alarms.py)
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:
@@ -280,12 +314,19 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     # ---- final evaluation, export, summary
     after = run.evaluate_after()
+    if env is not None:
+        env[0].close()  # every episode's environment (the pool's workers stay the pool's to end)
     out_dir, model_dir = cfg.output_dir, models.export(tok, cfg)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
         **held_out,
         **gold,
         **gold_summary(before, after),
+        **({"gold_score_tool_before": before.get("gold_score_tool"), "gold_score_tool_after": after.get("gold_score_tool"),
+            "tool_calls_eval_after": after.get("tool_calls_eval"), "turns_eval_after": after.get("turns_eval"),
+            **{k: sum(x.get(k, 0) for x in read_metrics(out_dir, "train")) for k in ("env_errors", "env_timeouts",
+                                                                                  "template_mismatch")},
+            } if env else {}),
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),

@@ -169,8 +169,10 @@ def compute_rewards(logp_old: torch.Tensor, logp_ref: torch.Tensor, score: torch
     clip_reward_value must be > 0; pass float('inf') to disable clipping.
     Returns (rewards [B, T], kl [B, T]), both 0 outside the mask:
         kl      = kl_estimate(logp_old, logp_ref, kl_estimator) on masked tokens
-        rewards = -kl_coef * kl, plus clamp(score, -clip, clip) at index mask.sum(1) - 1
-    Rows with an empty mask get no score (all zeros).
+        rewards = -kl_coef * kl, plus clamp(score, -clip, clip) at the row's last masked token
+    Rows with an empty mask get no score (all zeros). A mask with holes (a multi-turn episode: the
+    observations between the policy's turns masked out, rlhf/rl/multiturn.py) gets the score on its
+    last policy token.
     """
     _check_2d("mask", mask)
     _check_shapes(logp_old=logp_old, logp_ref=logp_ref, mask=mask)
@@ -184,11 +186,19 @@ def compute_rewards(logp_old: torch.Tensor, logp_ref: torch.Tensor, score: torch
     kl = torch.where(m, kl, torch.zeros_like(kl))
     rewards = -kl_coef * kl                                                   # [B, T]
     lengths = m.sum(1)                                                        # [B]
-    last = (lengths - 1).clamp(min=0).unsqueeze(1)                            # [B, 1]
+    last = last_masked(m).unsqueeze(1)                                        # [B, 1]
     clipped = _f32(score).to(rewards.dtype).clamp(-clip_reward_value, clip_reward_value)
     clipped = torch.where(lengths > 0, clipped, torch.zeros_like(clipped))   # empty rows: no score
     rewards = rewards.scatter_add(1, last, clipped.unsqueeze(1))
     return rewards, kl
+
+
+def last_masked(m: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool -> [B] long: the column of each row's last true entry (0 for an empty row). For a
+    contiguous mask from column 0 this is mask.sum(1) - 1."""
+    T = m.shape[1]
+    cols = torch.arange(T, device=m.device).expand_as(m)
+    return torch.where(m, cols, torch.zeros_like(cols)).amax(1) if T else torch.zeros(m.shape[0], dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- advantages
@@ -199,7 +209,10 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     """Generalised advantage estimation over response tokens, vectorised over the batch.
 
     rewards, values, mask: [B, T]. The episode ends at each row's last masked token, so the value
-    after it is 0; rewards/values outside the mask are treated as 0.
+    after it is 0; rewards/values outside the mask are treated as 0. Columns outside the mask inside a
+    row (a multi-turn episode's observation tokens, rlhf/rl/multiturn.py) are skipped: the recursion
+    runs over the masked tokens only, V_{t+1} being the next *masked* token's value (for a contiguous
+    mask this is the plain recursion).
         delta_t = r_t + gamma * V_{t+1} - V_t
         A_t     = delta_t + gamma * lam * A_{t+1}
     Returns (advantages [B, T], returns = advantages + values [B, T]), 0 outside the mask, no grad.
@@ -218,9 +231,11 @@ def gae_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     # at the last real token next_value (the padded column's v) is 0, ending the episode.
     for t in reversed(range(T)):
         delta = r[:, t] + gamma * next_value - v[:, t]
-        last_gae = delta + gamma * lam * last_gae
-        advantages[:, t] = last_gae
-        next_value = v[:, t]
+        gae = delta + gamma * lam * last_gae
+        advantages[:, t] = gae
+        # NOTE: a hole (masked-out column before the row's end) carries the recursion over unchanged
+        last_gae = torch.where(m[:, t], gae, last_gae)
+        next_value = torch.where(m[:, t], v[:, t], next_value)
     advantages = torch.where(m, advantages, zero)
     returns = torch.where(m, advantages + v, zero)
     return advantages, returns
@@ -316,7 +331,8 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     out = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype, device=r.device)
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        # a masked-out column inside a row (multi-turn observations) is skipped, not discounted over
+        running = torch.where(m[:, t], r[:, t] + gamma * running, running)
         out[:, t] = running
     return torch.where(m, out, zero)
 

@@ -385,6 +385,19 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)
     top_p: float = 1.0  # nucleus sampling (1 = off)
+    # Multi-turn rollouts (rlhf/rl/multiturn.py, docs/environments.md): an Environment subclass as
+    # module:Class (the built-in calculator: rlhf.rl.environments.calculator:Calculator); null = one turn
+    env: str | None = None  # multi-turn environment module:Class (null = single-turn responses)
+    max_turns: int = 4  # with rollout.env: model turns per episode at most (each up to max_new_tokens)
+    # with rollout.env: response-side tokens of one episode (model turns + observations) at most; null =
+    # max_turns x max_new_tokens
+    max_episode_tokens: int | None = None  # with rollout.env: token budget of one episode (null = max_turns x max_new_tokens)
+    turn_stop: list[str] = field(default_factory=list)  # with rollout.env: strings that end a model turn besides EOS (e.g. "</call>")
+    env_workers: int = 2  # with rollout.env: worker processes running the environments (0 = in this process, no timeout)
+    env_timeout_s: float = 30.0  # with rollout.env and env_workers > 0: seconds one reset/step call may take
+    # with rollout.env: a step where more than this fraction of the episodes fail (raise, time out, garbage)
+    # stops the run with an error naming the environment
+    max_env_failure_fraction: float = 0.5  # with rollout.env: fraction of a step's episodes allowed to fault
 
 
 @dataclass(kw_only=True)
@@ -425,6 +438,8 @@ class AlarmsConfig:
     clipfrac: float = 0.2  # clipfrac: window's mean policy clip fraction at least this
     gold_drop: float = 8.0  # gold: held-out gold score this many points below its best while the reward rose
     gen_kl: float = 0.01  # gen: the step's gen_kl (k3 KL, sampler || trainer, per token) at least this
+    # tools (rollout.env): window's mean tool calls or turns per episode at most this x the baseline's
+    tool_collapse: float = 0.5  # tools: tool calls / turns per episode collapsed to this fraction of the baseline
 
 
 @dataclass(kw_only=True)

@@ -402,6 +402,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     validate_reward_sources(cfg.reward)
     validate_alarms(cfg.alarms)
     validate_objective(cfg)
+    validate_env(r, p.objective)
     engine_config(cfg.engine, info)
 
 
@@ -484,11 +485,35 @@ def validate_http_source(rw: RewardSourcesConfig) -> None:
         _need(isinstance(v, int) and v >= low, f"reward.{key} must be an integer >= {low}, got {v!r}")
 
 
+def validate_env(r: RolloutConfig, objective: str = "rl") -> None:
+    """The multi-turn keys (rollout.env and the ones it reads; rlhf/rl/multiturn.py). That the class is an
+    Environment subclass is checked when the RL stage loads it (rlhf/rl/environments/base.py
+    load_environment), before any model loads."""
+    _need(r.max_turns >= 1, f"rollout.max_turns must be >= 1, got {r.max_turns}")
+    _need(r.max_episode_tokens is None or r.max_episode_tokens >= 1,
+          f"rollout.max_episode_tokens must be >= 1 (null = rollout.max_turns x rollout.max_new_tokens), "
+          f"got {r.max_episode_tokens}")
+    _need(isinstance(r.turn_stop, (list, tuple)) and all(isinstance(x, str) and x for x in r.turn_stop),
+          f"rollout.turn_stop must be a list of non-empty strings (e.g. ['</call>']), got {r.turn_stop!r}")
+    _need(r.env_workers >= 0, f"rollout.env_workers must be >= 0 (0 = the environments in this process), "
+          f"got {r.env_workers}")
+    _need(math.isfinite(r.env_timeout_s) and r.env_timeout_s > 0,
+          f"rollout.env_timeout_s must be a finite number > 0 (seconds), got {r.env_timeout_s}")
+    _need(0 <= r.max_env_failure_fraction <= 1,
+          f"rollout.max_env_failure_fraction must be in [0, 1], got {r.max_env_failure_fraction}")
+    if r.env is None:
+        return
+    load_function(r.env, "rollout.env")  # 'module:Class', importable (ConfigError naming rollout.env)
+    _need(objective in ("rl",), f"rollout.env (multi-turn episodes) works with ppo.objective=rl, "
+          f"got ppo.objective={objective}")
+
+
 def validate_alarms(a: AlarmsConfig) -> None:
     _need(a.window >= 2, f"alarms.window must be >= 2 (steps in a trend), got {a.window}")
     for key in ("kl_slope", "length_drift", "clipfrac", "gold_drop"):
         _need(getattr(a, key) >= 0, f"alarms.{key} must be >= 0, got {getattr(a, key)}")
     _need(0 <= a.entropy_ratio <= 1, f"alarms.entropy_ratio must be in [0, 1], got {a.entropy_ratio}")
+    _need(0 <= a.tool_collapse <= 1, f"alarms.tool_collapse must be in [0, 1], got {a.tool_collapse}")
     _need(math.isfinite(a.gen_kl) and a.gen_kl > 0,
           f"alarms.gen_kl must be a finite number > 0 (nats per token), got {a.gen_kl}")
 

@@ -23,7 +23,8 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
     p = cfg.ppo
     nonfinite = rollout.nonfinite if rollout.nonfinite is not None else torch.zeros_like(rollout.empty)
     dropped = rollout.dropped if rollout.dropped is not None else torch.zeros_like(rollout.empty)
-    kept = (~rollout.empty & ~nonfinite).float()
+    failed = rollout.env_failed if rollout.env_failed is not None else torch.zeros_like(rollout.empty)
+    kept = (~rollout.empty & ~nonfinite & ~failed).float()  # env_failed: a faulted episode (rl/multiturn.py)
     sums = all_reduce_sum(torch.stack([
         (exp.score * kept).sum(), (exp.score.clamp(-p.clip_reward_value, p.clip_reward_value) * kept).sum(),
         masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),

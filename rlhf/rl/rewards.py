@@ -110,6 +110,13 @@ class RewardModelScore:
 # ----------------------------------------------------------------------------- the verifiable rewards
 
 
+def text_mask(rollout) -> torch.Tensor:
+    """[B, T] the tokens a text source reads as the response: a multi-turn episode's last model turn
+    (`Rollout.answer_mask`), else the response mask."""
+    answer = getattr(rollout, "answer_mask", None)
+    return rollout.response_mask if answer is None else answer
+
+
 def normalize_answer(text: str) -> str:
     """The `answer` source's normalisation: strip, and collapse every inner run of whitespace to one
     space. Case is kept (an answer may be the case: the embedded task's "Uppercase")."""
@@ -182,8 +189,9 @@ class TextReward:
         self.errors, self.first_error = 0, None
 
     def texts(self, rollout) -> list[str]:
-        """This rank's responses as text: real tokens only, special tokens (EOS) dropped."""
-        ids = rollout.responses.masked_fill(rollout.response_mask == 0, self.tok.pad_token_id)
+        """This rank's responses as text: real tokens only, special tokens (EOS) dropped; of a multi-turn
+        episode, its last model turn (`Rollout.text_mask`)."""
+        ids = rollout.responses.masked_fill(text_mask(rollout) == 0, self.tok.pad_token_id)
         return self.tok.batch_decode(ids.tolist(), skip_special_tokens=True)
 
     def score(self, rollout) -> torch.Tensor:
@@ -254,7 +262,7 @@ class FunctionReward(TextReward):
         self.errors, self.first_error = 0, None
         rows = [self.rows[g] for g in rollout.group.tolist()]
         ids = [] if self.convention == PER_ROW else [
-            r[m.bool()].tolist() for r, m in zip(rollout.responses, rollout.response_mask)]
+            r[m.bool()].tolist() for r, m in zip(rollout.responses, text_mask(rollout))]
         out = self.call(rows, self.texts(rollout), ids)
         return torch.tensor(out, dtype=torch.float32, device=rollout.sequences.device)
 

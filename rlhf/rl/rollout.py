@@ -44,6 +44,14 @@ class Rollout:
     # top-k/top-p applied and renormalised; SamplingParams), 0 off the response mask; None when the
     # generation was asked for none (evaluation)
     logp_gen: torch.Tensor | None = None
+    # Multi-turn episodes (rlhf/rl/multiturn.py; None for single-turn rollouts). The response region then
+    # holds the model's turns and the observations inserted between them (with the template's glue);
+    # response_mask is 1 on the policy's own tokens only, so observations and glue are out of the policy
+    # loss, the KL and the critic's targets. answer_mask [B, T]: the last model turn's tokens, what the text
+    # reward sources (judge, answer, function, http) read as the response; env_failed [B] bool: the
+    # environment faulted (raised, timed out, garbage, worker died): the row is masked out of the update.
+    answer_mask: torch.Tensor | None = None
+    env_failed: torch.Tensor | None = None
 
     @classmethod
     def from_generation(cls, g: Any, group: torch.Tensor, eos_id: int, max_new_tokens: int, *,
