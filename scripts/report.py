@@ -4,6 +4,7 @@ stages' outputs); with --sweep, <root>/sweep.md and <root>/sweep.json from the r
 
     python scripts/report.py outputs [--total-s 812]                 # SFT -> reward -> PPO
     python scripts/report.py outputs --pipeline dpo                  # SFT -> DPO (PIPELINE=dpo)
+    python scripts/report.py outputs --pipeline tools                # SFT -> RL with the calculator (TASK=tools)
     python scripts/report.py outputs --sweep 1 2 3
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from rlhf.run.runlog import plot_series, read_metrics, series
 
 STAGES = ("sft", "reward", "ppo")
-PIPELINES = {"ppo": STAGES, "dpo": ("sft", "dpo")}
+PIPELINES = {"ppo": STAGES, "dpo": ("sft", "dpo"), "tools": ("sft", "ppo")}
 GOLD = "gold score (% exact)"
 # What each estimator of KL(policy || reference) is, for the report (rlhf/ppo_math.kl_estimate).
 KL_ESTIMATORS = {
@@ -98,6 +99,43 @@ def dpo_lines(d: dict) -> list[str]:
         f"peak RSS {fmt(d.get('peak_rss_mb'))} MB.",
         "", "## Plots", "", "![SFT](sft/sft.png)", "", "![DPO](dpo/dpo.png)", "", "![Pipeline](pipeline.png)", "",
     ]
+
+
+def read_samples_of(root: str) -> list[dict]:
+    path = os.path.join(root, "samples.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tools_lines(root: str, s: dict) -> list[str]:
+    """The tool task (TASK=tools): gold with and without the tool, turns and tool calls per episode, the
+    environment's faults, and sample transcripts of the last evaluation."""
+    p = s["ppo"]
+    train = read_metrics(os.path.join(root, "ppo"), "train")
+    last = train[-1] if train else {}
+    samples = read_samples_of(os.path.join(root, "ppo"))
+    final = [x for x in samples if x.get("step") == max((y["step"] for y in samples), default=None)]
+    lines = [
+        "", "## With the calculator tool (held-out sums, greedy)", "",
+        "| model | without the tool (%) | with the tool (%) |", "|---|---|---|",
+        f"| after SFT | {fmt(p.get('gold_score_before'))} | {fmt(p.get('gold_score_tool_before'))} |",
+        f"| after RL | {fmt(p.get('gold_score_after'))} | {fmt(p.get('gold_score_tool_after'))} |",
+        "", "Without the tool: one greedy response, judged as is (a model taught to call the tool answers with the call). "
+        "With it: greedy episodes with rollout.env, the last model turn judged.", "",
+        f"Per held-out episode after RL: {fmt(p.get('turns_eval_after'))} model turns, "
+        f"{fmt(p.get('tool_calls_eval_after'))} tool calls. Training, last step: {fmt(last.get('turns'))} turns, "
+        f"{fmt(last.get('tool_calls'))} tool calls, {fmt(last.get('obs_tokens'))} observation tokens per episode; "
+        f"environment {fmt(last.get('env_s'))} s per step. Environment faults over the run: "
+        f"{p.get('env_errors', 0)} errors, {p.get('env_timeouts', 0)} timeouts; chat-template mismatches: "
+        f"{p.get('template_mismatch', 0)}.", "", "### Sample transcripts (after RL, greedy, with the tool)", "",
+    ]
+    for x in final[:5]:
+        lines += [f"- `{x['prompt']!r}` -> `{x.get('tool_transcript')!r}` (gold {x.get('tool_gold')}, "
+                  f"{x.get('tool_turns')} turns, {x.get('tool_calls')} calls"
+                  + (f", error {x['tool_error']}" if x.get("tool_error") else "") + ")"]
+    return lines
 
 
 def alarm_lines(rows: list[dict], summary: dict) -> list[str]:
@@ -226,7 +264,7 @@ def main() -> None:
                                  and not os.path.exists(os.path.join(root, "ppo", "summary.json")) else "ppo")
     stages = PIPELINES[pipeline]
     last = stages[-1]  # the stage whose model is the pipeline's result
-    name = last.upper()
+    name = "RL" if pipeline == "tools" else last.upper()
     s = {stage: load_summary(root, stage) for stage in stages}
 
     # gold score across the pipeline: untrained -> SFT -> PPO or DPO (held-out prompts, greedy)
@@ -234,12 +272,14 @@ def main() -> None:
             (f"after {name}", s[last].get("gold_score_after"))]
     if pipeline == "dpo":
         plot_series(os.path.join(root, "pipeline.png"), "Pipeline: SFT -> DPO", dpo_panels(root), ncols=3, sharex=False)
+    elif pipeline == "tools":
+        pass  # the RL stage's own plot (ppo/ppo.png); no reward model
     else:
         plot_series(os.path.join(root, "pipeline.png"), "Pipeline: SFT -> reward model -> PPO", pipeline_panels(root),
                     ncols=3, sharex=False)
 
     total = args.total_s if args.total_s is not None else sum(s[k]["time_s"] for k in stages)
-    titles = {"sft": "SFT", "reward": "reward", "ppo": "PPO", "dpo": "DPO"}
+    titles = {"sft": "SFT", "reward": "reward", "ppo": "RL" if pipeline == "tools" else "PPO", "dpo": "DPO"}
     times = ", ".join(f"{titles[k]} {s[k]['time_s']:.0f} s" for k in stages)
     lines = [
         "# RLHF pipeline report",
@@ -254,7 +294,7 @@ def main() -> None:
         *[f"| {label} | {fmt(v)} |" for label, v in gold],
     ]
     if gold[1][1] is not None and gold[2][1] is not None:
-        how = (f"with {kl_sentence(s['ppo'].get('kl'), kl_estimator(root))}" if pipeline == "ppo" else
+        how = (f"with {kl_sentence(s['ppo'].get('kl'), kl_estimator(root))}" if pipeline in ("ppo", "tools") else
                "learning from the preference pairs directly (no reward model, no generation while training)")
         lines += ["", f"{name} changed the gold score by **{gold[2][1] - gold[1][1]:+.1f} points** (percentage points) "
                       f"{how}."]
@@ -263,6 +303,15 @@ def main() -> None:
         lines += ["", f"| task | after SFT (%) | after {name} (%) |", "|---|---|---|"]
         lines += [f"| {t} | {fmt(s[last].get(f'gold_score/{t}_before'))} | {fmt(s[last].get(f'gold_score/{t}_after'))} |"
                   for t in tasks]
+    if pipeline == "tools":
+        lines += tools_lines(root, s) + ["", "## Reward-hacking alarms", "",
+                                         *alarm_lines(read_metrics(os.path.join(root, "ppo")), s["ppo"]),
+                                         "", "## Summaries", "", "```json", json.dumps(s, indent=1), "```", ""]
+        with open(os.path.join(root, "report.md"), "w") as f:
+            f.write("\n".join(lines))
+        print("\n".join(lines[:40]))
+        print(f"report: {os.path.join(root, 'report.md')}")
+        return
     if pipeline == "dpo":
         lines += dpo_lines(s["dpo"]) + ["## Summaries", "", "```json", json.dumps(s, indent=1), "```", ""]
         with open(os.path.join(root, "report.md"), "w") as f:

@@ -50,6 +50,8 @@ NOT_RUN = {
         "tests/test_bench_rl.py runs it (checking the phases and the counted FLOPs on values)",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
                                            "reproduces them",
+    "python scripts/make_tool_data.py": "rewrites the shipped tool data; tests/test_multiturn.py checks that it "
+                                        "reproduces them",
     "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; SEEDS= is run (test_ppo.py)",
     # run as written (smoke size) by the pipeline tests of tests/test_ppo.py; not twice
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",

@@ -366,3 +366,39 @@ def test_good_env_settings_pass_and_settings_budget():
     assert multiturn.Settings.of(r).budget == 24
     r.max_episode_tokens = 10
     assert multiturn.Settings.of(r).budget == 10
+
+
+# ----------------------------------------------------------------------------- the tool task's data, the alarm
+
+
+def test_shipped_tool_data_is_what_the_generator_makes_and_held_out_sums_are_unseen():
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_tool_data import build
+
+    files = build()
+    for name, rows in files.items():
+        with open(ROOT / "data" / "tools" / f"{name}.jsonl") as f:
+            assert [json.loads(line) for line in f] == rows, name
+    held = {r["prompt"] for r in files["eval_tools"]}
+    seen = {r["prompt"] for r in files["prompts_tools"]} | {
+        "Human: " + r["messages"][0]["content"] + "\n\nAssistant:" for r in files["sft_tools"]}
+    assert len(held) == 200 and not held & seen
+    demo = files["sft_tools"][0]["messages"]
+    a, b = (int(x) for x in demo[1]["content"].removeprefix("calc: ").split("+"))
+    assert demo[2]["content"] == demo[3]["content"] == str(a + b) == Calculator().step(" " + demo[1]["content"]).observation
+
+
+def test_tool_collapse_alarm():
+    from rlhf.rl.alarms import tool_collapse
+
+    a = tool_collapse([1.0, 1.0, 0.9, 0.3, 0.2, 0.1], [2.0] * 6, 3, 0.5)
+    assert a.fired and a.figures["tool_calls_ratio"] == pytest.approx(0.2 / 0.9667, abs=1e-3)
+    assert a.figures["turns_ratio"] == 1.0
+    assert not tool_collapse([1.0] * 6, [2.0, 2.0, 2.0, 1.5, 1.5, 1.5], 3, 0.5).fired  # turns at 0.75x: quiet
+    assert tool_collapse([1.0] * 6, [2.0, 2.0, 2.0, 1.0, 1.0, 0.5], 3, 0.5).fired      # turns at 0.42x
+    nan = float("nan")
+    assert tool_collapse([nan] * 6, [nan] * 6, 3, 0.5) is None  # a single-turn run: not computed
+    assert tool_collapse([1.0] * 5, [1.0] * 5, 3, 0.5) is None  # fewer than 2 windows

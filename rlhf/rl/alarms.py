@@ -19,7 +19,11 @@ and a sixth on the train <-> generate boundary, checked on each step alone:
               Not a trend: a weight that did not reach the sampler, or a temperature applied on one side
               only, shows at once (its figures: kl, gap = mean |logp_old - logp_gen|, gap_max)
 
-`entropy` and `length` need 2 x window steps (W and B apart); the others `window` steps (gold: two
+    tools     (multi-turn runs, rollout.env) tool use or episode length collapses: the mean tool calls or
+              model turns per episode over W <= alarms.tool_collapse x their mean over B (a policy that
+              stops calling its tool, or answers in one turn, is gaming or losing what the tool gave)
+
+`entropy`, `length` and `tools` need 2 x window steps (W and B apart); the others `window` steps (gold: two
 evaluations). Every computed alarm adds `alarm_<name>` (0 or 1) and its figures
 (`alarm_<name>_<figure>`) to the step's train record (gold: to the evaluation's record); one that
 fires, having been quiet, logs one WARN line with the numbers. `train.stop_on_alarm=true` then ends
@@ -44,8 +48,8 @@ logger = logging.getLogger("rlhf.alarms")
 
 # what the history keeps per step
 TRAIN_KEYS = ("reward", "kl", "entropy", "response_len", "clipfrac", "gen_kl", "gen_logprob_gap",
-              "gen_logprob_gap_max")
-NAMES = ("kl", "entropy", "length", "clipfrac", "gold", "gen")
+              "gen_logprob_gap_max", "tool_calls", "turns")
+NAMES = ("kl", "entropy", "length", "clipfrac", "gold", "gen", "tools")
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,21 @@ def length_drift(lengths: Sequence[float], window: int, drift: float) -> Alarm |
                  f"alarms.length_drift={drift})")
 
 
+def tool_collapse(tool_calls: Sequence[float], turns: Sequence[float], window: int, ratio: float) -> Alarm | None:
+    """Tool calls and model turns per episode, per step (NaN / missing for a single-turn run): each one's last
+    window's mean against its first window's; fires when either fell to `ratio` x its baseline or below."""
+    found = {name: m for name, xs in (("tool_calls", tool_calls), ("turns", turns))
+             if (m := _vs_baseline(xs, window)) is not None}
+    if not found:
+        return None
+    ratios = {name: now / base for name, (base, now) in found.items()}
+    worst = min(ratios, key=ratios.get)
+    base, now = found[worst]
+    return Alarm("tools", ratios[worst] <= ratio, {f"{k}_ratio": v for k, v in ratios.items()},
+                 f"{worst.replace('_', ' ')} per episode collapsed to {ratios[worst]:.2f}x its start ({now:.3f} vs "
+                 f"{base:.3f} over the first {window} steps; alarms.tool_collapse={ratio})")
+
+
 def clip_high(clipfrac: Sequence[float], window: int, threshold: float) -> Alarm | None:
     """Policy clip fraction per step: its mean over the last `window` steps."""
     m = _mean(clipfrac[-window:])
@@ -174,7 +193,8 @@ def train_alarms(history: Sequence[dict], cfg: AlarmsConfig) -> list[Alarm]:
     w = cfg.window
     found = (kl_growth(col["kl"], w, cfg.kl_slope), entropy_collapse(col["entropy"], w, cfg.entropy_ratio),
              length_drift(col["response_len"], w, cfg.length_drift), clip_high(col["clipfrac"], w, cfg.clipfrac),
-             sampler_trainer_gap(col["gen_kl"], col["gen_logprob_gap"], col["gen_logprob_gap_max"], cfg.gen_kl))
+             sampler_trainer_gap(col["gen_kl"], col["gen_logprob_gap"], col["gen_logprob_gap_max"], cfg.gen_kl),
+             tool_collapse(col["tool_calls"], col["turns"], w, cfg.tool_collapse))
     return [a for a in found if a is not None]
 
 

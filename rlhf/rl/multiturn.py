@@ -372,12 +372,14 @@ _warned = {"template": False}
 
 
 def check_transcripts(eps: list[Episode], rows: list[dict], tok: Any, stats: EpisodeStats) -> None:
-    """Each cleanly ended episode (last turn on EOS or a stop, the environment done, no fault, no reset observation)
+    """Each cleanly ended episode with observations (last turn on EOS or a stop, the environment done, no fault,
+    no reset observation)
     against apply_chat_template of its conversation: its response ids must equal the template's, position by
     position (the template may write more after the last EOS). Counts in `stats`; one WARN line per process
     for the first mismatch, naming the position and both tokens."""
     for e, row in zip(eps, rows):
-        if e.error or e.empty or e.truncated or e.ended_by == "length" or len(e.observations) != len(e.texts) - 1:
+        if (e.error or e.empty or e.truncated or e.ended_by == "length" or not e.observations
+                or len(e.observations) != len(e.texts) - 1):
             continue
         messages = conversation(e, row)
         n_prefix = len(messages) - len(e.texts) - len(e.observations)
@@ -472,7 +474,7 @@ def tool_eval(actor, prompts: list, rows: list[dict], tok: Any, runner, settings
             errors += e.error is not None
             if n_samples is None or len(samples) < n_samples:
                 samples.append({"prompt": prompts[i].text, "transcript": transcript(e, tok), "answer": answer,
-                                "gold": gold, "turns": len(e.turns), "tool_calls": len(e.observations),
+                                "gold": gold, "turns": len(e.turns), "calls": len(e.observations),
                                 "error": e.error and f"{e.error}: {e.message}"})
     t = all_reduce_sum(torch.cat([totals, torch.tensor([float(errors)], dtype=torch.float64)]).to(info.device)).tolist()
     n = max(t[2], 1.0)

@@ -272,14 +272,15 @@ rt.innerHTML = DATA.runs.map((r, i) => {
 }).join('');
 
 // ---- samples: step slider, filter, each prompt across runs; a prompt row opens it across steps
-const TEXT_KEYS = ['prompt', 'task', 'response', 'sampled_response', 'chosen', 'rejected'];
+// tool_transcript / tool_answer: a multi-turn run's greedy episode with its environment (rlhf/rl/multiturn.py)
+const TEXT_KEYS = ['prompt', 'task', 'response', 'sampled_response', 'chosen', 'rejected', 'tool_transcript', 'tool_answer', 'tool_error'];
 const SCORE_KEYS = ['gold', 'reward', 'score', 'margin'];
 const steps = [...new Set(DATA.runs.flatMap(r => r.samples.map(s => s.step)))].sort((a, b) => a - b);
 const slider = document.getElementById('samples-step');
 slider.max = Math.max(0, steps.length - 1); slider.value = slider.max;
 const sampleCell = s => {
   if (!s) return '<td class="fig">–</td>';
-  const text = ['response', 'sampled_response', 'chosen', 'rejected'].filter(k => k in s).map(
+  const text = ['response', 'sampled_response', 'chosen', 'rejected', 'tool_transcript', 'tool_error'].filter(k => k in s && s[k] !== null).map(
     k => '<div><span class="fig">' + k + ':</span> <span class="resp">' + esc(s[k]) + '</span></div>').join('');
   const figs = Object.entries(s).filter(([k, v]) => !TEXT_KEYS.includes(k) && k !== 'step').map(
     ([k, v]) => esc(k) + ' ' + fmt(v)).join(', ');
