@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, comparable, metrics, run_stage, summary
 from test_chat_data import make_chatml
 
 from engine.generation import Generated, HFGenerator, SamplingParams
@@ -402,3 +402,80 @@ def test_tool_collapse_alarm():
     nan = float("nan")
     assert tool_collapse([nan] * 6, [nan] * 6, 3, 0.5) is None  # a single-turn run: not computed
     assert tool_collapse([1.0] * 5, [1.0] * 5, 3, 0.5) is None  # fewer than 2 windows
+
+
+# ----------------------------------------------------------------------------- the RL stage with an environment
+
+ONE_TURN_ENV = """
+from rlhf.rl.environments import Environment, Step
+
+
+class OneTurn(Environment):
+    def step(self, text):
+        return Step(None)
+
+
+class Broken(Environment):
+    def step(self, text):
+        raise RuntimeError("the tool is down")
+"""
+
+
+def test_ppo_with_a_one_turn_environment_logs_the_single_turn_numbers(tiny_stages, tmp_path):
+    """The RL stage through its command line: a one-turn environment (inline) gives the same metrics as no
+    environment, step by step (the wall-clock fields aside), plus its own figures; an environment that
+    always faults stops the run naming rollout.env."""
+    (tmp_path / "mt_envs.py").write_text(ONE_TURN_ENV)
+    common = [f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}", "algorithm=grpo",
+              "reward.sources=[judge]", "train.max_steps=2", "train.eval_every=0", "train.save_every=0",
+              "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "rollout.mini_batch_size=8",
+              "rollout.micro_batch_size=8", "rollout.max_new_tokens=6", "data.num_eval_prompts=4",
+              "eval.max_new_tokens=6"]
+    env = {"PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    run_stage("ppo", f"output_dir={tmp_path / 'plain'}", *common, env=env)
+    run_stage("ppo", f"output_dir={tmp_path / 'env'}", *common, "rollout.env=mt_envs:OneTurn", "rollout.env_workers=0",
+              env=env)
+    plain, multi = metrics(tmp_path / "plain", "train"), metrics(tmp_path / "env", "train")
+    extra = {"turns", "tool_calls", "obs_tokens", "env_errors", "env_timeouts", "template_checked",
+             "template_mismatch", "episodes"}
+    assert [{k: v for k, v in r.items() if k not in extra} for r in comparable(multi)] == comparable(plain)
+    assert [(r["turns"], r["tool_calls"], r["obs_tokens"], r["env_errors"], r["episodes"]) for r in multi] == \
+        [(1.0, 0.0, 0.0, 0, 8)] * 2
+    s = summary(tmp_path / "env")
+    assert s["gold_score_tool_after"] == s["gold_score_after"]  # one turn: the same greedy answer, judged alike
+    assert (s["env_errors"], s["env_timeouts"]) == (0, 0)
+    proc = run_stage("ppo", f"output_dir={tmp_path / 'broken'}", *common, "rollout.env=mt_envs:Broken",
+                     "rollout.env_workers=0", env=env, check=False)
+    assert proc.returncode != 0
+    assert "rollout.env=mt_envs:Broken: 8 of 8 episodes of the step faulted" in proc.stderr + proc.stdout
+    assert "the tool is down" in proc.stderr + proc.stdout
+
+
+def test_alarm_key_is_validated():
+    from rlhf.config.validate import validate_alarms
+
+    a = PPOConfig().alarms
+    a.tool_collapse = 1.5
+    with pytest.raises(ConfigError, match=r"alarms.tool_collapse must be in \[0, 1\], got 1.5"):
+        validate_alarms(a)
+
+
+def test_the_documented_environment_runs_as_written(embedded):
+    """docs/environments.md's example class, executed as the page shows it, in an episode of scripted turns."""
+    text = (ROOT / "docs" / "environments.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/environments.md", "exec"), namespace)
+    tok = embedded
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = [tok.eos_token_id]
+    script = Script([[enc(" lookup: Paris") + eos], [enc(" lookup: Rome") + eos], [enc(" france") + eos]], tok.pad_token_id)
+    settings = multiturn.Settings(max_turns=4, max_new_tokens=20, max_episode_tokens=200)
+    rollout, stats = multiturn.generate_episodes(Actor(script), prompts_of(tok, ["Human: Where is Paris?\n\nAssistant:"]),
+                                                 torch.arange(1), rows_of(["x"]), SAMPLE, tok,
+                                                 InlineRunner(namespace["Lookup"]), settings, multiturn.template_glue(tok))
+    e = stats.episodes[0]
+    assert e.observations == ["france", "italy"] and e.texts[-1] == " france"
+    assert stats.env_reward.tolist() == [pytest.approx(-0.1)]  # two calls: one over the free one
+    assert tok.decode(rollout.responses[0][rollout.answer_mask[0].bool()], skip_special_tokens=True) == " france"
+    assert "\n\nTool: italy\n\nAssistant:" in tok.decode(rollout.responses[0])
