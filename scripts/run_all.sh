@@ -55,7 +55,8 @@ case "${TASK:-default}" in
   tools)  # SFT -> RL with the calculator tool; no reward model (the judge scores the final answer)
     PIPELINE=tools
     TOOL_DATA=(data.eval_prompts_path=data/tools/eval_tools.jsonl)
-    SFT+=("data.path=[data/default/sft_train.jsonl,data/tools/sft_tools.jsonl]" "${TOOL_DATA[@]}")
+    # data.max_len=112: a tool demonstration is ~93 tokens (the default 64 would cut its answer turn off)
+    SFT+=("data.path=[data/default/sft_train.jsonl,data/tools/sft_tools.jsonl]" "${TOOL_DATA[@]}" data.max_len=112)
     PPO+=(data.path=data/tools/prompts_tools.jsonl "${TOOL_DATA[@]}" "reward.sources=[judge]"
           rollout.env=rlhf.rl.environments.calculator:Calculator rollout.max_turns=3 rollout.max_new_tokens=16
           rollout.max_episode_tokens=64 rollout.env_workers=0)  # the calculator: bounded arithmetic, in-process
