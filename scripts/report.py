@@ -309,6 +309,12 @@ def main() -> None:
                                          "", "## Summaries", "", "```json", json.dumps(s, indent=1), "```", ""]
         with open(os.path.join(root, "report.md"), "w") as f:
             f.write("\n".join(lines))
+        with open(os.path.join(root, "report.json"), "w") as f:  # the headline figures
+            json.dump({"sft_gold": s["sft"].get("gold_score_after"), "rl_gold": s["ppo"].get("gold_score_after"),
+                       "sft_gold_tool": s["ppo"].get("gold_score_tool_before"),
+                       "rl_gold_tool": s["ppo"].get("gold_score_tool_after"),
+                       "tool_calls": s["ppo"].get("tool_calls_eval_after"), "turns": s["ppo"].get("turns_eval_after"),
+                       "env_errors": s["ppo"].get("env_errors"), "total_s": total}, f, indent=1)
         print("\n".join(lines[:40]))
         print(f"report: {os.path.join(root, 'report.md')}")
         return
