@@ -82,6 +82,8 @@ SUBST = {
     "Dahoas/rm-static": "{P}", "Anthropic/hh-rlhf": "{P}",
     "/runs/sft": "outputs/sft", "/runs/rm": "outputs/reward",
     "OUTPUT_DIR=runs/": "OUTPUT_DIR={W}/runs/",
+    # the shipped tool task's files, named from the checkout's root as docs/environments.md runs them
+    "=data/tools/": f"={ROOT}/data/tools/",
 }
 # model=qwen2 names a hub model: the local one instead (the preset's other settings stay)
 AFTER = {"model=qwen2": ["model.name_or_path={M}"]}
