@@ -479,3 +479,28 @@ def test_the_documented_environment_runs_as_written(embedded):
     assert stats.env_reward.tolist() == [pytest.approx(-0.1)]  # two calls: one over the free one
     assert tok.decode(rollout.responses[0][rollout.answer_mask[0].bool()], skip_special_tokens=True) == " france"
     assert "\n\nTool: italy\n\nAssistant:" in tok.decode(rollout.responses[0])
+
+
+def test_injected_generation_gives_the_transformers_episodes(embedded, tiny_lm):
+    """engine.generation=injected (re-prefilled each turn) and transformers generate run the same greedy
+    episodes: the same ids, masks and observations."""
+    import copy
+
+    from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
+
+    tok = embedded
+    engine = TrainEngine(copy.deepcopy(tiny_lm), EngineConfig(stage=0, generation="injected"),
+                         OptimConfig(lr=1e-2, scheduler="constant"), total_steps=1, info=init_distributed())
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    settings = multiturn.Settings(max_turns=3, max_new_tokens=6, max_episode_tokens=80)
+    args = (prompts_of(tok, PROMPTS), torch.arange(3), rows_of(PROMPTS), greedy, tok, InlineRunner(Tool), settings,
+            multiturn.template_glue(tok))
+    with engine.generation() as gen:
+        assert gen.name == "injected"
+    got, stats = multiturn.generate_episodes(engine, *args)
+    ref, ref_stats = multiturn.generate_episodes(Actor(HFGenerator(tiny_lm)), *args)
+    assert stats.tool_calls.sum() > 0, "the episodes went over several turns"
+    for name in ("sequences", "attention_mask", "response_mask", "answer_mask"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert [e.observations for e in stats.episodes] == [e.observations for e in ref_stats.episodes]
+    torch.testing.assert_close(got.logp_gen, ref.logp_gen, rtol=1e-4, atol=1e-5)
