@@ -11,6 +11,7 @@ import socket
 import time
 
 from rlhf.rl.environments import Environment, Step
+from rlhf.rl.environments.python_tool import PythonTool
 
 
 class Echo(Environment):
@@ -70,3 +71,11 @@ class Faulty(Echo):
         if text == "pid":
             return Step(str(os.getpid()))
         return super().step(text)
+
+
+class SmallPythonTool(PythonTool):
+    """The Python tool with test-sized limits."""
+
+    timeout_s = 1.0
+    max_output_chars = 200
+    max_calls = 2

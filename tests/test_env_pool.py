@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 
 import pytest
+from env_faults import Echo, Faulty, SmallPythonTool
 
 from rlhf.core.errors import ConfigError
 from rlhf.rl.environments import ProcessRunner, make_runner
@@ -23,7 +25,6 @@ from rlhf.rl.environments.base import (
     InlineRunner,
     Reply,
 )
-from env_faults import Echo, Faulty
 
 TIMEOUT_S = 1.0
 LIMITS = {"nproc": 32, "memory_mb": 256, "network": False}
@@ -198,3 +199,84 @@ def test_make_runner_and_bad_arguments():
         assert runner.reset([7], [{"id": 7}])[0].observation == "start 7"
         assert runner.step([8], ["x"])[0].error == ERROR_RAISED   # never reset: as the inline runner's KeyError
     assert all(w.sentinel == -1 for w in runner.workers)       # shut down: the workers are gone
+
+
+# ---------------------------------------------------------------- the Python tool
+def run_code(tool, code: str):
+    tool.calls = 0
+    return tool.step(f"some words <python>{code}</python> more")
+
+
+@pytest.fixture
+def tool():
+    tool = SmallPythonTool()
+    assert tool.reset({"prompt": "p"}) is None
+    yield tool
+    tool.close()
+    assert tool.scratch is None
+
+
+def test_python_tool_prints_and_ends(tool):
+    step = run_code(tool, "import sys\nprint(6 * 7)\nprint('to stderr', file=sys.stderr)")
+    assert step.observation == "<output>\n42\nto stderr\n</output>"
+    assert (step.info["exit_code"], step.info["timed_out"], step.info["calls"]) == (0, False, 1)
+    step = tool.step("<python>1/0</python>")
+    assert step.observation.endswith("ZeroDivisionError: division by zero\n</output>")
+    assert step.info["exit_code"] == 1 and 'File "<python>", line 1' in step.observation
+    assert tool.step("<python>print(1)</python>").observation is None   # max_calls=2 reached: done
+    assert tool.step("no code, the answer is 5").observation is None
+
+
+def test_python_tool_timeout_and_output_cut(tool):
+    t0 = time.monotonic()
+    step = run_code(tool, "print('before', flush=True)\nwhile True: pass")
+    assert time.monotonic() - t0 < SmallPythonTool.timeout_s + 2
+    assert step.observation == "<output>\nbefore\n\n[timed out after 1s]</output>"
+    assert step.info["timed_out"] and step.info["exit_code"] == -signal.SIGKILL
+    step = run_code(tool, "print('x' * 5000)")
+    assert step.observation == "<output>\n" + "x" * 200 + "\n[output cut at 200 characters]</output>"
+
+
+def test_python_tool_scratch_writes_only(tool, tmp_path):
+    outside = tmp_path / "escaped.txt"
+    step = run_code(tool, f"open({str(outside)!r}, 'w').write('x')")
+    assert "PermissionError: sandbox: writing" in step.observation and not outside.exists()
+    step = run_code(tool, "import os\nos.chdir('/')\nopen('escaped.txt', 'w')")   # relative to a new cwd
+    assert "outside the scratch dir is refused" in step.observation and not os.path.exists("/escaped.txt")
+    (tmp_path / "keep.txt").write_text("k")
+    step = run_code(tool, f"import os\nos.remove({str(tmp_path / 'keep.txt')!r})")
+    assert "os.remove" in step.observation and (tmp_path / "keep.txt").read_text() == "k"
+    step = run_code(tool, "open('notes.txt', 'w').write('inside')\nprint(open('notes.txt').read())")
+    assert step.observation == "<output>\ninside\n</output>"
+    with open(os.path.join(tool.scratch, "notes.txt")) as f:
+        assert f.read() == "inside"
+
+
+@pytest.mark.parametrize("code, refused", [
+    ("import socket\ns = socket.socket()\ns.connect(('1.1.1.1', 53))", "socket.__new__ is refused"),
+    ("import os\nos.fork()", "os.fork is refused"),
+    ("import subprocess\nsubprocess.run(['true'])", "importing _posixsubprocess is refused"),
+    ("import ctypes", "importing ctypes is refused"),
+    ("x = bytearray(1 << 30)", "MemoryError"),
+])
+def test_python_tool_refuses_escapes(tool, code, refused):
+    tool.max_output_chars = 4000   # the whole traceback
+    step = run_code(tool, code)
+    assert refused in step.observation and step.info["exit_code"] == 1, step.observation
+
+
+def test_python_tool_network_namespace(tool):
+    """Where the kernel grants user namespaces, the code has no network even past the audit hook."""
+    if subprocess.run(["unshare", "-rn", "true"], check=False, capture_output=True).returncode != 0:
+        pytest.skip("no unprivileged user + network namespaces here: the audit hook alone refuses sockets")
+    assert run_code(tool, "print(open('/proc/net/dev').read().count(':'))").observation == "<output>\n1\n</output>"
+    assert run_code(tool, "pass").info["network"] == "namespace"
+
+
+def test_python_tool_in_the_pool():
+    with ProcessRunner("env_faults:SmallPythonTool", 2, 5.0) as runner:
+        runner.reset([0, 1], [{}, {}])
+        replies = runner.step([0, 1], ["<python>open('/etc/escaped', 'w')</python>", "<python>print(2**10)</python>"])
+        assert "writing '/etc/escaped' outside the scratch dir is refused" in replies[0].observation
+        assert replies[1].observation == "<output>\n1024\n</output>" and replies[1].error is None
+        assert not os.path.exists("/etc/escaped")

@@ -59,10 +59,9 @@ def unshare(flags: int) -> str | None:
 def cgroup_dir(pid: int) -> str | None:
     """The pids cgroup a process `pid` would get (None: no writable pids hierarchy here)."""
     for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
-        if os.path.exists(f"{root}/pids.max") or os.path.exists(f"{root}/cgroup.procs") and (
-                root.endswith("pids") or "pids" in _read(f"{root}/cgroup.controllers")):
-            if os.access(root, os.W_OK):
-                return f"{root}/rlhf-env-{pid}"
+        pids = root.endswith("/pids") or "pids" in _read(f"{root}/cgroup.controllers").split()
+        if pids and os.path.exists(f"{root}/cgroup.procs") and os.access(root, os.W_OK):
+            return f"{root}/rlhf-env-{pid}"
     return None
 
 

@@ -42,7 +42,7 @@ import time
 import weakref
 from collections import defaultdict
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Self
 
 from rlhf.core.errors import ConfigError
 from rlhf.rl.environments.base import (
@@ -106,11 +106,11 @@ def serve(fd: int, progress_fd: int) -> None:
         progress[0] = -1
         try:
             data = pickle.dumps(("replies", replies))
-        except Exception:  # an info / reward that cannot be pickled: that reply is garbage, the others stand
+        except Exception:  # noqa: BLE001 - an info / reward that cannot be pickled: that reply is garbage, the others stand
             for i, reply in enumerate(replies):
                 try:
                     pickle.dumps(reply)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - whatever its __reduce__ raises
                     envs.close([items[i][0]])
                     replies[i] = Reply(done=True, error=ERROR_GARBAGE, seconds=reply.seconds,
                                        message=f"the reply cannot be sent to the trainer ({type(e).__name__}: "
@@ -242,10 +242,10 @@ class ProcessRunner:
     def shutdown(self) -> None:
         self._finalizer()
 
-    def __enter__(self) -> ProcessRunner:
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     # ---------------------------------------------------------------- dispatch and faults
