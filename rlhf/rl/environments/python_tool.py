@@ -111,10 +111,9 @@ class PythonTool(Environment):
     nproc = 64                  # RLIMIT_NPROC (processes are refused by the audit hook anyway)
     max_calls = 4               # blocks per episode; the next turn after the last ends the episode
 
-    def reset(self, row):
+    def reset(self, row) -> None:   # no first observation: the prompt asks the question
         self.scratch = tempfile.mkdtemp(prefix="rlhf-python-tool-")
         self.calls = 0
-        return None
 
     def step(self, text: str) -> Step:
         match = TAG.search(text)
