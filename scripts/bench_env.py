@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # the workers import this file as scripts.bench_env (they get this sys.path)
 
-from rlhf.rl.environments import Environment, ProcessRunner, Step  # noqa: E402
-from rlhf.rl.environments.base import InlineRunner  # noqa: E402
+from rlhf.rl.environments import Environment, ProcessRunner, Step
+from rlhf.rl.environments.base import InlineRunner
 
 SPEC = "scripts.bench_env:CalcLike"
 CALL = re.compile(r"<call>([0-9+ ]+)</call>")

@@ -32,7 +32,7 @@ class Echo(Environment):
 
 class Faulty(Echo):
     """Echo, except a step text naming a fault does it: raise, hang, garbage, nan, unpicklable, exit,
-    sigkill, segv, forkbomb, memhog, network, pid (returns the worker's pid as the observation)."""
+    sigkill, forkbomb, memhog, network, spin, pid, nap (0.4 s, then as Echo) (returns the worker's pid as the observation)."""
 
     def step(self, text):
         if text == "raise":
@@ -68,6 +68,11 @@ class Faulty(Echo):
         if text == "network":
             with socket.create_connection(("1.1.1.1", 53), timeout=1):
                 return Step("connected")
+        if text == "spin":
+            while True:
+                pass
+        if text == "nap":
+            time.sleep(0.4)
         if text == "pid":
             return Step(str(os.getpid()))
         return super().step(text)

@@ -148,6 +148,15 @@ def test_a_fault_that_costs_the_worker(pool, fault, kind, message):
     pool.close()
 
 
+def test_the_timeout_is_per_call_not_per_batch(pool):
+    """4 calls of 0.4 s on each worker: 1.6 s a batch, past the 1 s timeout, no call past it: no fault."""
+    episodes = start(pool, 50, 8)
+    replies = pool.step(episodes, ["nap"] * 8)
+    assert [r.observation for r in replies] == [f"turn 1: pan ({e})" for e in episodes]
+    assert all(r.seconds >= 0.4 for r in replies)
+    pool.close()
+
+
 def test_a_worker_killed_from_outside_mid_call(pool):
     """kill -9 of the worker while it runs a (hanging) call: worker_died, not a timeout, and not a hang."""
     episodes = start(pool, 30, 2)
@@ -178,6 +187,17 @@ def test_the_limits_turn_an_escape_attempt_into_a_raised_call(pool, fault, limit
     pool.close()
 
 
+def test_the_cpu_limit_kills_the_worker_and_it_is_replaced():
+    """cpu_s=1: a worker that spins is killed by the kernel (SIGXCPU) long before the wall clock limit."""
+    with make_runner("env_faults:Faulty", 1, 60.0, cpu_s=1, network=None) as runner:
+        runner.reset([0], [{"id": 0}])
+        reply = runner.step([0], ["spin"])[0]
+        assert reply.error == ERROR_WORKER_DIED and f"signal {int(signal.SIGXCPU)}" in reply.message, reply
+        assert runner.stats["worker_deaths"] == 1 and runner.stats["replaced"] == 1
+        runner.reset([1], [{"id": 1}])
+        assert runner.step([1], ["ok"])[0].observation == "turn 1: ko (1)"
+
+
 def test_make_runner_and_bad_arguments():
     assert isinstance(make_runner(Echo, 0, 1.0), InlineRunner)
     assert isinstance(make_runner("env_faults:Echo", 0, 1.0), InlineRunner)
@@ -185,6 +205,8 @@ def test_make_runner_and_bad_arguments():
         make_runner(Echo, 1, 1.0, memroy_mb=10)
     with pytest.raises(ConfigError, match="memory_mb must be a positive number"):
         make_runner(Echo, 1, 1.0, memory_mb=-1)
+    with pytest.raises(ConfigError, match="network must be true or false"):
+        make_runner(Echo, 1, 1.0, network="no")
     with pytest.raises(ConfigError, match="env_timeout_s must be > 0"):
         make_runner(Echo, 1, 0)
     with pytest.raises(ConfigError, match="is not a subclass"):

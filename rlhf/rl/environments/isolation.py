@@ -37,7 +37,7 @@ def check_limits(limits: dict[str, Any], key: str = "limits") -> dict[str, Any]:
     unknown = sorted(set(limits) - set(LIMITS))
     if unknown:
         raise ValueError(f"{key}: unknown limit(s) {unknown}; known: {sorted(LIMITS)}")
-    out = dict(limits)
+    out = {k: v for k, v in limits.items() if v is not None}   # None = that limit off (network: on)
     for name in ("memory_mb", "nproc", "cpu_s"):
         value = out.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):

@@ -270,26 +270,9 @@ class ProcessRunner:
                 pass
             busy[slot] = (w, idx, time.monotonic())
         while busy:
-            now = time.monotonic()
-            wake = []
-            for slot, (w, idx, sent) in list(busy.items()):
-                current, started = int(w.progress[0]), w.progress[1]
-                if not w.ready:   # still starting: its start does not count against the call's timeout
-                    deadline = w.started + START_TIMEOUT_S
-                elif current >= 0 and started >= sent:
-                    deadline = started + self.timeout_s
-                else:             # the batch is sent but its first call has not begun: pipe latency
-                    deadline = sent + self.timeout_s
-                if now >= deadline:
-                    culprit = idx[current] if w.ready and current >= 0 and started >= sent else idx[0]
-                    self._fail(slot, method, episodes, idx, culprit, out, timeout=w.ready)
-                    del busy[slot]
-                else:
-                    wake.append(deadline)
-            if not busy:
-                break
             ready = wait([x for w, _, _ in busy.values() for x in (w.conn, w.sentinel)],
-                         timeout=max(0.0, min(wake) - time.monotonic()))
+                         timeout=max(0.0, min(self._deadline(w, sent)[0] for w, _, sent in busy.values())
+                                     - time.monotonic()))
             for slot, (w, idx, sent) in list(busy.items()):
                 if w.conn not in ready and w.sentinel not in ready:
                     continue
@@ -310,7 +293,22 @@ class ProcessRunner:
                     culprit = idx[current] if 0 <= current < len(idx) and w.progress[1] >= sent else idx[0]
                     self._fail(slot, method, episodes, idx, culprit, out, timeout=False)
                     del busy[slot]
+            for slot, (w, idx, sent) in list(busy.items()):
+                deadline, current = self._deadline(w, sent)
+                if time.monotonic() >= deadline and not w.conn.poll():   # a reply already there is taken, late or not
+                    self._fail(slot, method, episodes, idx, idx[current], out, timeout=w.ready)
+                    del busy[slot]
         return out
+
+    def _deadline(self, w: _Worker, sent: float) -> tuple[float, int]:
+        """When the worker's batch (sent at `sent`) is late, and the index of the call to blame then."""
+        current, started = int(w.progress[0]), w.progress[1]
+        if not w.ready:            # still starting: its start does not count against the calls' timeout
+            return w.started + START_TIMEOUT_S, 0
+        if started < sent:         # sent, its first call not begun yet (pipe latency, unpickling)
+            return sent + self.timeout_s, 0
+        # a call running (current >= 0), or the last one done and its replies being pickled (current -1)
+        return started + self.timeout_s, current if current >= 0 else -1
 
     def _fail(self, slot: int, method: str, episodes: list[int], idx: list[int], culprit: int,
               out: list[Reply | None], *, timeout: bool) -> None:
