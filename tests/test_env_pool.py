@@ -279,6 +279,7 @@ def test_python_tool_scratch_writes_only(tool, tmp_path):
     ("import os\nos.fork()", "os.fork is refused"),
     ("import subprocess\nsubprocess.run(['true'])", "importing _posixsubprocess is refused"),
     ("import ctypes", "importing ctypes is refused"),
+    ("import sys\nsys.modules['__main__'].root = '/'\nopen('/tmp/rlhf-escaped', 'w')", "writing '/tmp/rlhf-escaped'"),
     ("x = bytearray(1 << 30)", "MemoryError"),
 ])
 def test_python_tool_refuses_escapes(tool, code, refused):

@@ -12,7 +12,7 @@ PATH/LANG, so no tokens leak to the model's code) whose bootstrap (BOOTSTRAP bel
        included, grows past max_output_bytes), RLIMIT_NPROC
     3. chdirs to the episode's scratch dir and installs an audit hook (PEP 578) that refuses opening a
        file for writing outside it, removing/renaming/linking/chmod-ing/mkdir-ing outside it, any new
-       process (fork, exec, spawn, system, subprocess), and importing ctypes / _posixsubprocess
+       process (fork, exec, spawn, system, subprocess), sockets, and importing ctypes / _posixsubprocess / gc; its state lives in a closure, not in a module
 
 and the parent kills the child's process group at `timeout_s` of wall time.
 
@@ -42,61 +42,72 @@ TAG = re.compile(r"<python>(.*?)</python>", re.DOTALL)
 # Runs in the child before the model's code; self-contained (no rlhf import under -I). argv: scratch dir,
 # the limits as JSON. The code comes on stdin.
 BOOTSTRAP = r'''
-import ctypes, json, os, resource, signal, sys, traceback
-scratch, limits, status_fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-code = sys.stdin.read()
-network = "audit hook"
-libc = ctypes.CDLL(None, use_errno=True)
-if libc.unshare(0x10000000 | 0x40000000) == 0:        # CLONE_NEWUSER | CLONE_NEWNET
-    network = "namespace"
-with open("/proc/self/status") as f:
-    vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)         # a write past RLIMIT_FSIZE fails (EFBIG), not the process
-for name, value in (("RLIMIT_AS", vm + limits["memory_mb"] * 2**20), ("RLIMIT_CPU", limits["cpu_s"]),
-                    ("RLIMIT_FSIZE", limits["max_output_bytes"]), ("RLIMIT_NPROC", limits["nproc"])):
-    resource.setrlimit(getattr(resource, name), (int(value), int(value)))
-os.chdir(scratch)
-root = os.path.realpath(scratch) + os.sep
-def inside(path):
-    if isinstance(path, int):
-        return True                                   # an fd already open: its opening was checked
-    try:
-        path = os.fsdecode(path)
-    except TypeError:
-        return False
-    return (os.path.realpath(path) + os.sep).startswith(root)
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
-               "os.truncate": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2, "shutil.rmtree": 1}
-REFUSED = {"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
-           "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "socket.__new__",
-           "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo", "os.chroot"}
-def hook(event, args):
-    if event == "open":
-        path, mode, flags = args
-        writing = (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & WRITE_FLAGS
-        if writing and not inside(path):
-            raise PermissionError(f"sandbox: writing {path!r} outside the scratch dir is refused")
-    elif event in PATH_EVENTS:
-        for path in args[:PATH_EVENTS[event]]:
-            if not inside(path):
-                raise PermissionError(f"sandbox: {event} on {path!r} outside the scratch dir is refused")
-    elif event in REFUSED:
-        raise PermissionError(f"sandbox: {event} is refused (network: {network})")
-    elif event == "import" and args[0] in ("ctypes", "_ctypes", "_posixsubprocess"):
-        raise ImportError(f"sandbox: importing {args[0]} is refused")
-with open(status_fd, "w") as f:
-    f.write(json.dumps({"network": network}))
-del libc, ctypes
-sys.modules.pop("ctypes", None); sys.modules.pop("_ctypes", None)
-sys.addaudithook(hook)
+def sandbox():
+    import ctypes, json, os, resource, signal, sys, traceback
+    scratch, limits, status_fd = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    code = sys.stdin.read()
+    network = "audit hook"
+    if ctypes.CDLL(None, use_errno=True).unshare(0x10000000 | 0x40000000) == 0:   # CLONE_NEWUSER | CLONE_NEWNET
+        network = "namespace"
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a write past RLIMIT_FSIZE fails (EFBIG), not the process
+    for name, value in (("RLIMIT_AS", vm + limits["memory_mb"] * 2**20), ("RLIMIT_CPU", limits["cpu_s"]),
+                        ("RLIMIT_FSIZE", limits["max_output_bytes"]), ("RLIMIT_NPROC", limits["nproc"])):
+        resource.setrlimit(getattr(resource, name), (int(value), int(value)))
+    os.chdir(scratch)
+    # the hook's state is in this closure, not in a module the code can reach through sys.modules
+    root, realpath, fsdecode = os.path.realpath(scratch) + os.sep, os.path.realpath, os.fsdecode
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    path_events = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1,
+                   "os.truncate": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2, "shutil.rmtree": 1}
+    refused = frozenset({"os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+                         "subprocess.Popen", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
+                         "socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
+                         "os.chroot", "sys.addaudithook"})
+    modules = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "gc"})
+
+    def inside(path):
+        if isinstance(path, int):
+            return True                               # an fd already open: its opening was checked
+        try:
+            return (realpath(fsdecode(path)) + "/").startswith(root)
+        except TypeError:
+            return False
+
+    def hook(event, args):
+        if event == "open":
+            path, mode, flags = args
+            writing = (mode is not None and any(c in mode for c in "wax+")) or (flags or 0) & write_flags
+            if writing and not inside(path):
+                raise PermissionError(f"sandbox: writing {path!r} outside the scratch dir is refused")
+        elif event in path_events:
+            for path in args[:path_events[event]]:
+                if not inside(path):
+                    raise PermissionError(f"sandbox: {event} on {path!r} outside the scratch dir is refused")
+        elif event in refused:
+            raise PermissionError(f"sandbox: {event} is refused (network: {network})")
+        elif event == "import" and args[0] in modules:
+            raise ImportError(f"sandbox: importing {args[0]} is refused")
+
+    with open(status_fd, "w") as f:
+        f.write(json.dumps({"network": network}))
+    for name in ("ctypes", "_ctypes", "gc"):
+        sys.modules.pop(name, None)
+    print_exception = traceback.print_exception
+    sys.addaudithook(hook)
+    return code, print_exception
+
+
+code, print_exception = sandbox()
+del sandbox
 try:
     exec(compile(code, "<python>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 except SystemExit:
     raise
 except BaseException as e:                            # the model's traceback, without the bootstrap's frame
-    traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-    sys.exit(1)
+    print_exception(type(e), e, e.__traceback__.tb_next)
+    raise SystemExit(1)
 '''
 
 
