@@ -12,6 +12,11 @@ each way). Printed: ms per round and calls/s (median over reps), the ratio to in
 per round in ms (pool - inline). Also the cost of starting a pool and of a worker's replacement (a
 fresh interpreter: the time from a worker's death to its replacement answering). Ratios measured in the
 same run are the figures to compare across machines; the absolute ms depend on the load.
+
+With --compare-start (after importing torch, as a trainer has) it also times starting one child that
+imports the pool and answers on a pipe, 5 interleaved times each: fork+exec of `python -c` (the pool's
+way) against multiprocessing's spawn and forkserver (its server already running), which re-import this
+script, torch included, in every child.
 """
 from __future__ import annotations
 
@@ -59,12 +64,53 @@ def rounds(runner, episodes: list[int], n: int) -> float:
     return seconds
 
 
+def _child(conn) -> None:
+    import rlhf.rl.environments.pool  # noqa: F401  - deferred: what a worker imports, timed in the child
+
+    conn.send("ok")
+
+
+def compare_start(reps: int = 5) -> None:
+    """Median seconds to start a child that imports the pool: fork+exec vs spawn vs forkserver."""
+    import multiprocessing as mp
+    import subprocess
+
+    import torch  # noqa: F401  - deferred: only this comparison wants the trainer's imports
+
+    def via_mp(ctx) -> float:
+        a, b = ctx.Pipe()
+        t = time.perf_counter()
+        p = ctx.Process(target=_child, args=(b,))
+        p.start()
+        a.recv()
+        dt = time.perf_counter() - t
+        p.join()
+        return dt
+
+    def via_exec() -> float:
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import rlhf.rl.environments.pool"], check=True)
+        return time.perf_counter() - t
+
+    spawn, forkserver = mp.get_context("spawn"), mp.get_context("forkserver")
+    forkserver.set_forkserver_preload(["rlhf.rl.environments.pool"])
+    via_mp(forkserver)  # the server's own start is not counted
+    times: dict[str, list[float]] = {"fork+exec": [], "spawn": [], "forkserver": []}
+    for _ in range(reps):
+        times["fork+exec"].append(via_exec())
+        times["spawn"].append(via_mp(spawn))
+        times["forkserver"].append(via_mp(forkserver))
+    for name, ts in times.items():
+        print(f"start {name:<10} {statistics.median(ts) * 1e3:8.0f} ms (median of {reps})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--compare-start", action="store_true", help="also time fork+exec vs spawn vs forkserver")
     args = parser.parse_args()
     episodes = list(range(args.episodes))
 
@@ -100,6 +146,8 @@ def main() -> None:
         print(f"{name:<10} {t * 1e3:9.3f} {args.episodes / t:10.0f} {t / base:9.2f} {(t - base) * 1e3:10.3f}")
     print(f"pool start: {start_s * 1e3:.0f} ms per pool (workers started in parallel); "
           f"a worker's replacement: {statistics.median(replace) * 1e3:.0f} ms (median of 3)")
+    if args.compare_start:
+        compare_start()
 
 
 if __name__ == "__main__":
