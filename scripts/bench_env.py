@@ -13,10 +13,10 @@ per round in ms (pool - inline). Also the cost of starting a pool and of a worke
 fresh interpreter: the time from a worker's death to its replacement answering). Ratios measured in the
 same run are the figures to compare across machines; the absolute ms depend on the load.
 
-With --compare-start (after importing torch, as a trainer has) it also times starting one child that
-imports the pool and answers on a pipe, 5 interleaved times each: fork+exec of `python -c` (the pool's
-way) against multiprocessing's spawn and forkserver (its server already running), which re-import this
-script, torch included, in every child.
+With --compare-start it also times starting one child that imports the pool and answers on a pipe, 5
+interleaved times each, from a main module that imports torch at its top as a trainer's does: fork+exec
+of `python -c` (the pool's way) against multiprocessing's spawn and forkserver (its server already
+running, the pool preloaded), which re-import that main module, torch included, in every child.
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ import argparse
 import os
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,44 +66,56 @@ def rounds(runner, episodes: list[int], n: int) -> float:
     return seconds
 
 
-def _child(conn) -> None:
-    import rlhf.rl.environments.pool  # noqa: F401  - deferred: what a worker imports, timed in the child
+# The start-cost comparison runs as its own script, written to a temporary file: a trainer's main module
+# (python -m rlhf.ppo) imports torch at its top, and spawn / forkserver re-import the main module in each
+# child, so the comparison's main must do the same (this file's top does not import torch).
+START_SCRIPT = """
+import multiprocessing as mp, statistics, subprocess, sys, time
+import torch  # the trainer's imports, at the top of its main module
 
+def child(conn):
+    import rlhf.rl.environments.pool
     conn.send("ok")
 
+def via_mp(ctx):
+    a, b = ctx.Pipe()
+    t = time.perf_counter()
+    p = ctx.Process(target=child, args=(b,))
+    p.start()
+    a.recv()
+    dt = time.perf_counter() - t
+    p.join()
+    return dt
 
-def compare_start(reps: int = 5) -> None:
-    """Median seconds to start a child that imports the pool: fork+exec vs spawn vs forkserver."""
-    import multiprocessing as mp
-    import subprocess
+def via_exec():
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import rlhf.rl.environments.pool"], check=True)
+    return time.perf_counter() - t
 
-    import torch  # noqa: F401  - deferred: only this comparison wants the trainer's imports
-
-    def via_mp(ctx) -> float:
-        a, b = ctx.Pipe()
-        t = time.perf_counter()
-        p = ctx.Process(target=_child, args=(b,))
-        p.start()
-        a.recv()
-        dt = time.perf_counter() - t
-        p.join()
-        return dt
-
-    def via_exec() -> float:
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "import rlhf.rl.environments.pool"], check=True)
-        return time.perf_counter() - t
-
+if __name__ == "__main__":
+    reps = int(sys.argv[1])
     spawn, forkserver = mp.get_context("spawn"), mp.get_context("forkserver")
     forkserver.set_forkserver_preload(["rlhf.rl.environments.pool"])
     via_mp(forkserver)  # the server's own start is not counted
-    times: dict[str, list[float]] = {"fork+exec": [], "spawn": [], "forkserver": []}
+    times = {"fork+exec": [], "spawn": [], "forkserver": []}
     for _ in range(reps):
         times["fork+exec"].append(via_exec())
         times["spawn"].append(via_mp(spawn))
         times["forkserver"].append(via_mp(forkserver))
     for name, ts in times.items():
         print(f"start {name:<10} {statistics.median(ts) * 1e3:8.0f} ms (median of {reps})")
+"""
+
+
+def compare_start(reps: int = 5) -> None:
+    """Median time to start a child that imports the pool, from a main module that imports torch:
+    fork+exec vs multiprocessing spawn vs forkserver."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trainer_like_main.py")
+        with open(path, "w") as f:
+            f.write(START_SCRIPT)
+        subprocess.run([sys.executable, path, str(reps)], check=True,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
 
 
 def main() -> None:

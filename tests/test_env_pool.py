@@ -294,8 +294,10 @@ def test_python_tool_network_namespace(tool):
     assert run_code(tool, "pass").info["network"] == "namespace"
 
 
-def test_python_tool_in_the_pool():
-    with ProcessRunner("env_faults:SmallPythonTool", 2, 5.0) as runner:
+def test_python_tool_in_the_pool(pool):
+    """The tool inside limited workers (its child's limits stay under the worker's)."""
+    limits = {k: v for k, v in LIMITS.items() if k not in pool.refused}
+    with ProcessRunner("env_faults:SmallPythonTool", 2, 5.0, **limits) as runner:
         runner.reset([0, 1], [{}, {}])
         replies = runner.step([0, 1], ["<python>open('/etc/escaped', 'w')</python>", "<python>print(2**10)</python>"])
         assert "writing '/etc/escaped' outside the scratch dir is refused" in replies[0].observation

@@ -54,7 +54,9 @@ def sandbox():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)    # a write past RLIMIT_FSIZE fails (EFBIG), not the process
     for name, value in (("RLIMIT_AS", vm + limits["memory_mb"] * 2**20), ("RLIMIT_CPU", limits["cpu_s"]),
                         ("RLIMIT_FSIZE", limits["max_output_bytes"]), ("RLIMIT_NPROC", limits["nproc"])):
-        resource.setrlimit(getattr(resource, name), (int(value), int(value)))
+        hard = resource.getrlimit(getattr(resource, name))[1]   # inside a limited pool worker: stay under its
+        value = int(value) if hard == resource.RLIM_INFINITY else min(int(value), hard)
+        resource.setrlimit(getattr(resource, name), (value, value))
     os.chdir(scratch)
     # the hook's state is in this closure, not in a module the code can reach through sys.modules
     root, realpath, fsdecode = os.path.realpath(scratch) + os.sep, os.path.realpath, os.fsdecode
@@ -158,7 +160,10 @@ class PythonTool(Environment):
             out.seek(0)
             raw = out.read(4 * self.max_output_chars + 4)
             status.seek(0)
-            network = json.loads(status.read() or b'{"network": "not started"}')["network"]
+            try:   # the bootstrap's one line, written (and its fd closed) before the code ran
+                network = json.loads(status.read())["network"]
+            except (ValueError, KeyError, TypeError):
+                network = "not started"
         text = raw.decode("utf-8", errors="replace")
         if len(text) > self.max_output_chars:
             text = text[:self.max_output_chars] + f"\n[output cut at {self.max_output_chars} characters]"
