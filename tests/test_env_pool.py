@@ -157,6 +157,15 @@ def test_the_timeout_is_per_call_not_per_batch(pool):
     pool.close()
 
 
+def test_a_replacement_worker_s_start_is_not_the_call_s_time():
+    """The replacement imports its environment for 1.2 s; the call sent meanwhile has 0.5 s once it runs."""
+    with ProcessRunner("env_slow_import:SlowStart", 1, 0.5) as runner:
+        runner.reset([0], [{"id": 0}])
+        assert runner.step([0], ["exit"])[0].error == ERROR_WORKER_DIED
+        assert runner.reset([1], [{"id": 1}])[0].observation == "start 1"   # sent while the worker starts
+        assert runner.step([1], ["a"])[0].observation == "turn 1: a (1)"
+
+
 def test_a_worker_killed_from_outside_mid_call(pool):
     """kill -9 of the worker while it runs a (hanging) call: worker_died, not a timeout, and not a hang."""
     episodes = start(pool, 30, 2)

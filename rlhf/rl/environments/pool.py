@@ -30,6 +30,7 @@ environment's module, by its `module:Class` spec (so the class must live in an i
 """
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import pickle
@@ -59,6 +60,7 @@ from rlhf.rl.environments.isolation import check_limits, isolate, release_cgroup
 
 START_TIMEOUT_S = 60.0   # a new worker has this long to import the environment before it counts as dead
 PROGRESS = struct.Struct("dd")
+REPLY_FIELDS = tuple(f.name for f in dataclasses.fields(Reply))   # a Reply travels as a tuple in this order
 
 
 def env_spec(env: type[Environment] | str) -> str:
@@ -86,7 +88,7 @@ def serve(fd: int, progress_fd: int) -> None:
     sys.path[:] = path
     failed = isolate(**limits)
     envs = InlineRunner(load_environment(spec))
-    conn.send_bytes(pickle.dumps(("ready", failed)))
+    conn.send_bytes(pickle.dumps(("ready", (failed, time.monotonic()))))
     while True:
         try:
             method, items = pickle.loads(conn.recv_bytes())
@@ -104,6 +106,8 @@ def serve(fd: int, progress_fd: int) -> None:
             else:
                 replies.append((envs.reset if method == "reset" else envs.step)([episode], [arg])[0])
         progress[0] = -1
+        if method != "close":  # as tuples: a third of a dataclass's pickling time (64 replies: 0.9 vs 2.2 ms)
+            replies = [tuple(getattr(r, name) for name in REPLY_FIELDS) for r in replies]
         try:
             data = pickle.dumps(("replies", replies))
         except Exception:  # noqa: BLE001 - an info / reward that cannot be pickled: that reply is garbage, the others stand
@@ -112,9 +116,10 @@ def serve(fd: int, progress_fd: int) -> None:
                     pickle.dumps(reply)
                 except Exception as e:  # noqa: BLE001 - whatever its __reduce__ raises
                     envs.close([items[i][0]])
-                    replies[i] = Reply(done=True, error=ERROR_GARBAGE, seconds=reply.seconds,
-                                       message=f"the reply cannot be sent to the trainer ({type(e).__name__}: "
-                                               f"{str(e)[:120]})")
+                    garbage = Reply(done=True, error=ERROR_GARBAGE, seconds=reply[REPLY_FIELDS.index("seconds")],
+                                    message=f"the reply cannot be sent to the trainer ({type(e).__name__}: "
+                                            f"{str(e)[:120]})")
+                    replies[i] = tuple(getattr(garbage, name) for name in REPLY_FIELDS)
             data = pickle.dumps(("replies", replies))
         conn.send_bytes(data)
 
@@ -138,7 +143,7 @@ class _Worker:
         self.conn.send_bytes(pickle.dumps((list(sys.path), spec, limits)))
         self.sentinel = os.pidfd_open(self.process.pid)
         self.started = time.monotonic()
-        self.ready = False
+        self.ready, self.ready_at = False, 0.0   # its handshake read; when it was sent
         self.failed: list[str] = []
 
     def alive(self) -> bool:
@@ -149,7 +154,7 @@ class _Worker:
         while self.conn.poll():
             kind, body = pickle.loads(self.conn.recv_bytes())
             if kind == "ready":
-                self.ready, self.failed = True, body
+                self.ready, (self.failed, self.ready_at) = True, body
                 continue
             return body
         return None
@@ -284,7 +289,7 @@ class ProcessRunner:
                     for i, reply in zip(idx, msg, strict=True):
                         if method == "close":
                             continue
-                        out[i] = reply
+                        out[i] = reply = Reply(*reply)
                         if reply.done:
                             self.where.pop(episodes[i], None)
                     del busy[slot]
@@ -305,8 +310,8 @@ class ProcessRunner:
         current, started = int(w.progress[0]), w.progress[1]
         if not w.ready:            # still starting: its start does not count against the calls' timeout
             return w.started + START_TIMEOUT_S, 0
-        if started < sent:         # sent, its first call not begun yet (pipe latency, unpickling)
-            return sent + self.timeout_s, 0
+        if started < sent:         # its first call not begun yet: pipe latency, unpickling, or the worker was
+            return max(sent, w.ready_at) + self.timeout_s, 0   # still starting when the batch was sent
         # a call running (current >= 0), or the last one done and its replies being pickled (current -1)
         return started + self.timeout_s, current if current >= 0 else -1
 
