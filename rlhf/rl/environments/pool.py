@@ -26,7 +26,9 @@ Workers are fresh interpreters (`python -c ...serve()`, started by fork+exec): f
 torch's OpenMP / CUDA threads is unsafe, and multiprocessing's spawn / forkserver would re-import the
 trainer's `__main__` (torch included) in every worker. A worker imports only this package and the
 environment's module, by its `module:Class` spec (so the class must live in an importable module, not
-`__main__`), with the parent's sys.path. Start and replacement cost: scripts/bench_env.py.
+`__main__`), with the parent's sys.path. Measured (scripts/bench_env.py --compare-start, a main module
+importing torch, loaded 2-core machine): a worker starts in 1.1 s this way, 27 s with spawn, 22 s with
+forkserver.
 """
 from __future__ import annotations
 
