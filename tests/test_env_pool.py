@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -203,6 +204,32 @@ def test_the_cpu_limit_kills_the_worker_and_it_is_replaced():
         assert runner.stats["worker_deaths"] == 1 and runner.stats["replaced"] == 1
         runner.reset([1], [{"id": 1}])
         assert runner.step([1], ["ok"])[0].observation == "turn 1: ko (1)"
+
+
+def test_a_trainer_killed_leaves_no_worker(tmp_path):
+    """kill -9 of the process that owns the pool, while a worker is stuck in a call: the worker goes too."""
+    script = ("import sys\nfrom rlhf.rl.environments import ProcessRunner\n"
+              "r = ProcessRunner('env_faults:Faulty', 1, 600.0)\nr.reset([0], [{'id': 0}])\n"
+              "print(r.step([0], ['pid'])[0].observation, flush=True)\nr.step([0], ['hang'])\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    worker = int(owner.stdout.readline())
+    time.sleep(0.3)   # the hang is running
+    owner.kill()
+    owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running(worker):
+        time.sleep(0.05)
+    assert not running(worker), f"worker {worker} outlived its owner"
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_make_runner_and_bad_arguments():

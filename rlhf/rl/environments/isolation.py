@@ -16,10 +16,12 @@ import ctypes
 import ctypes.util
 import os
 import resource
+import signal
 from typing import Any
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+PR_SET_PDEATHSIG = 1
 MIB = 1 << 20
 
 # the limits a ProcessRunner / PythonTool accepts, with what each sets
@@ -45,6 +47,15 @@ def check_limits(limits: dict[str, Any], key: str = "limits") -> dict[str, Any]:
     if "network" in out and not isinstance(out["network"], bool):
         raise ValueError(f"{key}.network must be true or false, got {out['network']!r}")
     return out
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (PR_SET_PDEATHSIG), even if it is stuck in an
+    environment's call; exit now if the parent is already gone."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def unshare(flags: int) -> str | None:

@@ -58,7 +58,7 @@ from rlhf.rl.environments.base import (
     Reply,
     load_environment,
 )
-from rlhf.rl.environments.isolation import check_limits, isolate, release_cgroup
+from rlhf.rl.environments.isolation import check_limits, die_with_parent, isolate, release_cgroup
 
 START_TIMEOUT_S = 60.0   # a new worker has this long to import the environment before it counts as dead
 PROGRESS = struct.Struct("dd")
@@ -80,10 +80,11 @@ def env_spec(env: type[Environment] | str) -> str:
     return spec
 
 
-def serve(fd: int, progress_fd: int) -> None:
-    """A worker (`python -c ...serve(fd, progress_fd)`): read its setup, isolate itself, import the
-    environment, then serve batches until told to exit or the parent goes away."""
+def serve(fd: int, progress_fd: int, parent: int) -> None:
+    """A worker (`python -c ...serve(fd, progress_fd, parent)`): read its setup, isolate itself, import
+    the environment, then serve batches until told to exit or the parent goes away."""
     os.setsid()  # its own process group: the parent kills what it forked along with it
+    die_with_parent(parent)  # a trainer killed with -9 leaves no worker behind, even one stuck in a call
     conn = Connection(fd)
     progress = memoryview(mmap.mmap(progress_fd, PROGRESS.size)).cast("d")  # [index of the running call, start]
     path, spec, limits = pickle.loads(conn.recv_bytes())
@@ -137,7 +138,7 @@ class _Worker:
         self.progress = memoryview(mmap.mmap(fd, PROGRESS.size)).cast("d")
         self.progress[0] = -1.0
         self.process = subprocess.Popen(
-            [sys.executable, "-c", f"from rlhf.rl.environments.pool import serve; serve({theirs.fileno()}, {fd})"],
+            [sys.executable, "-c", f"from rlhf.rl.environments.pool import serve; serve({theirs.fileno()}, {fd}, {os.getpid()})"],
             pass_fds=(theirs.fileno(), fd), stdin=subprocess.DEVNULL)
         theirs.close()
         os.close(fd)
