@@ -110,6 +110,19 @@ def release_cgroup(pid: int) -> None:
             pass
 
 
+def release_stale_cgroups() -> None:
+    """Remove the pids cgroups of workers that are gone without their pool's cleanup (a trainer killed
+    with -9: its workers die with it, their empty cgroups stay). A non-empty one is left alone (rmdir fails)."""
+    path = cgroup_dir(0)
+    if path is None:
+        return
+    root = os.path.dirname(path)
+    for name in os.listdir(root):
+        pid = name.removeprefix("rlhf-env-")
+        if name.startswith("rlhf-env-") and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            release_cgroup(int(pid))
+
+
 def vm_size() -> int:
     """This process's address space now, bytes (VmSize), 0 where /proc does not say."""
     try:

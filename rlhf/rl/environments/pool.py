@@ -58,7 +58,13 @@ from rlhf.rl.environments.base import (
     Reply,
     load_environment,
 )
-from rlhf.rl.environments.isolation import check_limits, die_with_parent, isolate, release_cgroup
+from rlhf.rl.environments.isolation import (
+    check_limits,
+    die_with_parent,
+    isolate,
+    release_cgroup,
+    release_stale_cgroups,
+)
 
 START_TIMEOUT_S = 60.0   # a new worker has this long to import the environment before it counts as dead
 PROGRESS = struct.Struct("dd")
@@ -209,6 +215,8 @@ class ProcessRunner:
             raise ConfigError(str(e)) from None
         self.spec = env_spec(env)
         self.timeout_s = float(timeout_s)
+        if self.limits.get("nproc") is not None:
+            release_stale_cgroups()
         self.where: dict[int, tuple[int, _Worker]] = {}   # episode -> (slot, the worker holding its env)
         self.lost: dict[int, str] = {}                     # episode -> why its env is gone (told on its next call)
         self.stats = {"timeouts": 0, "worker_deaths": 0, "replaced": 0, "lost_episodes": 0}
