@@ -340,3 +340,6 @@ def test_python_tool_in_the_pool(pool):
         assert "writing '/etc/escaped' outside the scratch dir is refused" in replies[0].observation
         assert replies[1].observation == "<output>\n1024\n</output>" and replies[1].error is None
         assert not os.path.exists("/etc/escaped")
+        scratch = runner.step([1], ["<python>import os; print(os.getcwd())</python>"])[0].observation.split("\n")[1]
+        assert os.path.isdir(scratch) and "rlhf-python-tool-" in scratch
+    assert not os.path.exists(scratch), "shutdown did not close the open episodes (their scratch dirs stay)"

@@ -102,8 +102,9 @@ def serve(fd: int, progress_fd: int, parent: int) -> None:
         try:
             method, items = pickle.loads(conn.recv_bytes())
         except EOFError:  # the parent went away
-            return
-        if method == "exit":
+            method, items = "exit", []
+        if method == "exit":  # the open episodes' close() (a scratch dir, a subprocess), then out
+            envs.close()
             return
         replies: list[Any] = []
         for i, (episode, arg) in enumerate(items):
