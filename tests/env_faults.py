@@ -73,9 +73,16 @@ class Faulty(Echo):
                 pass
         if text == "nap":
             time.sleep(0.4)
+        if text == "hang at close":
+            self.hang_at_close = True
+            return Step("noted")
         if text == "pid":
             return Step(str(os.getpid()))
         return super().step(text)
+
+    def close(self):
+        if getattr(self, "hang_at_close", False):
+            time.sleep(3600)
 
 
 class SmallPythonTool(PythonTool):

@@ -167,6 +167,22 @@ def test_a_replacement_worker_s_start_is_not_the_call_s_time():
         assert runner.step([1], ["a"])[0].observation == "turn 1: a (1)"
 
 
+def test_a_close_that_hangs_costs_its_worker_only(pool):
+    episodes = start(pool, 60, 4)
+    before = dict(pool.stats)
+    assert pool.step([60], ["hang at close"])[0].observation == "noted"
+    t0 = time.monotonic()
+    pool.close([60])
+    assert time.monotonic() - t0 < TIMEOUT_S + 5
+    assert pool.stats["timeouts"] == before["timeouts"] + 1 and pool.stats["replaced"] == before["replaced"] + 1
+    mates, others = [e for e in episodes[1:] if e in pool.lost], [e for e in episodes[1:] if e not in pool.lost]
+    replies = pool.step(episodes[1:], ["x"] * 3)
+    for e, r in zip(episodes[1:], replies, strict=True):
+        assert (r.error == ERROR_WORKER_DIED) if e in mates else (r.observation == f"turn 1: x ({e})"), (e, r)
+    assert len(mates) == 1 and len(others) == 2   # 4 episodes on 2 workers: the closed one had one mate
+    pool.close()
+
+
 def test_a_worker_killed_from_outside_mid_call(pool):
     """kill -9 of the worker while it runs a (hanging) call: worker_died, not a timeout, and not a hang."""
     episodes = start(pool, 30, 2)
