@@ -509,7 +509,11 @@ def test_run_all_seed_sweep(tmp_path):
         assert row == json.loads((root / f"seed_{seed}" / "report.json").read_text())
         assert row["rm_accuracy"] == summary(root / f"seed_{seed}" / "reward")["eval_accuracy"]
     table = [line for line in (root / "sweep.md").read_text().splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[0] for line in table[1:]] == ["| 3", "| 4", "| mean ± std", "| min", "| max"]
+    # the worst seed first: the lower PPO gold (then the higher KL)
+    worst = sorted(zip((3, 4), sweep["runs"]), key=lambda p: (p[1]["ppo_gold"], -p[1]["kl"], p[0]))
+    assert [line.split(" | ")[0] for line in table[1:]] == [f"| {s}" for s, _ in worst] + ["| mean ± std", "| min",
+                                                                                            "| max"]
+    assert f"Worst seed: {worst[0][0]} (PPO gold" in (root / "sweep.md").read_text()
 
 
 def test_run_all_rejects_a_bad_seed_list(tmp_path):
