@@ -523,6 +523,15 @@ def test_run_all_rejects_a_bad_seed_list(tmp_path):
     assert os.listdir(tmp_path) == []  # nothing ran
 
 
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_run_all_rejects_a_bad_rm_ensemble(tmp_path, value):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
+                          env={**cli_env(), "OUTPUT_DIR": str(tmp_path), "RM_ENSEMBLE": value}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"RM_ENSEMBLE is the number of reward models (an integer >= 1), got '{value}'" in proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing ran
+
+
 @pytest.mark.slow
 def test_run_all_skips_finished_stages_and_resumes_interrupted_ones(tmp_path):
     root = tmp_path / "all"

@@ -58,7 +58,8 @@ class Models:
             for key, path in loaded:
                 if path and path != cfg.actor.model and (
                         why := tokenizer_mismatch(tok, load_tokenizer(model_cfg(cfg, path), key))):
-                    raise ConfigError(f"{key}.model={path!r} was saved with another tokenizer than actor.model "
+                    raise ConfigError(f"{key if '[' in key else key + '.model'}={path!r} was saved with another "
+                                      f"tokenizer than actor.model "
                                       f"({why}): the PPO models must share one (set model.tokenizer to force one)")
         fused = cfg.engine.kernels
         actor = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok,
@@ -73,7 +74,7 @@ class Models:
             model_cfg(cfg, path), tok, seed=cfg.seed, key=key, lora=False)))) for key, path in members]
         for key, m in (("critic", critic), ("reward_model", rm), *member_models):
             if m is not None and hf_base_model(m).config.num_labels != 1:
-                raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
+                raise ConfigError(f"{key if '[' in key else key + '.model'} must be a reward/value model with one output (num_labels=1)")
         for m in (actor, critic, ref, rm, *(m for _, m in member_models)):
             if m is not None:
                 check_context(m, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
