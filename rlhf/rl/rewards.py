@@ -12,7 +12,10 @@ per row of this rank, `rollout.group[i]` being the index of row i's prompt in th
 the source was built with. The sources (`reward.sources`, weights `reward.weights`, default all 1):
 
     model     the frozen reward model's value at the last real token (`RewardModelScore`); the only
-              source that loads a model: without it the reward model is not loaded at all
+              source that loads a model: without it the reward model is not loaded at all. With
+              `reward.ensemble_models`, several reward models (`RewardEnsemble`): their mean, min or
+              mean - lambda x std (`reward.ensemble_agg`, `ensemble_reward`), their std the step's
+              `reward_disagreement`
     judge     the gold judge of the held-out gold score (`rlhf.core.task.judge`): exact match with the row's
               `answer` field when it has one, else the embedded task's judge (1.0 / 0.0); every prompt
               must be judgeable
