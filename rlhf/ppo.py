@@ -223,7 +223,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if best.after_eval(step, ev) and cfg.train.export_best:
             models.snapshot_actor()  # collective
-        if best.exhausted():
+        if best.exhausted() and step < total:  # (the final evaluation ends the run anyway)
             run.stop(f"train.early_stop_patience: {best.since} evaluations without a better held-out {best.metric} "
                      f"than step {best.step}'s {best.score:.4g}")
         return ev

@@ -139,7 +139,7 @@ def ens_args(tiny_stages, ensemble):
     return [f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}",
             f"reward.ensemble_models=[{ensemble / 'rm2'}]", "reward.ensemble_agg=mean_minus_std",
             "reward.ensemble_lambda=0.5", "train.max_steps=3", "train.eval_every=1", "train.save_every=1",
-            "train.export_best=true", "rollout.prompts_per_step=8", "rollout.mini_batch_size=8",
+            "train.export_best=true", "train.early_stop_patience=2", "rollout.prompts_per_step=8", "rollout.mini_batch_size=8",
             "rollout.micro_batch_size=8", "rollout.max_new_tokens=6", "eval.max_new_tokens=6",
             f"data.eval_prompts_path={ensemble / 'prompts.jsonl'}", "data.num_eval_prompts=4", "actor.lr=1e-2"]
 
@@ -151,7 +151,18 @@ def test_an_ensemble_run_exports_its_best_evaluation_and_resumes_to_the_same_cho
     a = tmp_path / "a"
     run_stage("ppo", f"output_dir={a}", *ens_args(tiny_stages, ensemble), timeout=600)
     s, train, ev = summary(a), metrics(a, "train"), metrics(a, "eval")
-    assert [r["step"] for r in train] == [1, 2, 3] and [r["step"] for r in ev] == [0, 1, 2, 3]
+    # patience 2: the run stops after the first evaluation (before the last step) that is the second in a row
+    # not beating the best; the steps it ran follow from its own evaluations
+    best_so_far, since, stop = -math.inf, 0, 3
+    for r in ev:
+        since = 0 if r["reward"] > best_so_far else since + 1
+        best_so_far = max(best_so_far, r["reward"])
+        if since >= 2 and r["step"] < 3:
+            stop = r["step"]
+            break
+    assert [r["step"] for r in train] == list(range(1, stop + 1)) and [r["step"] for r in ev] == list(range(stop + 1))
+    assert s["steps"] == stop
+    assert s["stopped_early"] is None if stop == 3 else s["stopped_early"].startswith("train.early_stop_patience: 2 ")
     # two reward models that differ: their std per response, every step and on the held-out prompts
     assert all(r["reward_disagreement"] > 0 and math.isfinite(r["reward_disagreement"]) for r in train), train
     assert all(r["reward_disagreement"] > 0 for r in ev)
@@ -163,8 +174,8 @@ def test_an_ensemble_run_exports_its_best_evaluation_and_resumes_to_the_same_cho
     model = load_file(a / "model" / "model.safetensors")
     if best == 0:  # the SFT model itself was the best
         want = load_file(tiny_stages / "sft" / "model" / "model.safetensors")
-    elif best < 3:  # the snapshot the last checkpoint kept
-        want = torch.load(a / "checkpoints" / "step_0000003" / "best_actor.pt", weights_only=True)
+    elif best < stop:  # the snapshot the last checkpoint kept
+        want = torch.load(a / "checkpoints" / f"step_{stop:07d}" / "best_actor.pt", weights_only=True)
     else:
         want = None
     if want is not None:
@@ -179,4 +190,5 @@ def test_an_ensemble_run_exports_its_best_evaluation_and_resumes_to_the_same_cho
     assert summary(b)["exported_step"] == s["exported_step"]
     got = load_file(b / "model" / "model.safetensors")
     assert all(torch.equal(got[k], model[k]) for k in model)
-    assert os.path.isfile(b / "checkpoints" / "step_0000003" / "best_actor.pt")
+    assert os.path.isfile(b / "checkpoints" / f"step_{stop:07d}" / "best_actor.pt")
+    assert summary(b)["steps"] == stop
