@@ -31,6 +31,7 @@ critic/, model_ema/ (with ppo.ema_decay), eval_rows.jsonl (the held-out prompt r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -58,7 +59,7 @@ from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfini
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
 from rlhf.run.app import stage_main
 from rlhf.run.runlog import read_metrics
-from rlhf.run.stage import Run
+from rlhf.run.stage import Run, without_samples
 
 logger = logging.getLogger("rlhf.ppo")
 
@@ -108,6 +109,9 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
                                        (1 - kept).sum()]))
     out["kl"] = (sums[0] / sums[2].clamp(min=1)).item()
     out["reward"] = (sums[1] / sums[2]).item() if sums[2] > 0 else float("nan")
+    if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble's, on the kept rows
+        d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ kept, kept.sum()]))
+        out["reward_disagreement"] = (d[0] / d[1]).item() if d[1] > 0 else float("nan")
     if sums[3] > 0:
         out["nonfinite_rows"] = int(sums[3])
     out["samples"] = eval_samples(out.get("samples", []), prompts, g, tok, scored, kl, models.reward_source)
@@ -147,6 +151,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
         if key == "actor.model" or est.needs_critic or (needs_rm and cfg.reward_model.model is None):
             check_local(path, key)  # names the stage to run first
+    if needs_rm:
+        for i, path in enumerate(cfg.reward.ensemble_models):
+            check_local(path, f"reward.ensemble_models[{i}]")
     for key, path in (("actor", cfg.actor.model), ("reference", cfg.reference.model)):
         check_causal_lm(path, key)  # a reward model as the policy: refused before the data and any weights
 
@@ -207,15 +214,25 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     monitor = alarms.Monitor(cfg.alarms)
     old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 
+    best = BestEval(cfg.train, "gold_score" if gold["eval_prompts_source"] else "reward")
+
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
-        ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table),
-                                                               gold=bool(gold["eval_prompts_source"])))
+        step = len(monitor.history)
+        ev = monitor.after_eval(step, evaluate(models, eval_prompts, tok, cfg, len(table),
+                                               gold=bool(gold["eval_prompts_source"])))
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
+        if best.after_eval(step, ev) and cfg.train.export_best:
+            models.snapshot_actor()  # collective
+        if best.exhausted() and step < total:  # (the final evaluation ends the run anyway)
+            run.stop(f"train.early_stop_patience: {best.since} evaluations without a better held-out {best.metric} "
+                     f"than step {best.step}'s {best.score:.4g}")
         return ev
 
     run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
               state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict(),
-                                "old_logprobs": old_logprobs.state_dict()})
+                                "old_logprobs": old_logprobs.state_dict(), "best": best.state_dict()})
+    if "best" in run.extra_state:
+        best.load_state_dict(run.extra_state["best"])
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
     if "alarms" in run.extra_state:
@@ -272,6 +289,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         kl_ctl.update(rec["kl"], rollout_rows(r))
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
         rec.update(rewards.http_stats(models.reward_source))  # this rank's http requests, p50/p99 latency
+        if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble: its members' std
+            ok = torch.isfinite(std).double()
+            d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ ok, ok.sum()]))
+            rec["reward_disagreement"] = (d[0] / d[1]).item() if d[1] > 0 else float("nan")
         rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/rl/alarms.py)
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:
@@ -279,13 +300,24 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                           len=f"{rec['response_len']:.1f}"))
 
     # ---- final evaluation, export, summary
-    after = run.evaluate_after()
-    out_dir, model_dir = cfg.output_dir, models.export(tok, cfg)
+    last = run.evaluate_after()
+    exported = best.exported(run.total, last)  # train.export_best: the best evaluation's step, else the last
+    after = exported["eval"]
+    out_dir = cfg.output_dir
+    model_dir = models.export(tok, cfg, models.best_actor if exported["step"] != run.total else None)
+    if cfg.train.export_best:
+        logger.info("train.export_best: exported the actor of step %d (held-out %s %.4g; the last step %d's: %.4g) "
+                    "as %s", exported["step"], best.metric, after.get(best.metric, float("nan")), run.total,
+                    last.get(best.metric, float("nan")), model_dir)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
         **held_out,
         **gold,
         **gold_summary(before, after),
+        "exported_step": exported["step"],  # the step whose actor is model/ (train.export_best: the best evaluation's)
+        **({"exported_by": f"best held-out {best.metric}", "last_step_eval": without_samples(last)}
+           if cfg.train.export_best else {}),
+        **({"reward_disagreement": after.get("reward_disagreement")} if "reward_disagreement" in after else {}),
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),
@@ -303,7 +335,49 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "stopped_early": run.stop_reason,
         "generation_path": models.actor.generation_path,
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
-    }, model_dir, plot(p.kl_estimator), after.get("samples", []))
+    }, model_dir, plot(p.kl_estimator), last.get("samples", []))
+
+
+class BestEval:
+    """The best held-out evaluation so far (`metric`: gold_score where a judge applies, else the sampled
+    reward; higher is better, the earliest of equals kept), for train.export_best and
+    train.early_stop_patience: `since` counts the evaluations after it that did not beat it. Its state
+    (checkpointed) makes a resumed run choose as the uninterrupted one does."""
+
+    def __init__(self, train: Any, metric: str):
+        self.metric, self.patience, self.use_best = metric, train.early_stop_patience, train.export_best
+        self.step: int | None = None
+        self.score = float("-inf")
+        self.since = 0
+        self.eval: dict[str, Any] = {}
+
+    def after_eval(self, step: int, ev: dict[str, Any]) -> bool:
+        """Record the evaluation after `step` steps; True when it is the new best."""
+        value = ev.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.step is not None and value <= self.score:
+            self.since += 1
+            return False
+        self.step, self.score, self.since, self.eval = step, float(value), 0, without_samples(ev)
+        return True
+
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.since >= self.patience
+
+    def exported(self, last_step: int, last: dict[str, Any]) -> dict[str, Any]:
+        """{step, eval} of the actor to export: the best evaluation's with train.export_best (when it is not
+        the last step's), else the last step's."""
+        if self.step is None or self.step == last_step or not self.use_best:
+            return {"step": last_step, "eval": last}
+        return {"step": self.step, "eval": self.eval}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "score": self.score, "since": self.since, "eval": self.eval}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.score, self.since = state["step"], float(state["score"]), int(state["since"])
+        self.eval = dict(state["eval"])
 
 
 def _eval_line(ev: dict) -> str:

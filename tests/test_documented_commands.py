@@ -63,6 +63,9 @@ NOT_RUN = {
     "python -m rlhf.ppo actor.model=runs/sft_lora critic.model=runs/rm_lora model.lora.r=8 model.lora.merge_on_save=false output_dir=runs/ppo_lora": OWN_MODEL,
     "python -m rlhf.evaluate model.name_or_path=runs/ppo_lora output_dir=runs/eval_ppo": OWN_MODEL,
     "python -m rlhf.evaluate model.name_or_path=runs/rm_lora output_dir=runs/eval_rm": OWN_MODEL,
+    "python -m rlhf.ppo reward.ensemble_models=[outputs/reward_2] reward.ensemble_agg=mean_minus_std "
+    "reward.ensemble_lambda=1": "reads outputs/reward_2, which the RM_ENSEMBLE=2 command above it trains (that one "
+                                "is run); tests/test_reward_ensemble.py runs PPO with a two-model ensemble",
     'SEEDS="1234 1 2" bash scripts/run_all.sh': "tests/test_ppo.py::test_run_all_seed_sweep (SEEDS=\"3 4\")",
     # a server runs until stopped; tests/test_serve.py starts real ones and runs PPO against them
     "python -m rlhf.serve reward.model=outputs/reward server.port=8000": "tests/test_serve.py (a server runs until "
