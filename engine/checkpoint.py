@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import group
 from .errors import CheckpointError
 from .parallelize import VIEW_PREFIX
 
@@ -287,7 +288,7 @@ def _view_names(loaded: dict, like: dict) -> dict:
 def save_model_optimizer(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_inner_names(_dcp_state(model, optimizer, zero1)), checkpoint_id=directory)
+    dcp.save(_inner_names(_dcp_state(model, optimizer, zero1)), checkpoint_id=directory, process_group=group())
 
 
 def load_model_optimizer(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> None:
@@ -296,7 +297,7 @@ def load_model_optimizer(directory: str, model: nn.Module, optimizer: torch.opti
 
     live = _dcp_state(model, optimizer, zero1)
     loaded = _inner_names(live)
-    dcp.load(loaded, checkpoint_id=directory)  # in place, each rank reads the pieces of its shards
+    dcp.load(loaded, checkpoint_id=directory, process_group=group())  # in place, each rank reads the pieces of its shards
     state = _view_names(loaded, live)
     if zero1:
         set_model_state_dict(model, state["model"])

@@ -1,0 +1,252 @@
+"""Weight streaming: a trainer sends the actor's weights, already in the generation layout, to the
+generation ranks of a split job (engine.distributed.split_world) in a few large flat buckets.
+
+    sender = WeightSender(placement.stream_group, src=0, bucket_bytes=256 << 20)   # on trainer 0
+    stats = sender.send(engine.generation_weights(), version=step + 1)    # async: returns once queued
+    receiver = WeightReceiver(placement.stream_group, src=0)                # on each generator
+    stats = receiver.receive(dict(model.named_parameters()))              # copies, then checks
+
+Protocol of one transfer over `group` (every member in the same order; the first one also carries the
+manifest, `[(name, shape, dtype)]` in send order, pickled):
+    header  int64 [version, n_buckets]
+    buckets one flat tensor each, in the layout dtype, tensors packed back to back in manifest order;
+            a bucket closes when the next tensor would make it larger than `bucket_bytes` (a tensor
+            larger than that is a bucket of its own)
+    check   float64 [n_tensors, 3]: the sender's fingerprint of each packed tensor (engine/weight_check.py)
+The receiver copies each bucket's slices into its tensors, fingerprints what it now holds and compares:
+a difference is a WeightCheckError naming the tensor (the weight check of engine.check_weights, run on
+the receiving side). Sends are asynchronous (`async_op`): the trainer packs and queues the buckets and
+goes on with its next step; the previous transfer is waited for before the next one reuses nothing
+(each transfer has its own buffers). Stats: bytes, seconds (on the receiver: header to last bucket,
+packing on the sender included), GB/s.
+
+Why buckets rather than one message per tensor: one collective per parameter pays its latency per
+tensor (open-instruct #1535, one RPC per parameter); a few large buckets run at the wire's rate
+(scripts/bench_weight_stream.py compares it with a single broadcast of one flat buffer of the same size).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import WeightCheckError
+from .weight_check import agree, describe, fingerprint
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+END = -1  # the header version that ends a stream (WeightSender.close)
+
+
+@dataclass(slots=True)
+class TransferStats:
+    version: int
+    bytes: int
+    seconds: float
+    tensors: int
+    buckets: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+    def as_metrics(self, prefix: str = "weights_") -> dict[str, float]:
+        return {f"{prefix}bytes": self.bytes, f"{prefix}s": self.seconds, f"{prefix}gb_per_s": self.gb_per_s,
+                f"{prefix}buckets": self.buckets, f"{prefix}version": self.version}
+
+
+def plan_buckets(numels: list[int], itemsize: int, bucket_bytes: int) -> list[list[int]]:
+    """Tensor indices per bucket, in order: consecutive tensors while their bytes fit `bucket_bytes`
+    (a tensor larger than that alone). The sender and every receiver compute the same plan."""
+    buckets: list[list[int]] = []
+    size = 0
+    for i, n in enumerate(numels):
+        b = n * itemsize
+        if not buckets or (size + b > bucket_bytes and size > 0):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += b
+    return buckets
+
+
+def _src_rank(group, src: int) -> int:
+    """`src` is a rank inside `group`; torch's collectives take the global rank."""
+    return dist.get_global_rank(group, src) if group is not None else src
+
+
+class WeightSender:
+    """Trainer side: streams `(name, tensor)` pairs (the generation layout, e.g. a TrainEngine's
+    `generation_weights()`) to every other member of `group` in buckets. `dtype`: the layout's dtype
+    (each tensor is cast into the bucket)."""
+
+    def __init__(self, group, *, src: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.group, self.src, self.bucket_bytes, self.dtype = group, _src_rank(group, src), bucket_bytes, dtype
+        self.device = device or torch.device("cpu")
+        self._manifest: list[tuple[str, tuple[int, ...]]] | None = None
+        # transfers in flight: (their work handles, the buffers those read); several may be (module doc)
+        self._inflight: list[tuple[list, list[torch.Tensor]]] = []
+        self.sent = 0
+
+    def _queue(self, tensors: list[torch.Tensor]) -> list:
+        works = [dist.broadcast(t, src=self.src, group=self.group, async_op=True) for t in tensors]
+        self._inflight.append((works, tensors))
+        return works
+
+    def wait(self) -> None:
+        """Until every queued transfer has left (their buffers are then freed)."""
+        for works, _ in self._inflight:
+            for work in works:
+                work.wait()
+        self._inflight = []
+
+    def close(self) -> None:
+        """End of the stream: a header with version END (the receivers' `receive` returns None), then
+        wait until everything queued has left."""
+        self._queue([torch.tensor([END, 0], dtype=torch.int64)])
+        self.wait()
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *, blocking: bool = False) -> TransferStats:
+        """Packs and queues one transfer of `named` (each item is copied at once: a gathered tensor may
+        be valid only until the next one). Earlier transfers may still be in flight: the receivers take
+        them in order. Returns the bytes and the sender's seconds (packing and queuing; `blocking`:
+        until sent)."""
+        start = time.perf_counter()
+        self._inflight = [(w, b) for w, b in self._inflight if not all(x.is_completed() for x in w)]
+        names: list[str] = []
+        shapes: list[tuple[int, ...]] = []
+        tensors: list[torch.Tensor] = []
+        for name, t in named:
+            names.append(name)
+            shapes.append(tuple(t.shape))
+            tensors.append(t.detach().to(self.device, self.dtype, copy=True).reshape(-1))
+        if self._manifest is None:
+            self._manifest = list(zip(names, shapes))
+            box = [{"tensors": [(n, s, str(self.dtype)) for n, s in self._manifest], "bucket_bytes": self.bucket_bytes}]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+        elif [n for n, _ in self._manifest] != names:
+            raise ValueError("weight stream: the tensors sent changed since the first transfer "
+                             f"({len(self._manifest)} then, {len(names)} now)")
+        plan = plan_buckets([t.numel() for t in tensors], self.dtype.itemsize, self.bucket_bytes)
+        buckets = [torch.cat([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]] for idx in plan]
+        fps = torch.stack([fingerprint(t) for t in tensors]).cpu() if tensors else torch.zeros(0, 3, dtype=torch.float64)
+        self._queue([torch.tensor([version, len(plan)], dtype=torch.int64), *buckets, fps])
+        if blocking:
+            self.wait()
+        self.sent += 1
+        return TransferStats(version=version, bytes=sum(b.numel() * b.element_size() for b in buckets),
+                             seconds=time.perf_counter() - start, tensors=len(tensors), buckets=len(plan))
+
+
+class WeightReceiver:
+    """Generator side: receives each transfer of a `WeightSender` into `targets` ({name: tensor}, the
+    generation layout: e.g. a module's parameters), then checks every tensor's fingerprint against the
+    sender's. A target the stream does not cover, or a stream tensor with no target of its shape, is an
+    error naming it."""
+
+    def __init__(self, group, *, src: int = 0, device: torch.device | None = None):
+        self.group, self.src = group, _src_rank(group, src)
+        self.device = device or torch.device("cpu")
+        self._manifest: list[tuple[str, tuple[int, ...], str]] | None = None
+        self.bucket_bytes = 0  # the sender's, learnt with the manifest
+        self.version = -1
+        self.received = 0
+
+    def receive(self, targets: dict[str, torch.Tensor], *, check: bool = True) -> TransferStats | None:
+        """One transfer into `targets` (blocking), checked; None at the end of the stream."""
+        if self._manifest is None:
+            box = [None]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            self._manifest, self.bucket_bytes = box[0]["tensors"], box[0]["bucket_bytes"]
+            missing = sorted(set(targets) - {n for n, _, _ in self._manifest})
+            unknown = [n for n, s, _ in self._manifest if n not in targets or tuple(targets[n].shape) != tuple(s)]
+            if missing or unknown:
+                raise WeightCheckError(
+                    "weight stream: the generation layout and the streamed tensors differ: "
+                    + (f"not streamed: {missing[:5]}; " if missing else "")
+                    + (f"no target of that name and shape: {unknown[:5]}" if unknown else ""))
+        manifest = self._manifest
+        dtype = getattr(torch, manifest[0][2].removeprefix("torch.")) if manifest else torch.float32
+        header = torch.zeros(2, dtype=torch.int64)
+        dist.broadcast(header, src=self.src, group=self.group)
+        start = time.perf_counter()
+        version, n_buckets = int(header[0]), int(header[1])
+        if version == END:
+            return None
+        numels = [int(torch.Size(s).numel()) for _, s, _ in manifest]
+        plan = plan_buckets(numels, torch.empty(0, dtype=dtype).element_size(), self.bucket_bytes)
+        if len(plan) != n_buckets:
+            raise WeightCheckError(f"weight stream: the sender announced {n_buckets} buckets, the manifest plans {len(plan)}")
+        total = 0
+        with torch.no_grad():
+            for idx in plan:
+                flat = torch.empty(sum(numels[i] for i in idx), dtype=dtype, device=self.device)
+                dist.broadcast(flat, src=self.src, group=self.group)
+                total += flat.numel() * flat.element_size()
+                off = 0
+                for i in idx:
+                    name, shape, _ = manifest[i]
+                    targets[name].copy_(flat[off : off + numels[i]].view(shape))
+                    off += numels[i]
+        fps = torch.zeros(len(manifest), 3, dtype=torch.float64)
+        dist.broadcast(fps, src=self.src, group=self.group)
+        seconds = time.perf_counter() - start
+        if check:
+            bad = []
+            for (name, _, _), want in zip(manifest, fps.tolist()):
+                got = fingerprint(targets[name], dtype).cpu().tolist()
+                if not agree(got, want):
+                    bad.append(f"{name}: received {describe(got)} != sent {describe(want)}")
+            if bad:
+                raise WeightCheckError(f"weight stream (version {version}): {len(bad)} tensors of the generation layout "
+                                       "differ from what the trainer sent:\n  " + "\n  ".join(bad[:8]))
+        self.version = version
+        self.received += 1
+        return TransferStats(version=version, bytes=total, seconds=seconds, tensors=len(manifest), buckets=len(plan))
+
+
+class GenerationReplica:
+    """A generation rank's copy of the model (engine.placement=split): the whole transformers module on
+    this rank's device, eval mode, in the layout dtype, refreshed by a `WeightReceiver`; `generation()`
+    yields the same generator as `TrainEngine.generation()`'s transformers path (with
+    `engine.deterministic`, the batch-invariant one), so a rollout sampled here with the trainer's weights
+    and row seeds is the one the trainer would sample. Runs no collective but the stream's."""
+
+    def __init__(self, model: torch.nn.Module, cfg, info, receiver: WeightReceiver):
+        from .parallelize import TORCH_DTYPES
+
+        self.cfg, self.info, self.receiver = cfg, info, receiver
+        self.dtype = TORCH_DTYPES[cfg.precision]
+        self.model = model.to(info.device, self.dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.targets = dict(self.model.named_parameters())  # tied weights appear once, as in the sender's stream
+        self.last: TransferStats | None = None
+
+    @property
+    def version(self) -> int:
+        return self.receiver.version
+
+    def refresh(self) -> TransferStats | None:
+        """Receive one transfer into the module (blocking) and check it (fingerprints); None at the end
+        of the stream."""
+        stats = self.receiver.receive(self.targets, check=self.cfg.check_weights != "never")
+        self.last = stats or self.last
+        return stats
+
+    @property
+    def generation_path(self) -> str:
+        return "hf"
+
+    @contextlib.contextmanager
+    def generation(self):
+        from .generation import BatchInvariantGenerator, HFGenerator
+
+        gen = HFGenerator(self.model)
+        yield BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen
