@@ -21,6 +21,7 @@ import pickle
 import random
 import shutil
 import signal
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Any
@@ -42,14 +43,19 @@ _passed: dict[str, int] = {}
 def kill_point(name: str) -> None:
     """A moment where a kill must lose nothing (inside a checkpoint write, mid-prune, ...). With
     `ENGINE_KILL_AT=<name>[:n]` in the environment the process SIGKILLs itself the n-th time (default
-    the first) it passes `name`: how the tests prove it with a real kill. Otherwise a no-op."""
+    the first) it passes `name`: how the tests prove it with a real kill; `<name>:<n>:hang` makes it
+    hang there instead (sleeps until killed: a rank that stops answering). Otherwise a no-op."""
     want = os.environ.get(KILL_ENV)
     if not want:
         return
-    target, _, nth = want.partition(":")
+    target, _, rest = want.partition(":")
+    nth, _, how = rest.partition(":")
     if target == name:
         _passed[name] = _passed.get(name, 0) + 1
         if _passed[name] == int(nth or 1):
+            if how == "hang":
+                while True:
+                    time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -158,6 +158,8 @@ def exit_process(code: int = 0) -> None:
     while the interpreter finalizes takes the GIL and is killed mid-unwind (pytorch#190489; measured
     here: 1 in ~3 two-rank runs that resume a DCP checkpoint). `destroy_process_group` does not join
     those threads; skipping finalization avoids the window entirely.
+    A failed run (`code` != 0) does not destroy the group: gloo's destructor waits for the work still
+    queued, which a dead or hung peer never completes (a split placement's weight stream in flight).
     """
     import atexit
     import logging
@@ -165,7 +167,8 @@ def exit_process(code: int = 0) -> None:
 
     try:
         atexit._run_exitfuncs()
-        shutdown_distributed()
+        if code == 0:
+            shutdown_distributed()
         logging.shutdown()
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -48,6 +48,7 @@ class TransferStats:
     seconds: float
     tensors: int
     buckets: int
+    check_s: float = 0.0  # the receiver's fingerprint check, after `seconds`
 
     @property
     def gb_per_s(self) -> float:
@@ -55,7 +56,7 @@ class TransferStats:
 
     def as_metrics(self, prefix: str = "weights_") -> dict[str, float]:
         return {f"{prefix}bytes": self.bytes, f"{prefix}s": self.seconds, f"{prefix}gb_per_s": self.gb_per_s,
-                f"{prefix}buckets": self.buckets, f"{prefix}version": self.version}
+                f"{prefix}buckets": self.buckets, f"{prefix}version": self.version, f"{prefix}check_s": self.check_s}
 
 
 def plan_buckets(numels: list[int], itemsize: int, bucket_bytes: int) -> list[list[int]]:
@@ -198,6 +199,7 @@ class WeightReceiver:
         dist.broadcast(fps, src=self.src, group=self.group)
         seconds = time.perf_counter() - start
         if check:
+            t_check = time.perf_counter()
             bad = []
             for (name, _, _), want in zip(manifest, fps.tolist()):
                 got = fingerprint(targets[name], dtype).cpu().tolist()
@@ -208,7 +210,8 @@ class WeightReceiver:
                                        "differ from what the trainer sent:\n  " + "\n  ".join(bad[:8]))
         self.version = version
         self.received += 1
-        return TransferStats(version=version, bytes=total, seconds=seconds, tensors=len(manifest), buckets=len(plan))
+        return TransferStats(version=version, bytes=total, seconds=seconds, tensors=len(manifest), buckets=len(plan),
+                             check_s=time.perf_counter() - t_check if check else 0.0)
 
 
 class GenerationReplica:

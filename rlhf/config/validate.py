@@ -249,12 +249,12 @@ def validate_stage(cfg: StageConfig, info) -> int:
     before any model loads; returns the accumulation steps."""
     _need(bool(cfg.output_dir), "output_dir must be set")
     _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    _need(cfg.engine.placement == "colocated", f"engine.placement={cfg.engine.placement}: a split placement (ranks that "
+          "only generate) is for RL, python -m rlhf.ppo; this stage trains on every rank")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
     check_optim(cfg.train)
-    _need(cfg.engine.placement == "colocated", f"engine.placement={cfg.engine.placement}: a split placement (ranks that "
-          "only generate) is for RL, python -m rlhf.ppo; this stage trains on every rank")
     engine_config(cfg.engine, info)
     return validate_train(cfg.train, info.world_size)
 

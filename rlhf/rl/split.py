@@ -46,6 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from engine.checkpoint import kill_point
 from engine.distributed import Placement
 from engine.parallelize import TORCH_DTYPES
 from engine.weight_stream import WeightSender
@@ -137,6 +138,7 @@ class TrainerSide:
 
     def after_step(self, step: int) -> None:
         """After step `step` trained: version step + 1, if a later step samples with it."""
+        kill_point("split_after_step")  # the tests' death or hang of a training rank (ENGINE_KILL_AT)
         if step + 1 <= last_needed_version(self.total, self.start, self.k):
             self.send_weights(step + 1)
 
@@ -238,6 +240,7 @@ def generator_loop(replica, placement: Placement, cfg: Any, total: int,
                    "weights": fresh.as_metrics(prefix="") if fresh is not None else None}
             fresh = None  # a transfer's stats travel once
             dst = placement.trainer_ranks[t]
+            kill_point("split_send_rollout")  # the tests' death or hang of a generation rank (ENGINE_KILL_AT)
             with phase(me, f"sending the rollout of step {step + 1}", f"training {describe_rank(placement, dst)}",
                        timeout_s):
                 dist.send_object_list([msg], dst=dst)
