@@ -7,18 +7,21 @@ generation ranks of a split job (engine.distributed.split_world) in a few large 
     stats = receiver.receive(dict(model.named_parameters()))              # copies, then checks
 
 Protocol of one transfer over `group` (every member in the same order; the first one also carries the
-manifest, `[(name, shape, dtype)]` in send order, pickled):
-    header  int64 [version, n_buckets]
+manifest, `[(name, shape, dtype)]` in send order and the bucket size, pickled):
+    header  int64 [version, n_buckets]  (version END: the stream is over)
     buckets one flat tensor each, in the layout dtype, tensors packed back to back in manifest order;
             a bucket closes when the next tensor would make it larger than `bucket_bytes` (a tensor
             larger than that is a bucket of its own)
     check   float64 [n_tensors, 3]: the sender's fingerprint of each packed tensor (engine/weight_check.py)
-The receiver copies each bucket's slices into its tensors, fingerprints what it now holds and compares:
-a difference is a WeightCheckError naming the tensor (the weight check of engine.check_weights, run on
-the receiving side). Sends are asynchronous (`async_op`): the trainer packs and queues the buckets and
-goes on with its next step; the previous transfer is waited for before the next one reuses nothing
-(each transfer has its own buffers). Stats: bytes, seconds (on the receiver: header to last bucket,
-packing on the sender included), GB/s.
+The sender copies (casts) each tensor into its bucket as the iterator yields it and queues a bucket as soon
+as it is full (`async_op`): the wire carries bucket k while k+1 is packed, and the trainer goes on with its
+next step while the last ones travel; several transfers may be in flight (each its own buffers: a
+generator several versions behind never blocks the trainer). The receiver's tensors become views of its
+bucket buffers on the first transfer, so a bucket is received straight into the generation layout (no
+copy after the wire); then it fingerprints what it holds and compares: a difference is a
+WeightCheckError naming the tensor (the weight check of engine.check_weights, run on the receiving
+side). Stats: bytes, seconds (on the receiver: header to last bucket, the sender's packing included;
+the check apart, `check_s`), GB/s.
 
 Why buckets rather than one message per tensor: one collective per parameter pays its latency per
 tensor (open-instruct #1535, one RPC per parameter); a few large buckets run at the wire's rate
@@ -27,6 +30,7 @@ tensor (open-instruct #1535, one RPC per parameter); a few large buckets run at 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,7 +52,7 @@ class TransferStats:
     seconds: float
     tensors: int
     buckets: int
-    check_s: float = 0.0  # the receiver's fingerprint check, after `seconds`
+    check_s: float = 0.0  # after `seconds`: the sender's fingerprints awaited, the receiver's taken and compared
 
     @property
     def gb_per_s(self) -> float:
@@ -114,35 +118,57 @@ class WeightSender:
         self.wait()
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *, blocking: bool = False) -> TransferStats:
-        """Packs and queues one transfer of `named` (each item is copied at once: a gathered tensor may
-        be valid only until the next one). Earlier transfers may still be in flight: the receivers take
-        them in order. Returns the bytes and the sender's seconds (packing and queuing; `blocking`:
-        until sent)."""
+        """Packs and queues one transfer of `named`: each item is copied (cast) at once into its slot of the
+        current bucket (a gathered tensor may be valid only until the next one), and a bucket is queued as
+        soon as it is full, so the wire works while the next one is packed. Earlier transfers may still be
+        in flight: the receivers take them in order. Returns the bytes and the sender's seconds (packing and
+        queuing; `blocking`: until sent)."""
         start = time.perf_counter()
         self._inflight = [(w, b) for w, b in self._inflight if not all(x.is_completed() for x in w)]
-        names: list[str] = []
-        shapes: list[tuple[int, ...]] = []
-        tensors: list[torch.Tensor] = []
-        for name, t in named:
-            names.append(name)
-            shapes.append(tuple(t.shape))
-            tensors.append(t.detach().to(self.device, self.dtype, copy=True).reshape(-1))
-        if self._manifest is None:
-            self._manifest = list(zip(names, shapes))
+        if self._manifest is None:  # the first transfer: the tensors' names and shapes first
+            items = [(n, t.detach().to(self.device, self.dtype, copy=True)) for n, t in named]
+            self._manifest = [(n, tuple(t.shape)) for n, t in items]
             box = [{"tensors": [(n, s, str(self.dtype)) for n, s in self._manifest], "bucket_bytes": self.bucket_bytes}]
             dist.broadcast_object_list(box, src=self.src, group=self.group)
-        elif [n for n, _ in self._manifest] != names:
-            raise ValueError("weight stream: the tensors sent changed since the first transfer "
-                             f"({len(self._manifest)} then, {len(names)} now)")
-        plan = plan_buckets([t.numel() for t in tensors], self.dtype.itemsize, self.bucket_bytes)
-        buckets = [torch.cat([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]] for idx in plan]
-        fps = torch.stack([fingerprint(t) for t in tensors]).cpu() if tensors else torch.zeros(0, 3, dtype=torch.float64)
-        self._queue([torch.tensor([version, len(plan)], dtype=torch.int64), *buckets, fps])
+            named = items
+        numels = [math.prod(s) for _, s in self._manifest]
+        plan = plan_buckets(numels, self.dtype.itemsize, self.bucket_bytes)
+        works = self._queue([torch.tensor([version, len(plan)], dtype=torch.int64)])
+        bucket_of = {i: (k, off) for k, idx in enumerate(plan) for i, off in zip(idx, _offsets([numels[j] for j in idx]))}
+        buckets = [torch.empty(sum(numels[i] for i in idx), dtype=self.dtype, device=self.device) for idx in plan]
+        fps: list[torch.Tensor] = []
+        filled = [0] * len(plan)
+        names = []
+        with torch.no_grad():
+            for i, (name, t) in enumerate(named):
+                if i >= len(numels) or name != self._manifest[i][0] or tuple(t.shape) != self._manifest[i][1]:
+                    raise ValueError(f"weight stream: tensor {i} is {name} {tuple(t.shape)}, the first transfer's was "
+                                     f"{self._manifest[i] if i < len(numels) else 'nothing'}: the tensors sent must not change")
+                names.append(name)
+                k, off = bucket_of[i]
+                slot = buckets[k][off : off + numels[i]]
+                slot.copy_(t.detach().reshape(-1))
+                filled[k] += 1
+                if filled[k] == len(plan[k]):  # full: on the wire, and its fingerprints while it travels
+                    works += self._queue([buckets[k]])
+                    fps += [fingerprint(buckets[k][o : o + numels[j]]) for j, o in
+                            zip(plan[k], _offsets([numels[j] for j in plan[k]]))]
+        if len(names) != len(numels):
+            raise ValueError(f"weight stream: {len(names)} tensors sent, the first transfer had {len(numels)}")
+        self._queue([torch.stack(fps).cpu() if fps else torch.zeros(0, 3, dtype=torch.float64)])
         if blocking:
             self.wait()
         self.sent += 1
         return TransferStats(version=version, bytes=sum(b.numel() * b.element_size() for b in buckets),
-                             seconds=time.perf_counter() - start, tensors=len(tensors), buckets=len(plan))
+                             seconds=time.perf_counter() - start, tensors=len(names), buckets=len(plan))
+
+
+def _offsets(numels: list[int]) -> list[int]:
+    out, off = [], 0
+    for n in numels:
+        out.append(off)
+        off += n
+    return out
 
 
 class WeightReceiver:
@@ -156,8 +182,29 @@ class WeightReceiver:
         self.device = device or torch.device("cpu")
         self._manifest: list[tuple[str, tuple[int, ...], str]] | None = None
         self.bucket_bytes = 0  # the sender's, learnt with the manifest
+        self._buckets: list[torch.Tensor] | None = None  # the flat buffers the targets are views of
         self.version = -1
         self.received = 0
+
+    def _bind(self, targets: dict[str, torch.Tensor], plan: list[list[int]], numels: list[int],
+              dtype: torch.dtype) -> list[torch.Tensor]:
+        """One flat buffer per bucket, each target re-pointed (`.data`) at its slice, its values kept: the
+        buckets arrive straight in the generation layout, no copy after the wire. A tied weight is one
+        Parameter, so every module holding it sees the new storage."""
+        buckets = []
+        with torch.no_grad():
+            for idx in plan:
+                flat = torch.empty(sum(numels[i] for i in idx), dtype=dtype, device=self.device)
+                for i, off in zip(idx, _offsets([numels[j] for j in idx])):
+                    name, shape, _ = self._manifest[i]
+                    view = flat[off : off + numels[i]].view(shape)
+                    if targets[name].dtype != dtype:
+                        raise WeightCheckError(f"weight stream: {name} is {targets[name].dtype} in the generation layout, "
+                                               f"the stream sends {dtype}")
+                    view.copy_(targets[name])
+                    targets[name].data = view
+                buckets.append(flat)
+        return buckets
 
     def receive(self, targets: dict[str, torch.Tensor], *, check: bool = True) -> TransferStats | None:
         """One transfer into `targets` (blocking), checked; None at the end of the stream."""
@@ -180,26 +227,22 @@ class WeightReceiver:
         version, n_buckets = int(header[0]), int(header[1])
         if version == END:
             return None
-        numels = [int(torch.Size(s).numel()) for _, s, _ in manifest]
-        plan = plan_buckets(numels, torch.empty(0, dtype=dtype).element_size(), self.bucket_bytes)
+        numels = [math.prod(s) for _, s, _ in manifest]
+        plan = plan_buckets(numels, dtype.itemsize, self.bucket_bytes)
         if len(plan) != n_buckets:
             raise WeightCheckError(f"weight stream: the sender announced {n_buckets} buckets, the manifest plans {len(plan)}")
+        if self._buckets is None:  # once: the targets become views of the buckets, received into in place
+            self._buckets = self._bind(targets, plan, numels, dtype)
         total = 0
         with torch.no_grad():
-            for idx in plan:
-                flat = torch.empty(sum(numels[i] for i in idx), dtype=dtype, device=self.device)
+            for flat in self._buckets:
                 dist.broadcast(flat, src=self.src, group=self.group)
                 total += flat.numel() * flat.element_size()
-                off = 0
-                for i in idx:
-                    name, shape, _ = manifest[i]
-                    targets[name].copy_(flat[off : off + numels[i]].view(shape))
-                    off += numels[i]
-        fps = torch.zeros(len(manifest), 3, dtype=torch.float64)
+        seconds = time.perf_counter() - start  # the weights are in place: the check's own time is apart
+        t_check = time.perf_counter()
+        fps = torch.zeros(len(manifest), 3, dtype=torch.float64)  # the sender's, computed while the buckets travel
         dist.broadcast(fps, src=self.src, group=self.group)
-        seconds = time.perf_counter() - start
         if check:
-            t_check = time.perf_counter()
             bad = []
             for (name, _, _), want in zip(manifest, fps.tolist()):
                 got = fingerprint(targets[name], dtype).cpu().tolist()
@@ -211,7 +254,7 @@ class WeightReceiver:
         self.version = version
         self.received += 1
         return TransferStats(version=version, bytes=total, seconds=seconds, tensors=len(manifest), buckets=len(plan),
-                             check_s=time.perf_counter() - t_check if check else 0.0)
+                             check_s=time.perf_counter() - t_check)
 
 
 class GenerationReplica:

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this tree's engine/
 
 from engine.distributed import exit_process, init_distributed, split_world
 from engine.weight_check import fingerprint

@@ -153,7 +153,7 @@ def test_split_sync_equals_the_synchronous_run(sync_runs, tiny_stages):
     assert s["placement"] == "split" and s["rollout_mode"] == "sync" and s["staleness_counts"] == {"0": 2}
     assert [r["policy_version"] for r in metrics(sync_runs / "split", "train")] == [0, 1]
     # every transfer was checked on arrival (fingerprints); its bytes are the actor's fp32 parameters
-    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_stages / "sft").parameters())
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_stages / "sft" / "model").parameters())
     assert s["weights_bytes"] == 4 * n and s["weight_transfers"] == 2 and s["rollouts_discarded"] == 0
     assert summary(sync_runs / "colocated")["gold_score_after"] == s["gold_score_after"]
 
