@@ -96,35 +96,48 @@ class WeightSender:
         self.device = device or torch.device("cpu")
         self._manifest: list[tuple[str, tuple[int, ...]]] | None = None
         # transfers in flight: (their work handles, the buffers those read); several may be (module doc)
-        self._inflight: list[tuple[list, list[torch.Tensor]]] = []
+        self._inflight: list[tuple[list, list[torch.Tensor], bool]] = []  # (works, buffers, a bucket set to reuse)
+        self._free: list[list[torch.Tensor]] = []  # bucket sets of transfers that have left, reused (no page faults)
         self.sent = 0
 
     def _queue(self, tensors: list[torch.Tensor]) -> list:
         works = [dist.broadcast(t, src=self.src, group=self.group, async_op=True) for t in tensors]
-        self._inflight.append((works, tensors))
+        self._inflight.append((works, tensors, False))
         return works
 
+    def _reap(self) -> None:
+        """Transfers that have left: their bucket sets back to the pool."""
+        still = []
+        for works, tensors, pooled in self._inflight:
+            if all(w.is_completed() for w in works):
+                if pooled:
+                    self._free.append(tensors)
+            else:
+                still.append((works, tensors, pooled))
+        self._inflight = still
+
     def wait(self) -> None:
-        """Until every queued transfer has left (their buffers are then freed)."""
-        for works, _ in self._inflight:
+        """Until every queued transfer has left (their buffers back to the pool)."""
+        for works, _, _ in self._inflight:
             for work in works:
                 work.wait()
-        self._inflight = []
+        self._reap()
 
     def close(self) -> None:
         """End of the stream: a header with version END (the receivers' `receive` returns None), then
         wait until everything queued has left."""
-        self._queue([torch.tensor([END, 0], dtype=torch.int64)])
+        self._queue([torch.tensor([END, 0, 0], dtype=torch.int64)])
         self.wait()
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *, blocking: bool = False) -> TransferStats:
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *, blocking: bool = False,
+             check: bool = True) -> TransferStats:
         """Packs and queues one transfer of `named`: each item is copied (cast) at once into its slot of the
         current bucket (a gathered tensor may be valid only until the next one), and a bucket is queued as
         soon as it is full, so the wire works while the next one is packed. Earlier transfers may still be
         in flight: the receivers take them in order. Returns the bytes and the sender's seconds (packing and
         queuing; `blocking`: until sent)."""
         start = time.perf_counter()
-        self._inflight = [(w, b) for w, b in self._inflight if not all(x.is_completed() for x in w)]
+        self._reap()
         if self._manifest is None:  # the first transfer: the tensors' names and shapes first
             items = [(n, t.detach().to(self.device, self.dtype, copy=True)) for n, t in named]
             self._manifest = [(n, tuple(t.shape)) for n, t in items]
@@ -133,9 +146,12 @@ class WeightSender:
             named = items
         numels = [math.prod(s) for _, s in self._manifest]
         plan = plan_buckets(numels, self.dtype.itemsize, self.bucket_bytes)
-        works = self._queue([torch.tensor([version, len(plan)], dtype=torch.int64)])
+        self._queue([torch.tensor([version, len(plan), int(check)], dtype=torch.int64)])
+        works = []
         bucket_of = {i: (k, off) for k, idx in enumerate(plan) for i, off in zip(idx, _offsets([numels[j] for j in idx]))}
-        buckets = [torch.empty(sum(numels[i] for i in idx), dtype=self.dtype, device=self.device) for idx in plan]
+        buckets = self._free.pop() if self._free else [
+            torch.empty(sum(numels[i] for i in idx), dtype=self.dtype, device=self.device) for idx in plan]
+        sent: list[torch.Tensor] = []  # this transfer's buckets, kept together for the pool
         fps: list[torch.Tensor] = []
         filled = [0] * len(plan)
         names = []
@@ -150,12 +166,16 @@ class WeightSender:
                 slot.copy_(t.detach().reshape(-1))
                 filled[k] += 1
                 if filled[k] == len(plan[k]):  # full: on the wire, and its fingerprints while it travels
-                    works += self._queue([buckets[k]])
-                    fps += [fingerprint(buckets[k][o : o + numels[j]]) for j, o in
-                            zip(plan[k], _offsets([numels[j] for j in plan[k]]))]
+                    works += [dist.broadcast(buckets[k], src=self.src, group=self.group, async_op=True)]
+                    sent.append(buckets[k])
+                    if check:
+                        fps += [fingerprint(buckets[k][o : o + numels[j]]) for j, o in
+                                zip(plan[k], _offsets([numels[j] for j in plan[k]]))]
         if len(names) != len(numels):
             raise ValueError(f"weight stream: {len(names)} tensors sent, the first transfer had {len(numels)}")
-        self._queue([torch.stack(fps).cpu() if fps else torch.zeros(0, 3, dtype=torch.float64)])
+        self._inflight.append((works, sent, True))
+        if check:
+            self._queue([torch.stack(fps).cpu() if fps else torch.zeros(0, 3, dtype=torch.float64)])
         if blocking:
             self.wait()
         self.sent += 1
@@ -221,10 +241,10 @@ class WeightReceiver:
                     + (f"no target of that name and shape: {unknown[:5]}" if unknown else ""))
         manifest = self._manifest
         dtype = getattr(torch, manifest[0][2].removeprefix("torch.")) if manifest else torch.float32
-        header = torch.zeros(2, dtype=torch.int64)
+        header = torch.zeros(3, dtype=torch.int64)
         dist.broadcast(header, src=self.src, group=self.group)
         start = time.perf_counter()
-        version, n_buckets = int(header[0]), int(header[1])
+        version, n_buckets, checked = int(header[0]), int(header[1]), bool(header[2])
         if version == END:
             return None
         numels = [math.prod(s) for _, s, _ in manifest]
@@ -241,8 +261,9 @@ class WeightReceiver:
         seconds = time.perf_counter() - start  # the weights are in place: the check's own time is apart
         t_check = time.perf_counter()
         fps = torch.zeros(len(manifest), 3, dtype=torch.float64)  # the sender's, computed while the buckets travel
-        dist.broadcast(fps, src=self.src, group=self.group)
-        if check:
+        if checked:  # the sender sends them unless its own check is off
+            dist.broadcast(fps, src=self.src, group=self.group)
+        if check and checked:
             bad = []
             for (name, _, _), want in zip(manifest, fps.tolist()):
                 got = fingerprint(targets[name], dtype).cpu().tolist()

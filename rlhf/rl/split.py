@@ -130,7 +130,7 @@ class TrainerSide:
         named = self.actor.generation_weights()
         with phase(self.me, f"sending the weights of version {version}", "a generation rank", self.timeout_s):
             if self.sender is not None:
-                self.sender.send(named, version)
+                self.sender.send(named, version, check=self.cfg.engine.check_weights != "never")
             else:
                 for _ in named:  # the gathers are collective: every trainer walks them
                     pass
