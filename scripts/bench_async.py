@@ -45,8 +45,11 @@ def one(actor: str, seed: int, steps: int, extra: list[str], mode: str, out: str
         train = [r for r in map(json.loads, f) if r["kind"] == "train"]
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
-    step_s = statistics.median(r["generation_s"] + r["scoring_s"] + r["training_s"] for r in train[1:] or train)
-    return {"mode": mode, "seed": seed, "step_s": step_s, "steps_per_s": 1 / step_s,
+    rows = train[1:] or train
+    step_s = statistics.median(r["generation_s"] + r["scoring_s"] + r["training_s"] for r in rows)
+    phases = {k: statistics.median(r[k] for r in rows) for k in ("generation_s", "scoring_s", "training_s", "sampler_s")
+              if all(k in r for r in rows)}  # sampler_s: the generation rank's own time per rollout (async)
+    return {"mode": mode, "seed": seed, "step_s": step_s, "steps_per_s": 1 / step_s, "phases": phases,
             "gold_before": s.get("gold_score_before"), "gold_after": s.get("gold_score_after"),
             "staleness_counts": s.get("staleness_counts"), "weights_gb_per_s": s.get("weights_gb_per_s"),
             "samples": len(train) * s["samples_per_step"]}
@@ -64,7 +67,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in a.seeds:
             for mode in ("sync", "async"):
-                rows.append(one(a.actor, seed, a.steps, a.extra, mode, os.path.join(tmp, f"{mode}_{seed}")))
+                rows.append(one(os.path.abspath(a.actor), seed, a.steps, a.extra, mode, os.path.join(tmp, f"{mode}_{seed}")))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     by = {(r["mode"], r["seed"]): r for r in rows}
     speed = [by["async", s]["steps_per_s"] / by["sync", s]["steps_per_s"] for s in a.seeds]
