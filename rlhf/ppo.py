@@ -7,6 +7,7 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp | gspo (conf/algorithm/)
     python -m rlhf.ppo algorithm=online_dpo                   # DPO on each step's best-vs-worst samples
     python -m rlhf.ppo algorithm=distill teacher.model=outputs/ppo actor.model=/runs/small_sft
+    torchrun --nproc_per_node 4 -m rlhf.ppo engine.placement=split engine.generation_ranks=1 rollout.mode=async
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
 `rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old log-probs: the actor's
@@ -21,6 +22,9 @@ models are not loaded.
 `algorithm=online_dpo` (rlhf/rl/online_dpo.py) replaces the rewards/advantages/update by the DPO loss on
 each prompt group's best vs worst response; `algorithm=distill` (rlhf/rl/distill.py) puts teacher.model in
 the reference's place and makes -kl_coef x its per-token reverse KL the only reward.
+`engine.placement=split` (rlhf/rl/split.py): the last engine.generation_ranks ranks only generate (`generation_rank`),
+the others train and receive each step's rollout from them instead of generating it, sending the new weights after
+each step; `rollout.mode=async` lets the generation ranks sample up to `rollout.max_staleness` steps ahead.
 Held-out prompts (KL to the reference, reward, and the greedy gold score where a judge applies): the first
 `data.num_eval_prompts` of `data.eval_prompts_path` (the shipped task's while data.path is the shipped
 file), else of `data.eval_path`, else of `data.eval_size` of data.path's prompts, held out of training.
