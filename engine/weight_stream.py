@@ -191,6 +191,18 @@ def _offsets(numels: list[int]) -> list[int]:
     return out
 
 
+def received_mismatches(names: list[str], targets: dict[str, torch.Tensor], sent: torch.Tensor,
+                        dtype: torch.dtype) -> list[str]:
+    """One line per tensor whose fingerprint (in `dtype`) differs from the sender's (`sent`, [n, 3] float64,
+    row i for names[i]): the receiving side's weight check."""
+    bad = []
+    for name, want in zip(names, sent.tolist()):
+        got = fingerprint(targets[name], dtype).cpu().tolist()
+        if not agree(got, want):
+            bad.append(f"{name}: received {describe(got)} != sent {describe(want)}")
+    return bad
+
+
 class WeightReceiver:
     """Generator side: receives each transfer of a `WeightSender` into `targets` ({name: tensor}, the
     generation layout: e.g. a module's parameters), then checks every tensor's fingerprint against the
@@ -264,11 +276,7 @@ class WeightReceiver:
         if checked:  # the sender sends them unless its own check is off
             dist.broadcast(fps, src=self.src, group=self.group)
         if check and checked:
-            bad = []
-            for (name, _, _), want in zip(manifest, fps.tolist()):
-                got = fingerprint(targets[name], dtype).cpu().tolist()
-                if not agree(got, want):
-                    bad.append(f"{name}: received {describe(got)} != sent {describe(want)}")
+            bad = received_mismatches([n for n, _, _ in manifest], targets, fps, dtype)
             if bad:
                 raise WeightCheckError(f"weight stream (version {version}): {len(bad)} tensors of the generation layout "
                                        "differ from what the trainer sent:\n  " + "\n  ".join(bad[:8]))

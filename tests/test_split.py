@@ -198,3 +198,24 @@ def test_async_run_and_a_hung_generator(tiny_stages, tmp_path):
     waited = ended - os.path.getmtime(out / "metrics.jsonl")  # from step 2's record to the end of the job
     assert waited < timeout_s + 30, f"the job took {waited:.0f} s after the last step, engine.timeout_s={timeout_s}"
     assert waited < ended - start
+
+
+def test_the_receiving_check_names_a_changed_tensor():
+    """The weight stream's check on arrival: equal copies pass; one element off by one float32 ulp, or two rows
+    swapped (the plain sum unchanged), is a line naming that tensor."""
+    from engine.weight_check import fingerprint
+    from engine.weight_stream import received_mismatches
+
+    g = torch.Generator().manual_seed(0)
+    sent = {"a.weight": torch.randn(64, 32, generator=g), "b.bias": torch.randn(32, generator=g)}
+    fps = torch.stack([fingerprint(t) for t in sent.values()])
+    names = list(sent)
+    assert received_mismatches(names, {k: v.clone() for k, v in sent.items()}, fps, torch.float32) == []
+    ulp = {k: v.clone() for k, v in sent.items()}
+    ulp["b.bias"][7] = torch.nextafter(ulp["b.bias"][7], torch.tensor(float("inf")))
+    bad = received_mismatches(names, ulp, fps, torch.float32)
+    assert len(bad) == 1 and bad[0].startswith("b.bias: received")
+    swapped = {k: v.clone() for k, v in sent.items()}
+    swapped["a.weight"][[3, 9]] = swapped["a.weight"][[9, 3]]
+    bad = received_mismatches(names, swapped, fps, torch.float32)
+    assert len(bad) == 1 and bad[0].startswith("a.weight: received")
