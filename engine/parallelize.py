@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .config import PRECISIONS, EngineConfig
-from .distributed import DistInfo
+from .distributed import DistInfo, group
 
 # Prefixes that wrappers insert into parameter names; removed from every name the engine exports.
 # The one map from dtype names to torch dtypes (engine.precision is one of its keys).
@@ -201,14 +201,18 @@ def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: 
             model,
             device_ids=[info.device.index] if info.device.type == "cuda" else None,
             find_unused_parameters=cfg.find_unused_parameters,
+            process_group=group(),
             **no_buffer_sync,
         )
         return Parallelized(model=ddp, unwrapped=model)
 
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    kwargs: dict = {"mesh": init_device_mesh(info.device.type, (info.world_size,))}
+    # under a split placement the trainers' group (engine.distributed.split_world), else the whole job
+    mesh = init_device_mesh(info.device.type, (info.world_size,)) if group() is None else \
+        DeviceMesh.from_group(group(), info.device.type)
+    kwargs: dict = {"mesh": mesh}
     if dtype != torch.float32:
         # Params are stored (sharded) in fp32, all-gathered and computed in `dtype`; gradients are
         # reduce-scattered in fp32 so the sum over ranks does not lose bits.

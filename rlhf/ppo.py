@@ -7,6 +7,7 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp | gspo (conf/algorithm/)
     python -m rlhf.ppo algorithm=online_dpo                   # DPO on each step's best-vs-worst samples
     python -m rlhf.ppo algorithm=distill teacher.model=outputs/ppo actor.model=/runs/small_sft
+    torchrun --nproc_per_node 4 -m rlhf.ppo engine.placement=split engine.generation_ranks=1 rollout.mode=async
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
 `rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old log-probs: the actor's
@@ -21,6 +22,9 @@ models are not loaded.
 `algorithm=online_dpo` (rlhf/rl/online_dpo.py) replaces the rewards/advantages/update by the DPO loss on
 each prompt group's best vs worst response; `algorithm=distill` (rlhf/rl/distill.py) puts teacher.model in
 the reference's place and makes -kl_coef x its per-token reverse KL the only reward.
+`engine.placement=split` (rlhf/rl/split.py): the last engine.generation_ranks ranks only generate (`generation_rank`),
+the others train and receive each step's rollout from them instead of generating it, sending the new weights after
+each step; `rollout.mode=async` lets the generation ranks sample up to `rollout.max_staleness` steps ahead.
 Held-out prompts (KL to the reference, reward, and the greedy gold score where a judge applies): the first
 `data.num_eval_prompts` of `data.eval_prompts_path` (the shipped task's while data.path is the shipped
 file), else of `data.eval_path`, else of `data.eval_size` of data.path's prompts, held out of training.
@@ -37,19 +41,21 @@ from typing import Any
 
 import torch
 
-from engine.distributed import all_gather_object, all_reduce_sum
+from engine import set_deterministic
+from engine.distributed import DistInfo, Placement, all_gather_object, all_reduce_sum, init_distributed, split_world
 from engine.generation import SamplingParams
 from engine.inference import stream_seed
+from engine.weight_stream import GenerationReplica, WeightReceiver
 from rlhf.algos import rl as rl_math
 from rlhf.config import PPOConfig
-from rlhf.config.validate import rollout_rows, validate_ppo
+from rlhf.config.validate import engine_config, rollout_rows, validate_ppo
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
-from rlhf.modeling.load import check_causal_lm, load_tokenizer
-from rlhf.rl import alarms, distill, online_dpo, rewards
+from rlhf.modeling.load import check_causal_lm, disable_dropout, load_causal_lm, load_tokenizer
+from rlhf.rl import alarms, distill, online_dpo, rewards, split
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
@@ -57,7 +63,7 @@ from rlhf.rl.old_logprobs import OldLogprobs
 from rlhf.rl.remote import RewardServerDown
 from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
-from rlhf.run.app import stage_main
+from rlhf.run.app import seed_everything, setup_logging, stage_main
 from rlhf.run.runlog import read_metrics
 from rlhf.run.stage import Run, without_samples
 
@@ -138,7 +144,52 @@ def eval_samples(greedy: list[dict], prompts: list, g: Any, tok: Any, scored: di
 # ----------------------------------------------------------------------------- the run
 
 
+def split_placement(cfg: PPOConfig) -> Placement | None:
+    """engine.placement=split: the job split into training and generation ranks (engine/distributed.py)."""
+    if cfg.engine.placement != "split":
+        return None
+    init_distributed(timeout_s=cfg.engine.timeout_s)
+    try:
+        return split_world(cfg.engine.generation_ranks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
+    """A generation rank of a split placement: the training prompts and a copy of the actor, then the
+    generator loop (rlhf/rl/split.py) until the trainers close the weight stream. Writes nothing."""
+    set_deterministic(cfg.engine.deterministic)
+    info = init_distributed()
+    setup_logging(False)
+    trainers = len(placement.trainer_ranks)
+    validate_ppo(cfg, DistInfo(rank=0, world_size=trainers, local_rank=info.local_rank, device=info.device,
+                               is_main=False))  # the trainers' batch arithmetic, the same errors
+    seed_everything(cfg.seed)
+    r, d = cfg.rollout, cfg.data
+    tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
+    rows, _ = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
+    feats, _ = tokenize_prompts(parse_prompts(rows, tok), tok, d.max_prompt_len, d.overlong, d.add_bos)
+    order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
+    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
+    model = disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model), tok, seed=cfg.seed, key="actor", lora=False))
+    replica = GenerationReplica(model, engine_config(cfg.engine, info), info,
+                                WeightReceiver(placement.stream_group, src=0, device=info.device))
+    width = max(len(f["input_ids"]) for f in feats) if cfg.engine.deterministic else None
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+
+    def make_rollout(step: int, trainer: int) -> Rollout:  # trainer `trainer`'s rows, as it would sample them
+        idx = [i for i in order.rank_rows(step, trainer, trainers, 1)[0] for _ in range(r.n_samples_per_prompt)]
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
+        return generate(replica, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx), sampling(cfg),
+                        eos, pad, seeds)
+
+    return split.generator_loop(replica, placement, cfg, total, make_rollout)
+
+
 def run(cfg: PPOConfig) -> dict[str, Any]:
+    placement = split_placement(cfg)  # engine.placement=split: this rank trains or only generates
+    if placement is not None and placement.role == "generate":
+        return generation_rank(cfg, placement)
     run, _ = Run.open("ppo", "PPO", cfg, cfg.train, validate_ppo)
     info, r, p = run.info, cfg.rollout, cfg.ppo
     if cfg.model.name_or_path is not None:
@@ -239,6 +290,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         monitor.load_state_dict(run.extra_state["alarms"])
     if "old_logprobs" in run.extra_state:
         old_logprobs.load_state_dict(run.extra_state["old_logprobs"])
+    side = None  # engine.placement=split: the rollouts come from the generation ranks (rlhf/rl/split.py)
+    if placement is not None:
+        side = split.TrainerSide(models.actor, placement, cfg, start=run.start, total=total)
+        side.send_weights(run.start)
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
@@ -253,8 +308,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
         seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
-        rollout = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
-                           sampling(cfg), eos, pad, seeds)
+        if side is None:
+            rollout, meta = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width),
+                                     torch.tensor(idx), sampling(cfg), eos, pad, seeds), {}
+        else:  # sampled on a generation rank with these very rows and seeds, with a version <= max_staleness old
+            rollout, meta = side.receive(step)
         t1 = time.time()
         from_sampler = not old_logprobs.recompute(step)
         try:
@@ -279,9 +337,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             a_stats, c_stats = online_dpo.update(models, rollout, scored, pairs, cfg, losses[0], run), []
         else:
             a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
+        if side is not None:  # the new version on its way to the generators while this step's metrics are made
+            side.after_step(step)
         t3 = time.time()
         rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped, from_sampler)
         old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
+        rec.update(meta)  # split: policy_version, staleness, the weight transfer's bytes / s / GB/s
         if dpo:
             rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
         for key in times:
@@ -300,6 +361,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                           len=f"{rec['response_len']:.1f}"))
 
     # ---- final evaluation, export, summary
+    if side is not None:  # the generators stopped; what they sampled past the last step trained is discarded
+        side.stop()
     last = run.evaluate_after()
     exported = best.exported(run.total, last)  # train.export_best: the best evaluation's step, else the last
     after = exported["eval"]
@@ -334,6 +397,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "alarms_fired": monitor.first_fired,  # name -> the first step it fired
         "stopped_early": run.stop_reason,
         "generation_path": models.actor.generation_path,
+        "placement": cfg.engine.placement,
+        **({"rollout_mode": r.mode, "max_staleness": split.staleness_bound(r), **side.summary()} if side else {}),
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
     }, model_dir, plot(p.kl_estimator), last.get("samples", []))
 

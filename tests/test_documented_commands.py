@@ -38,6 +38,8 @@ NOT_RUN = {
     "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
+    "python scripts/bench_async.py --actor outputs/sft --seeds 1234 1 2 --steps 12": "six torchrun PPO runs, a "
+    "measurement (docs/engine.md); tests/test_split.py runs both modes, and the script's 2-step form is run",
     "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 "
     "--repeat 3": "a CPU benchmark of tens of minutes on 2 cores (its --small form is run)",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",

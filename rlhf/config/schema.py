@@ -386,6 +386,12 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)
     top_p: float = 1.0  # nucleus sampling (1 = off)
+    # engine.placement=split (docs/engine.md, "Split placement"): sync = the generation ranks sample step s
+    # with the weights after step s-1 (the trainers wait, as colocated); async = with weights at most
+    # max_staleness steps old, so generation overlaps training (the importance correction, ppo.is_correction,
+    # weighs each token against the version trained)
+    mode: str = "sync"  # sync | async (engine.placement=split: generation overlaps training, weights up to max_staleness steps old)
+    max_staleness: int = 1  # rollout.mode=async: step s is sampled with the weights after step s-1-k, k <= this (0 = sync)
 
 
 @dataclass(kw_only=True)

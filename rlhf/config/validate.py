@@ -250,6 +250,8 @@ def validate_stage(cfg: StageConfig, info) -> int:
     before any model loads; returns the accumulation steps."""
     _need(bool(cfg.output_dir), "output_dir must be set")
     _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    _need(cfg.engine.placement == "colocated", f"engine.placement={cfg.engine.placement}: a split placement (ranks that "
+          "only generate) is for RL, python -m rlhf.ppo; this stage trains on every rank")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
@@ -404,6 +406,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     validate_reward_sources(cfg.reward)
     validate_alarms(cfg.alarms)
     validate_objective(cfg)
+    validate_split(cfg)
     engine_config(cfg.engine, info)
 
 
@@ -415,6 +418,30 @@ def validate_best(t: PPOTrainConfig) -> None:
     _need(not (t.export_best or t.early_stop_patience) or t.eval_every > 0,
           f"train.export_best / train.early_stop_patience choose by the held-out evaluations every train.eval_every "
           f"steps: set train.eval_every > 0, got {t.eval_every}")
+
+
+ROLLOUT_MODES = ("sync", "async")
+
+
+def validate_split(cfg: PPOConfig) -> None:
+    """rollout.mode / rollout.max_staleness and what engine.placement=split supports (docs/engine.md)."""
+    r, e, p = cfg.rollout, cfg.engine, cfg.ppo
+    _need(r.mode in ROLLOUT_MODES, f"rollout.mode must be one of {ROLLOUT_MODES}, got {r.mode!r}")
+    _need(not isinstance(r.max_staleness, bool) and isinstance(r.max_staleness, int) and r.max_staleness >= 0,
+          f"rollout.max_staleness must be an integer >= 0 (steps; 0 = synchronous), got {r.max_staleness!r}")
+    _need(r.mode == "sync" or e.placement == "split", "rollout.mode=async overlaps generation on some ranks with "
+          "training on the others: it needs engine.placement=split (and engine.generation_ranks)")
+    if e.placement != "split":
+        return
+    _need(e.generation in ("auto", "hf"), f"engine.placement=split: the generation ranks run transformers generate "
+          f"on their copy of the model (the injected layout is not streamed yet): engine.generation={e.generation} "
+          "is not supported, use auto or hf")
+    _need(p.objective == "rl", f"engine.placement=split runs ppo.objective=rl (PPO, GRPO, RLOO, REINFORCE++), "
+          f"not {p.objective}")
+    if r.mode == "async" and r.max_staleness > 0:
+        _need(p.old_logprobs != "sampler", "rollout.mode=async with rollout.max_staleness > 0 samples with weights "
+              "older than those trained: ppo.old_logprobs=sampler would take the stale policy's log-probs as the old "
+              "ones; use recompute or auto (recomputed on every step in async mode)")
 
 
 OBJECTIVES = ("rl", "online_dpo", "distill")  # ppo.objective; algorithm=online_dpo / distill set the others
