@@ -32,7 +32,7 @@ WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_or
 class Parallelized:
     """What `parallelize` built: the module to call, the plain module under it, and the FSDP units."""
 
-    model: nn.Module  # DDP(module) for stage 0/1, the module itself (now an FSDPModule) for 2/3
+    model: nn.Module  # DDP(module) for stage 0/1 (the module itself on one rank), the module (an FSDPModule) for 2/3
     unwrapped: nn.Module
     # FSDP units in model.modules() order (root first) with the reshard_after_forward each was given.
     fsdp_units: list[tuple[nn.Module, bool]] = field(default_factory=list)
@@ -186,7 +186,10 @@ def parallelize(model: nn.Module, cfg: EngineConfig, info: DistInfo, *, frozen: 
             compile_blocks(blocks)
         if dtype != torch.float32:
             autocast_forward(model, info.device, dtype)
-        if frozen:
+        # NOTE: one rank: no DDP wrapper either. Its all-reduce is then the identity (same gradients bit for
+        # bit), but its forward, bucket copies and the call itself were ~5% of the default RL step's
+        # update on CPU (scripts/bench_rl.py --profile: 12 allreduce_ calls and ~330 copy_ per train_step)
+        if frozen or info.world_size == 1:
             return Parallelized(model=model, unwrapped=model)
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -244,7 +244,9 @@ class TrainEngine(_ShardedModule):
         if self._sharded:
             self.model.set_requires_gradient_sync(enabled)
             return contextlib.nullcontext()
-        return contextlib.nullcontext() if enabled else self.model.no_sync()
+        if enabled or self.model is self.unwrapped:  # one rank at stage 0/1: no DDP, nothing to hold back
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def _to_device(self, batch: dict) -> dict:
         dev = self.info.device

@@ -48,6 +48,8 @@ NOT_RUN = {
                                                  "form (the tiny default) is run",
     "PYTHONPATH=. python scripts/bench_rl.py --reps 3 --steps 5": "a benchmark of whole stage runs against a baseline "
                                                                   "checkout; its smoke form is run by tests/test_bench_rl.py",
+    "OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/bench_rl.py --profile outputs/bench_rl/profile.txt --steps 4 "
+    "--clock cpu": "profiles whole stage runs; tests/test_bench_rl.py checks its Profiler's tables on values",
     "python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none":
         "tests/test_bench_rl.py runs it (checking the phases and the counted FLOPs on values)",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
