@@ -55,6 +55,9 @@ NOT_RUN = {
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
                                            "reproduces them",
     "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; SEEDS= is run (test_ppo.py)",
+    "python scripts/drop_layers.py outputs/sft --keep 0 2 --out outputs/student_init":
+        "keeps layers 0 and 2 of the embedded default's 3; the workspace's SFT model has 2: "
+        "tests/test_drop_layers.py runs it on a 3-layer model and checks the result on values",
     # run as written (smoke size) by the pipeline tests of tests/test_ppo.py; not twice
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",
     "PRESET=smoke bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke",
