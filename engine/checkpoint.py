@@ -21,6 +21,7 @@ import pickle
 import random
 import shutil
 import signal
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import group
 from .errors import CheckpointError
 from .parallelize import VIEW_PREFIX
 
@@ -41,14 +43,19 @@ _passed: dict[str, int] = {}
 def kill_point(name: str) -> None:
     """A moment where a kill must lose nothing (inside a checkpoint write, mid-prune, ...). With
     `ENGINE_KILL_AT=<name>[:n]` in the environment the process SIGKILLs itself the n-th time (default
-    the first) it passes `name`: how the tests prove it with a real kill. Otherwise a no-op."""
+    the first) it passes `name`: how the tests prove it with a real kill; `<name>:<n>:hang` makes it
+    hang there instead (sleeps until killed: a rank that stops answering). Otherwise a no-op."""
     want = os.environ.get(KILL_ENV)
     if not want:
         return
-    target, _, nth = want.partition(":")
+    target, _, rest = want.partition(":")
+    nth, _, how = rest.partition(":")
     if target == name:
         _passed[name] = _passed.get(name, 0) + 1
         if _passed[name] == int(nth or 1):
+            if how == "hang":
+                while True:
+                    time.sleep(3600)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -287,7 +294,7 @@ def _view_names(loaded: dict, like: dict) -> dict:
 def save_model_optimizer(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_inner_names(_dcp_state(model, optimizer, zero1)), checkpoint_id=directory)
+    dcp.save(_inner_names(_dcp_state(model, optimizer, zero1)), checkpoint_id=directory, process_group=group())
 
 
 def load_model_optimizer(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, zero1: bool) -> None:
@@ -296,7 +303,7 @@ def load_model_optimizer(directory: str, model: nn.Module, optimizer: torch.opti
 
     live = _dcp_state(model, optimizer, zero1)
     loaded = _inner_names(live)
-    dcp.load(loaded, checkpoint_id=directory)  # in place, each rank reads the pieces of its shards
+    dcp.load(loaded, checkpoint_id=directory, process_group=group())  # in place, each rank reads the pieces of its shards
     state = _view_names(loaded, live)
     if zero1:
         set_model_state_dict(model, state["model"])

@@ -21,6 +21,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 GENERATION_PATHS = ("auto", "injected", "hf")
 SELFCHECK = ("auto", "true", "false")
 CHECK_WEIGHTS = ("every", "first", "never")
+PLACEMENTS = ("colocated", "split")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -84,6 +85,13 @@ class EngineConfig:
     # Deterministic mode only: every generation forward runs exactly this many rows (a batch is cut into
     # chunks, the last one filled with copies), since GEMM kernels are chosen by the row count.
     deterministic_rows: int = 64  # engine.deterministic: rows per generation forward (chunks; the last one padded)
+    # Split placement (engine/distributed.py split_world): in one torchrun job the first ranks train (ZeRO
+    # over their own process group) and the last engine.generation_ranks ranks only generate, each with a
+    # whole copy of the model, refreshed after each optimizer step by the weight stream
+    # (engine/weight_stream.py: large flat buckets in the generation layout, checked on arrival).
+    placement: str = "colocated"  # colocated (every rank generates, then trains) | split (the last generation_ranks ranks only generate; RL)
+    generation_ranks: int = 1  # placement=split: how many of the job's ranks generate (the last ones; the rest train)
+    weight_bucket_mb: float = 256.0  # placement=split: MiB per bucket of the weight stream (one broadcast each)
     # Read by the stage apps' command line only (rlhf/config/ds_config.py), never by the engine: the file's
     # settings become overrides placed before the user's, so the command line wins.
     ds_config: str | None = None  # a DeepSpeed ds_config.json whose keys fill this config (see docs/deepspeed.md)
@@ -154,6 +162,14 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
             or cfg.deterministic_rows < 1:
         raise ValueError(f"engine.deterministic_rows must be an integer >= 1 (rows per generation forward), "
                          f"got {cfg.deterministic_rows!r}")
+    if cfg.placement not in PLACEMENTS:
+        raise ValueError(f"engine.placement must be one of {PLACEMENTS}, got {cfg.placement!r}")
+    if isinstance(cfg.generation_ranks, bool) or not isinstance(cfg.generation_ranks, int) or cfg.generation_ranks < 1:
+        raise ValueError(f"engine.generation_ranks must be an integer >= 1 (ranks that generate under "
+                         f"engine.placement=split), got {cfg.generation_ranks!r}")
+    if not (isinstance(cfg.weight_bucket_mb, (int, float)) and cfg.weight_bucket_mb > 0):
+        raise ValueError(f"engine.weight_bucket_mb must be > 0 (MiB per bucket of the weight stream), "
+                         f"got {cfg.weight_bucket_mb!r}")
     if cfg.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(
             f"engine.precision=fp16 needs a CUDA device (device here: {info.device}); "

@@ -28,6 +28,10 @@ class DistInfo:
 
 
 _INFO: DistInfo | None = None
+# The group the engine's collectives run over: None = the default (whole world); under a split
+# placement (`split_world`) the trainers' own group, so that ZeRO, DDP, the step's all-reduces and DCP
+# run over the training ranks only while the generation ranks do something else.
+_GROUP: Any = None
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -83,10 +87,66 @@ def init_distributed(timeout_s: float | None = None) -> DistInfo:
 
 def shutdown_distributed() -> None:
     """Destroy the default process group (end of a script); `init_distributed()` may be called again."""
-    global _INFO
+    global _INFO, _GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _INFO = None
+    _INFO, _GROUP = None, None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where this rank sits in a split job (`split_world`): the first ranks train, the last generate.
+
+    `stream_group`: the first trainer and every generator (the weight broadcast, engine/weight_stream.py);
+    `train_group`: the trainers (None on a generator). `world_rank` is the rank in the whole job; the
+    engine's `DistInfo` on a trainer is its view inside the trainers' group."""
+
+    role: str  # "train" | "generate"
+    world_rank: int
+    trainer_ranks: tuple[int, ...]
+    generator_ranks: tuple[int, ...]
+    train_group: Any
+    stream_group: Any
+
+    def kind(self, rank: int) -> str:
+        return "trainer" if rank in self.trainer_ranks else "generator"
+
+
+def split_world(generation_ranks: int) -> Placement:
+    """Splits the job (after `init_distributed`) into trainers (ranks 0..W-N-1) and `generation_ranks`
+    generators (the last N). Collective over the whole job: every rank creates the same groups in the
+    same order. On a trainer, from then on `init_distributed()`'s info and the collectives of this module
+    (and of the engine: FSDP2's mesh, DDP, DCP) are those of the trainers' group; a generator's info is a
+    group of one (it runs no engine collective)."""
+    global _INFO, _GROUP
+    info = init_distributed()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not 1 <= generation_ranks < world:
+        raise ValueError(f"engine.generation_ranks={generation_ranks} must leave at least one training rank and "
+                         f"take at least one of the job's {world} ranks (torchrun --nproc_per_node x --nnodes)")
+    trainers, generators = tuple(range(world - generation_ranks)), tuple(range(world - generation_ranks, world))
+    train_group = dist.new_group(list(trainers))  # NOTE: new_group is collective: every rank, same order
+    stream_group = dist.new_group([trainers[0], *generators])
+    role = "train" if rank in trainers else "generate"
+    if role == "train":
+        _GROUP = train_group
+        r = dist.get_rank(train_group)
+        _INFO = DistInfo(rank=r, world_size=len(trainers), local_rank=info.local_rank, device=info.device, is_main=r == 0)
+    else:
+        _INFO = DistInfo(rank=0, world_size=1, local_rank=info.local_rank, device=info.device, is_main=False)
+    return Placement(role=role, world_rank=rank, trainer_ranks=trainers, generator_ranks=generators,
+                     train_group=train_group if role == "train" else None, stream_group=stream_group)
+
+
+def group() -> Any:
+    """The process group of the engine's collectives (None: the default group)."""
+    return _GROUP
+
+
+def _size() -> int:
+    if not dist.is_initialized():
+        return 1
+    return dist.get_world_size(_GROUP)
 
 
 def exit_process(code: int = 0) -> None:
@@ -98,6 +158,8 @@ def exit_process(code: int = 0) -> None:
     while the interpreter finalizes takes the GIL and is killed mid-unwind (pytorch#190489; measured
     here: 1 in ~3 two-rank runs that resume a DCP checkpoint). `destroy_process_group` does not join
     those threads; skipping finalization avoids the window entirely.
+    A failed run (`code` != 0) does not destroy the group: gloo's destructor waits for the work still
+    queued, which a dead or hung peer never completes (a split placement's weight stream in flight).
     """
     import atexit
     import logging
@@ -105,7 +167,8 @@ def exit_process(code: int = 0) -> None:
 
     try:
         atexit._run_exitfuncs()
-        shutdown_distributed()
+        if code == 0:
+            shutdown_distributed()
         logging.shutdown()
     finally:
         for stream in (sys.stdout, sys.stderr):
@@ -117,37 +180,37 @@ def exit_process(code: int = 0) -> None:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    if _size() > 1:
+        dist.barrier(group=_GROUP)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """In-place SUM across ranks (no-op at world size 1); returns `t`."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if _size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_GROUP)
     return t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     """In-place MAX across ranks (no-op at world size 1); returns `t`."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if _size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_GROUP)
     return t
 
 
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order (pickled; for small things)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _size() == 1:
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * _size()
+    dist.all_gather_object(out, obj, group=_GROUP)
     return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s `obj` on every rank (pickled; for small things such as a temp directory name)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if _size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src if _GROUP is None else dist.get_global_rank(_GROUP, src), group=_GROUP)
     return box[0]

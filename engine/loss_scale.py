@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .distributed import group
+
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The locally held part of `t`: the shard of a DTensor, `t` itself otherwise."""
@@ -30,8 +32,8 @@ def global_grad_norm(grads: list[torch.Tensor], *, sharded: bool) -> float:
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in local:
         sq += g.detach().float().pow(2).sum().to(device)
-    if sharded and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM)
+    if sharded and dist.is_initialized() and dist.get_world_size(group()) > 1:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group())
     return sq.sqrt().item()
 
 

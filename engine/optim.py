@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .config import OptimConfig
+from .distributed import group
 
 SCHEDULERS = ("constant", "linear", "cosine")
 
@@ -73,7 +74,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, *, zero1: bool = False) 
     if zero1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=group(), **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 

@@ -41,12 +41,12 @@ from .checkpoint import (
 from .config import EngineConfig, OptimConfig, selfcheck_enabled, validate_engine_config
 from .errors import CheckpointError
 from .lora import lora_layers, merge_lora
-from .distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from .distributed import DistInfo, all_reduce_sum, barrier, group, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
 from .memory import memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
 from .parallelize import TORCH_DTYPES, clean_name, hf_base_model, inner_module, parallelize
-from .weight_check import expected_tap, mismatches, raise_on_any_rank, sharded_fingerprints
+from .weight_check import expected_tap, hf_name, mismatches, raise_on_any_rank, sharded_fingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _materialize_meta(model: nn.Module, info: DistInfo) -> None:
         import torch.distributed as dist
 
         for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, src=0)
+            dist.broadcast(t.data, src=0 if group() is None else dist.get_global_rank(group(), 0), group=group())
 
 
 def _set_kernel_selfcheck(cfg: EngineConfig) -> None:
@@ -244,7 +244,9 @@ class TrainEngine(_ShardedModule):
         if self._sharded:
             self.model.set_requires_gradient_sync(enabled)
             return contextlib.nullcontext()
-        return contextlib.nullcontext() if enabled else self.model.no_sync()
+        if enabled or self.model is self.unwrapped:  # one rank at stage 0/1: no DDP, nothing to hold back
+            return contextlib.nullcontext()
+        return self.model.no_sync()
 
     def _to_device(self, batch: dict) -> dict:
         dev = self.info.device
@@ -394,8 +396,8 @@ class TrainEngine(_ShardedModule):
         sched = dict(state["scheduler"])
         sched["lr_lambdas"] = [None] * len(sched["lr_lambdas"])  # keep this run's schedule config
         self.scheduler.load_state_dict(sched)
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr  # ZeroRedundancyOptimizer's outer groups are not in any state dict
+        for pgroup, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            pgroup["lr"] = lr  # ZeroRedundancyOptimizer's outer groups are not in any state dict
         if same_precision:
             self.scaler.load_state_dict(state["scaler"])
         self.global_step = state["global_step"]
@@ -470,6 +472,13 @@ class TrainEngine(_ShardedModule):
                     self.unwrapped.train(was_training)
         if self.info.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def generation_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the generation layout, LoRA merged: what a generation rank's copy of
+        the model holds (engine/weight_stream.py sends it). One FSDP unit gathered at a time; a tensor is
+        valid only until the next item. Collective over the training ranks."""
+        for name, t in merge_lora(self.named_full_parameters(), self._lora or {}):
+            yield hf_name(name), t
 
     @property
     def generation_path(self) -> str:

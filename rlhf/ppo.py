@@ -7,6 +7,7 @@ or a critic-free algorithm (GRPO, RLOO, REINFORCE++) without the critic.
     python -m rlhf.ppo algorithm=grpo                         # grpo | rloo | reinforce_pp | gspo (conf/algorithm/)
     python -m rlhf.ppo algorithm=online_dpo                   # DPO on each step's best-vs-worst samples
     python -m rlhf.ppo algorithm=distill teacher.model=outputs/ppo actor.model=/runs/small_sft
+    torchrun --nproc_per_node 4 -m rlhf.ppo engine.placement=split engine.generation_ranks=1 rollout.mode=async
 
 One step: generate (the actor gathered once, `rollout.prompts_per_step` prompts x
 `rollout.n_samples_per_prompt` samples, a prompt's group on one rank) -> score (old log-probs: the actor's
@@ -21,6 +22,9 @@ models are not loaded.
 `algorithm=online_dpo` (rlhf/rl/online_dpo.py) replaces the rewards/advantages/update by the DPO loss on
 each prompt group's best vs worst response; `algorithm=distill` (rlhf/rl/distill.py) puts teacher.model in
 the reference's place and makes -kl_coef x its per-token reverse KL the only reward.
+`engine.placement=split` (rlhf/rl/split.py): the last engine.generation_ranks ranks only generate (`generation_rank`),
+the others train and receive each step's rollout from them instead of generating it, sending the new weights after
+each step; `rollout.mode=async` lets the generation ranks sample up to `rollout.max_staleness` steps ahead.
 Held-out prompts (KL to the reference, reward, and the greedy gold score where a judge applies): the first
 `data.num_eval_prompts` of `data.eval_prompts_path` (the shipped task's while data.path is the shipped
 file), else of `data.eval_path`, else of `data.eval_size` of data.path's prompts, held out of training.
@@ -31,24 +35,27 @@ critic/, model_ema/ (with ppo.ema_decay), eval_rows.jsonl (the held-out prompt r
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
 import torch
 
-from engine.distributed import all_gather_object, all_reduce_sum
+from engine import set_deterministic
+from engine.distributed import DistInfo, Placement, all_gather_object, all_reduce_sum, init_distributed, split_world
 from engine.generation import SamplingParams
 from engine.inference import stream_seed
+from engine.weight_stream import GenerationReplica, WeightReceiver
 from rlhf.algos import rl as rl_math
 from rlhf.config import PPOConfig
-from rlhf.config.validate import rollout_rows, validate_ppo
+from rlhf.config.validate import engine_config, rollout_rows, validate_ppo
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import Judge, eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
-from rlhf.modeling.load import check_causal_lm, load_tokenizer
-from rlhf.rl import alarms, distill, multiturn, online_dpo, rewards
+from rlhf.modeling.load import check_causal_lm, disable_dropout, load_causal_lm, load_tokenizer
+from rlhf.rl import alarms, distill, multiturn, online_dpo, rewards, split
 from rlhf.rl.environments import load_environment, make_runner
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
@@ -57,9 +64,9 @@ from rlhf.rl.old_logprobs import OldLogprobs
 from rlhf.rl.remote import RewardServerDown
 from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
-from rlhf.run.app import stage_main
+from rlhf.run.app import seed_everything, setup_logging, stage_main
 from rlhf.run.runlog import read_metrics
-from rlhf.run.stage import Run
+from rlhf.run.stage import Run, without_samples
 
 logger = logging.getLogger("rlhf.ppo")
 
@@ -111,6 +118,9 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
                                        (1 - kept).sum()]))
     out["kl"] = (sums[0] / sums[2].clamp(min=1)).item()
     out["reward"] = (sums[1] / sums[2]).item() if sums[2] > 0 else float("nan")
+    if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble's, on the kept rows
+        d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ kept, kept.sum()]))
+        out["reward_disagreement"] = (d[0] / d[1]).item() if d[1] > 0 else float("nan")
     if sums[3] > 0:
         out["nonfinite_rows"] = int(sums[3])
     out["samples"] = eval_samples(out.get("samples", []), prompts, g, tok, scored, kl, models.reward_source)
@@ -146,7 +156,52 @@ def eval_samples(greedy: list[dict], prompts: list, g: Any, tok: Any, scored: di
 # ----------------------------------------------------------------------------- the run
 
 
+def split_placement(cfg: PPOConfig) -> Placement | None:
+    """engine.placement=split: the job split into training and generation ranks (engine/distributed.py)."""
+    if cfg.engine.placement != "split":
+        return None
+    init_distributed(timeout_s=cfg.engine.timeout_s)
+    try:
+        return split_world(cfg.engine.generation_ranks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
+    """A generation rank of a split placement: the training prompts and a copy of the actor, then the
+    generator loop (rlhf/rl/split.py) until the trainers close the weight stream. Writes nothing."""
+    set_deterministic(cfg.engine.deterministic)
+    info = init_distributed()
+    setup_logging(False)
+    trainers = len(placement.trainer_ranks)
+    validate_ppo(cfg, DistInfo(rank=0, world_size=trainers, local_rank=info.local_rank, device=info.device,
+                               is_main=False))  # the trainers' batch arithmetic, the same errors
+    seed_everything(cfg.seed)
+    r, d = cfg.rollout, cfg.data
+    tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
+    rows, _ = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
+    feats, _ = tokenize_prompts(parse_prompts(rows, tok), tok, d.max_prompt_len, d.overlong, d.add_bos)
+    order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
+    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
+    model = disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model), tok, seed=cfg.seed, key="actor", lora=False))
+    replica = GenerationReplica(model, engine_config(cfg.engine, info), info,
+                                WeightReceiver(placement.stream_group, src=0, device=info.device))
+    width = max(len(f["input_ids"]) for f in feats) if cfg.engine.deterministic else None
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+
+    def make_rollout(step: int, trainer: int) -> Rollout:  # trainer `trainer`'s rows, as it would sample them
+        idx = [i for i in order.rank_rows(step, trainer, trainers, 1)[0] for _ in range(r.n_samples_per_prompt)]
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
+        return generate(replica, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx), sampling(cfg),
+                        eos, pad, seeds)
+
+    return split.generator_loop(replica, placement, cfg, total, make_rollout)
+
+
 def run(cfg: PPOConfig) -> dict[str, Any]:
+    placement = split_placement(cfg)  # engine.placement=split: this rank trains or only generates
+    if placement is not None and placement.role == "generate":
+        return generation_rank(cfg, placement)
     run, _ = Run.open("ppo", "PPO", cfg, cfg.train, validate_ppo)
     info, r, p = run.info, cfg.rollout, cfg.ppo
     if cfg.model.name_or_path is not None:
@@ -159,6 +214,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
         if key == "actor.model" or est.needs_critic or (needs_rm and cfg.reward_model.model is None):
             check_local(path, key)  # names the stage to run first
+    if needs_rm:
+        for i, path in enumerate(cfg.reward.ensemble_models):
+            check_local(path, f"reward.ensemble_models[{i}]")
     for key, path in (("actor", cfg.actor.model), ("reference", cfg.reference.model)):
         check_causal_lm(path, key)  # a reward model as the policy: refused before the data and any weights
 
@@ -216,6 +274,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     if r.env:
         if p.objective != "rl":
             raise ConfigError(f"rollout.env works with the RL objective, not ppo.objective={p.objective}")
+        if cfg.engine.placement == "split":  # the generation ranks sample single-turn responses only
+            raise ConfigError("rollout.env (multi-turn episodes) runs with engine.placement=colocated, not split")
         settings = multiturn.Settings.of(r)
         runner = make_runner(load_environment(r.env), r.env_workers, r.env_timeout_s)
         glue = multiturn.template_glue(tok, tuple(r.turn_stop))
@@ -232,21 +292,35 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     monitor = alarms.Monitor(cfg.alarms)
     old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 
+    best = BestEval(cfg.train, "gold_score" if gold["eval_prompts_source"] else "reward")
+
     def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
-        ev = monitor.after_eval(len(monitor.history), evaluate(models, eval_prompts, tok, cfg, len(table),
-                                                               gold=bool(gold["eval_prompts_source"]), tools=env))
+        step = len(monitor.history)
+        ev = monitor.after_eval(step, evaluate(models, eval_prompts, tok, cfg, len(table),
+                                               gold=bool(gold["eval_prompts_source"]), tools=env))
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
+        if best.after_eval(step, ev) and cfg.train.export_best:
+            models.snapshot_actor()  # collective
+        if best.exhausted() and step < total:  # (the final evaluation ends the run anyway)
+            run.stop(f"train.early_stop_patience: {best.since} evaluations without a better held-out {best.metric} "
+                     f"than step {best.step}'s {best.score:.4g}")
         return ev
 
     run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
               state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict(),
-                                "old_logprobs": old_logprobs.state_dict()})
+                                "old_logprobs": old_logprobs.state_dict(), "best": best.state_dict()})
+    if "best" in run.extra_state:
+        best.load_state_dict(run.extra_state["best"])
     if "kl_ctl" in run.extra_state:
         kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
     if "alarms" in run.extra_state:
         monitor.load_state_dict(run.extra_state["alarms"])
     if "old_logprobs" in run.extra_state:
         old_logprobs.load_state_dict(run.extra_state["old_logprobs"])
+    side = None  # engine.placement=split: the rollouts come from the generation ranks (rlhf/rl/split.py)
+    if placement is not None:
+        side = split.TrainerSide(models.actor, placement, cfg, start=run.start, total=total)
+        side.send_weights(run.start)
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
@@ -261,12 +335,17 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
         seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
-        batch = collate_prompts([feats[i] for i in idx], pad, width)
-        if env is None:
-            rollout, episodes = generate(models.actor, batch, torch.tensor(idx), sampling(cfg), eos, pad, seeds), None
-        else:  # one episode per row, over turns with the environment
-            rollout, episodes = multiturn.generate_episodes(models.actor, batch, torch.tensor(idx), [table[i] for i in idx],
-                                                            sampling(cfg), tok, env[0], env[1], env[2], seeds)
+        episodes = None
+        if side is None and env is not None:  # one episode per row, over turns with the environment
+            rollout, episodes = multiturn.generate_episodes(
+                models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
+                [table[i] for i in idx], sampling(cfg), tok, env[0], env[1], env[2], seeds)
+            meta = {}
+        elif side is None:
+            rollout, meta = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width),
+                                     torch.tensor(idx), sampling(cfg), eos, pad, seeds), {}
+        else:  # sampled on a generation rank with these very rows and seeds, with a version <= max_staleness old
+            rollout, meta = side.receive(step)
         t1 = time.time()
         from_sampler = not old_logprobs.recompute(step)
         try:
@@ -293,9 +372,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             a_stats, c_stats = online_dpo.update(models, rollout, scored, pairs, cfg, losses[0], run), []
         else:
             a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
+        if side is not None:  # the new version on its way to the generators while this step's metrics are made
+            side.after_step(step)
         t3 = time.time()
         rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped, from_sampler)
         old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
+        rec.update(meta)  # split: policy_version, staleness, the weight transfer's bytes / s / GB/s
         if dpo:
             rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
         for key in times:
@@ -306,6 +388,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         if episodes is not None:  # turns, tool calls, observation tokens, env seconds, faults (summed over ranks)
             rec.update(multiturn.step_env_metrics(episodes, info.device))
             multiturn.check_failures(rec, episodes, env[1])
+        if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble: its members' std
+            ok = torch.isfinite(std).double()
+            d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ ok, ok.sum()]))
+            rec["reward_disagreement"] = (d[0] / d[1]).item() if d[1] > 0 else float("nan")
         rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/rl/alarms.py)
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:
@@ -313,10 +399,19 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                           len=f"{rec['response_len']:.1f}"))
 
     # ---- final evaluation, export, summary
-    after = run.evaluate_after()
+    if side is not None:  # the generators stopped; what they sampled past the last step trained is discarded
+        side.stop()
+    last = run.evaluate_after()
     if env is not None:
         env[0].close()  # every episode's environment (the pool's workers stay the pool's to end)
-    out_dir, model_dir = cfg.output_dir, models.export(tok, cfg)
+    exported = best.exported(run.total, last)  # train.export_best: the best evaluation's step, else the last
+    after = exported["eval"]
+    out_dir = cfg.output_dir
+    model_dir = models.export(tok, cfg, models.best_actor if exported["step"] != run.total else None)
+    if cfg.train.export_best:
+        logger.info("train.export_best: exported the actor of step %d (held-out %s %.4g; the last step %d's: %.4g) "
+                    "as %s", exported["step"], best.metric, after.get(best.metric, float("nan")), run.total,
+                    last.get(best.metric, float("nan")), model_dir)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
         **held_out,
@@ -327,6 +422,10 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             **{k: sum(x.get(k, 0) for x in read_metrics(out_dir, "train")) for k in ("env_errors", "env_timeouts",
                                                                                   "template_mismatch")},
             } if env else {}),
+        "exported_step": exported["step"],  # the step whose actor is model/ (train.export_best: the best evaluation's)
+        **({"exported_by": f"best held-out {best.metric}", "last_step_eval": without_samples(last)}
+           if cfg.train.export_best else {}),
+        **({"reward_disagreement": after.get("reward_disagreement")} if "reward_disagreement" in after else {}),
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),
@@ -343,8 +442,52 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "alarms_fired": monitor.first_fired,  # name -> the first step it fired
         "stopped_early": run.stop_reason,
         "generation_path": models.actor.generation_path,
+        "placement": cfg.engine.placement,
+        **({"rollout_mode": r.mode, "max_staleness": split.staleness_bound(r), **side.summary()} if side else {}),
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
-    }, model_dir, plot(p.kl_estimator), after.get("samples", []))
+    }, model_dir, plot(p.kl_estimator), last.get("samples", []))
+
+
+class BestEval:
+    """The best held-out evaluation so far (`metric`: gold_score where a judge applies, else the sampled
+    reward; higher is better, the earliest of equals kept), for train.export_best and
+    train.early_stop_patience: `since` counts the evaluations after it that did not beat it. Its state
+    (checkpointed) makes a resumed run choose as the uninterrupted one does."""
+
+    def __init__(self, train: Any, metric: str):
+        self.metric, self.patience, self.use_best = metric, train.early_stop_patience, train.export_best
+        self.step: int | None = None
+        self.score = float("-inf")
+        self.since = 0
+        self.eval: dict[str, Any] = {}
+
+    def after_eval(self, step: int, ev: dict[str, Any]) -> bool:
+        """Record the evaluation after `step` steps; True when it is the new best."""
+        value = ev.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.step is not None and value <= self.score:
+            self.since += 1
+            return False
+        self.step, self.score, self.since, self.eval = step, float(value), 0, without_samples(ev)
+        return True
+
+    def exhausted(self) -> bool:
+        return self.patience > 0 and self.since >= self.patience
+
+    def exported(self, last_step: int, last: dict[str, Any]) -> dict[str, Any]:
+        """{step, eval} of the actor to export: the best evaluation's with train.export_best (when it is not
+        the last step's), else the last step's."""
+        if self.step is None or self.step == last_step or not self.use_best:
+            return {"step": last_step, "eval": last}
+        return {"step": self.step, "eval": self.eval}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "score": self.score, "since": self.since, "eval": self.eval}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.score, self.since = state["step"], float(state["score"]), int(state["since"])
+        self.eval = dict(state["eval"])
 
 
 def _eval_line(ev: dict) -> str:

@@ -5,6 +5,7 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
     PYTHONPATH=. python scripts/bench_rl.py                                 # GRPO + PPO defaults vs 103a0e2 (docs/engine.md)
     PYTHONPATH=. python scripts/bench_rl.py --reps 5 --steps 6 --algos grpo --baseline HEAD~3
     python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none
+    PYTHONPATH=. python scripts/bench_rl.py --profile outputs/bench_rl/profile.txt --steps 4  # ops + Python per phase
 
 1. Stage outputs built once in `--work`: an SFT model and a reward model of a few steps each, on the
    default (the tiny model, the shipped data; their learning does not matter to the timing).
@@ -27,6 +28,11 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
    for the backward); attention's own FLOPs are left out (short rows). Achieved = those FLOPs / the
    phase's time, printed as a fraction of the measured matmul rate in the run's precision (measured
    again right after this run; the larger of the two).
+6. `--profile FILE` (instead of 3-5): one run of this tree per algorithm, each phase of the steps after the
+   first under torch.profiler and cProfile (started and stopped at the phase's bounds, the overhead's
+   segments between them); FILE gets per phase the top torch ops by self CPU time and the top Python
+   functions by own time (cProfile's table), summed over the steps. The profilers slow the step: read
+   the tables for where time goes, the timed rounds for how much.
 Ratios are what a shared machine measures well; absolute seconds move with its load.
 """
 from __future__ import annotations
@@ -69,6 +75,7 @@ def worker(args: argparse.Namespace) -> None:
 
     cuda = torch.cuda.is_available()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    prof = Profiler(cuda) if args.profile else None
     steps: list[dict] = []   # per step: {phase: seconds, "_start": t}
     flops: list[dict] = []   # per step: {phase: FLOPs}
     state: dict = {"phase": None, "in_step": False}
@@ -79,6 +86,8 @@ def worker(args: argparse.Namespace) -> None:
 
     def close_step(now: float) -> None:
         if state["in_step"]:
+            if prof:
+                prof.switch(None)
             last = steps[-1]
             last["overhead"] = now - last["_start"] - sum(last[p] for p in PHASES if p != "overhead")
             state["in_step"] = False
@@ -95,8 +104,15 @@ def worker(args: argparse.Namespace) -> None:
                 flops.append({p: 0.0 for p in PHASES})
                 state["in_step"] = True
             state["phase"] = name
+            if prof:  # the first step (warm-up) is left out of the profile as of the timings
+                prof.switch(name if len(steps) > 1 else None)
+                if name == "score" and len(steps) > 1:  # the rollout's real tokens / its padded positions
+                    prof.real[0] += float(a[1].attention_mask.sum())
+                    prof.real[1] += a[1].attention_mask.numel()
             out = fn(*a, **k)
             sync()
+            if prof:
+                prof.switch("overhead" if len(steps) > 1 else None)
             steps[-1][name] += clock() - start
             if name == "generate":
                 state["params"] = sum(p.numel() for p in a[0].unwrapped.parameters())
@@ -133,6 +149,9 @@ def worker(args: argparse.Namespace) -> None:
     rl_update.token_values = counted(rl_update.token_values, 3)
 
     def finish() -> None:
+        if prof:
+            prof.switch(None)
+            prof.write(args.profile, f"{' '.join(args.overrides)}; {len(steps) - 1} steps after the first")
         done = [i for i, s in enumerate(steps) if "overhead" in s]
         with open(args.result, "w") as f:
             json.dump({"steps": [{p: steps[i][p] for p in PHASES} for i in done], "flops": [flops[i] for i in done],
@@ -143,6 +162,79 @@ def worker(args: argparse.Namespace) -> None:
     sys.argv = ["rlhf.ppo", *args.overrides]
     ppo.main()
     finish()
+
+
+class Profiler:
+    """`--profile`: each phase of the step (and the overhead between them) under torch.profiler (ops by
+    self CPU time) and cProfile (Python functions by own time), the segments of one phase summed over the
+    steps. `switch(phase)` ends the running segment and starts the next (None: none)."""
+
+    def __init__(self, cuda: bool):
+        import cProfile
+        import pstats
+
+        self.cuda, self.cprofile, self.pstats = cuda, cProfile, pstats
+        self.ops: dict[str, dict[str, list[float]]] = {p: {} for p in PHASES}  # phase: {op: [calls, self us, total us]}
+        self.py: dict[str, object] = {}   # phase: pstats.Stats
+        self.wall: dict[str, float] = {p: 0.0 for p in PHASES}
+        self.real = [0.0, 0]  # the scored rollouts' real tokens, positions (padded rows)
+        self.current = None
+
+    def switch(self, phase: str | None) -> None:
+        import torch
+
+        if self.current is not None:
+            name, torch_prof, py_prof, start = self.current
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.wall[name] += time.perf_counter() - start
+            py_prof.disable()
+            torch_prof.__exit__(None, None, None)
+            for e in torch_prof.key_averages():
+                row = self.ops[name].setdefault(e.key, [0, 0.0, 0.0])
+                row[0] += e.count
+                row[1] += e.self_cpu_time_total
+                row[2] += e.cpu_time_total
+            stats = self.pstats.Stats(py_prof)
+            if name in self.py:
+                self.py[name].add(stats)
+            else:
+                self.py[name] = stats
+            self.current = None
+        if phase is not None:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if self.cuda else [])
+            torch_prof = torch.profiler.profile(activities=acts)
+            torch_prof.__enter__()
+            py_prof = self.cprofile.Profile()
+            py_prof.enable()
+            self.current = (phase, torch_prof, py_prof, time.perf_counter())
+
+    def write(self, path: str, title: str, top: int = 25) -> None:
+        import io
+
+        with open(path, "a") as f:
+            f.write(f"==== {title}\n")
+            if self.real[1]:
+                f.write(f"the rollouts' real tokens: {self.real[0] / self.real[1]:.1%} of their padded rows' positions "
+                        "(what packing would save in the scoring and update forwards' linear layers: the rest)\n")
+            for phase in PHASES:
+                ops = self.ops[phase]
+                total = sum(r[1] for r in ops.values())
+                f.write(f"\n--- {phase}: {self.wall[phase]:.3f} s wall under the profilers; torch ops by self CPU "
+                        f"time ({total / 1e6:.3f} s in all)\n")
+                f.write(f"{'op':60s} {'calls':>8s} {'self ms':>10s} {'self %':>7s} {'total ms':>10s}\n")
+                for key, (calls, own, tot) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]:
+                    f.write(f"{key[:60]:60s} {calls:8d} {own / 1e3:10.2f} {own / max(total, 1):7.1%} {tot / 1e3:10.2f}\n")
+                if phase in self.py:
+                    buf = io.StringIO()
+                    stats = self.py[phase]
+                    stats.stream = buf
+                    stats.sort_stats("tottime").print_stats(top)
+                    f.write(f"\n{phase}: Python functions by own time (cProfile)\n")
+                    f.write("\n".join(line for line in buf.getvalue().splitlines()
+                                       if line.strip() and not line.startswith(("Ordered by", "   List reduced"))))
+                    f.write("\n")
+            f.write("\n")
 
 
 _PARAMS: dict[int, int] = {}
@@ -174,10 +266,12 @@ def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
 
 
-def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall") -> dict:
+def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall",
+               profile: str | None = None) -> dict:
     result = out + ".json"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
-           *(["--count-flops"] if count_flops else []), "--", f"output_dir={out}", *overrides]
+           *(["--count-flops"] if count_flops else []), *(["--profile", profile] if profile else []),
+           "--", f"output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
@@ -231,6 +325,8 @@ def main() -> None:
                          "other jobs on a shared machine barely move")
     ap.add_argument("--small", action="store_true", help="the timed runs on the tests' tiny model shape (a smoke run)")
     ap.add_argument("--json", help="also write the medians, the matmul rates and the FLOP table to this file")
+    ap.add_argument("--profile", help="instead of the timed rounds: one run of this tree per algorithm under "
+                    "torch.profiler and cProfile, the top ops and Python functions of each phase written to this file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -244,6 +340,8 @@ def main() -> None:
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
     sft, reward = build_models(os.path.join(work, "small" if args.small else "default"), SHAPE_SMALL if args.small else [])
+    if args.profile:
+        return profile(work, sft, reward, args)
     trees = {"this": ROOT}
     tmp = None
     if args.baseline != "none":
@@ -297,6 +395,19 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def profile(work: str, sft: str, reward: str, args: argparse.Namespace) -> None:
+    """--profile: one run of this tree per algorithm, each phase profiled (Profiler), the tables appended
+    to args.profile."""
+    path = os.path.abspath(args.profile)
+    open(path, "w").close()
+    for algo in args.algos.split(","):
+        out = os.path.join(work, f"{algo}_profile")
+        shutil.rmtree(out, ignore_errors=True)
+        run_worker(ROOT, out, [f"actor.model={sft}", f"critic.model={reward}", f"train.max_steps={args.steps}",
+                               *ALGOS[algo], *QUIET, *args.overrides], clock=args.clock, profile=path)
+    print(f"profile of {args.algos} ({args.steps - 1} steps each after the first) written to {path}")
 
 
 def achieved(work: str, algo: str, args: argparse.Namespace, rates: dict[str, float]) -> dict:

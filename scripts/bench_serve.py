@@ -48,13 +48,19 @@ from rlhf.serve import build_scorer
 from engine import init_distributed
 
 
-def default_model(path: str) -> str:
-    """A reward model of the embedded default's size (conf/model/tiny.yaml), random weights, shipped tokenizer."""
+# the embedded default's model shape (conf/model/tiny.yaml)
+DEFAULT_SHAPE = {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 6,
+                 "num_key_value_heads": 6}
+
+
+def random_reward_model(path: str, shape: dict[str, int] = DEFAULT_SHAPE) -> str:
+    """A Llama reward model of `shape` (LlamaConfig's size keys) with random weights and a random head of std 1
+    (so rows score far apart), seed 0, and the shipped tokenizer, saved to `path` (tests/test_serve.py builds
+    its tiny one here too)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "data", "tokenizer"))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=192, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=6, num_key_value_heads=6, max_position_embeddings=128, num_labels=1,
+    cfg = LlamaConfig(vocab_size=len(tok), **shape, max_position_embeddings=128, num_labels=1,
                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       tie_word_embeddings=False)
     torch.manual_seed(0)
@@ -213,7 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tmp = tempfile.mkdtemp(prefix="bench_serve_")
-    model = args.model or default_model(os.path.join(tmp, "rm"))
+    model = args.model or random_reward_model(os.path.join(tmp, "rm"))
     cfg = to_config(compose("serve", [f"reward.model={model}", "engine.precision=fp32",
                                       f"server.max_batch={args.max_batch}"]), SCHEMAS["serve"])
     scorer, _ = build_scorer(cfg, "model", init_distributed())

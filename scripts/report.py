@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -193,14 +194,26 @@ SWEEP_COLUMNS = [
 ]
 
 
+def worst_first(seeds: list[int], rows: list[dict]) -> list[tuple[int, dict]]:
+    """(seed, figures) ordered worst first: the lowest PPO gold (a run without one first), then the highest
+    KL, then the seed."""
+    def key(pair: tuple[int, dict]) -> tuple:
+        seed, r = pair
+        gold, kl = r.get("ppo_gold"), r.get("kl")
+        return (-math.inf if gold is None else gold, -(kl if kl is not None else -math.inf), seed)
+
+    return sorted(zip(seeds, rows), key=key)
+
+
 def sweep_table(seeds: list[int], rows: list[dict], agg: dict) -> list[str]:
-    """Markdown: one row per seed, then mean ± std, min and max of every column."""
+    """Markdown: one row per seed, worst first (`worst_first`), then mean ± std, min and max of every column."""
     def cell(fmt_: str, v) -> str:
         return "–" if v is None else fmt_.format(v)
 
     lines = ["| seed | " + " | ".join(h for _, h, _ in SWEEP_COLUMNS) + " |",
              "|---|" + "---|" * len(SWEEP_COLUMNS)]
-    lines += [f"| {seed} | " + " | ".join(cell(f, r[k]) for k, _, f in SWEEP_COLUMNS) + " |" for seed, r in zip(seeds, rows)]
+    lines += [f"| {seed} | " + " | ".join(cell(f, r[k]) for k, _, f in SWEEP_COLUMNS) + " |"
+              for seed, r in worst_first(seeds, rows)]
     lines.append("| mean ± std | " + " | ".join(
         cell(f, agg[k]["mean"]) + ("" if agg[k]["std"] is None else " ± " + cell(f, agg[k]["std"]).lstrip("+"))
         for k, _, f in SWEEP_COLUMNS) + " |")
@@ -229,7 +242,9 @@ def sweep(root: str, seeds: list[int]) -> list[str]:
         "# RLHF pipeline: seed sweep", "",
         f"Output root: `{os.path.abspath(root)}`. {len(seeds)} seeds ({', '.join(map(str, seeds))}), each a whole "
         "pipeline under `seed_<s>/` (`seed=<s>` in every stage: initialisation, data order, sampling; the same data) "
-        "with its own report.md. Std is the sample standard deviation (n - 1).", "",
+        "with its own report.md. Std is the sample standard deviation (n - 1). Rows: the worst seed first "
+        "(lowest PPO gold, then highest KL).", "",
+        worst_line(seeds, rows), "",
         *sweep_table(seeds, rows, agg), "",
         f"Reward-model held-out pair accuracy {spread(acc, '{:.3f}')}; PPO gold gain {spread(gain, '{:+.1f}')} points; "
         f"slowest pipeline {fmt(agg['total_s']['max'])} s.", "",
@@ -239,6 +254,12 @@ def sweep(root: str, seeds: list[int]) -> list[str]:
     with open(os.path.join(root, "sweep.json"), "w") as f:
         json.dump({"seeds": seeds, "runs": rows, "aggregate": agg}, f, indent=1)
     return lines
+
+
+def worst_line(seeds: list[int], rows: list[dict]) -> str:
+    seed, r = worst_first(seeds, rows)[0]
+    return (f"Worst seed: {seed} (PPO gold {fmt(r.get('ppo_gold'))} at KL {fmt(r.get('kl'))}, reward-model accuracy "
+            f"{fmt(r.get('rm_accuracy'))}).")
 
 
 def fmt(v) -> str:

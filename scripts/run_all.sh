@@ -17,12 +17,18 @@
 #                                                             # SFT (shipped + tool demonstrations) -> GRPO
 #                                                             # with rollout.env=...calculator:Calculator,
 #                                                             # rewarded by the gold judge (docs/environments.md)
+#   RM_ENSEMBLE=2 bash scripts/run_all.sh ppo:reward.ensemble_agg=mean_minus_std
+#                                                             # a reward-model ensemble: the reward stage run N
+#                                                             # times (reward/, reward_2/, ...; member k with seed +
+#                                                             # 1000 x (k - 1): another data order), PPO scoring with
+#                                                             # all (reward.ensemble_models; each a whole reward stage)
 #
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
 #   SEEDS="1234 1 2" bash scripts/run_all.sh                  # a seed sweep: the pipeline once per seed
 #                                                             # (all:seed=<s>) under $OUTPUT_DIR/seed_<s>/,
 #                                                             # then $OUTPUT_DIR/sweep.md: per seed SFT gold,
-#                                                             # RM accuracy, PPO gold, KL, times; mean ± std, min, max
+#                                                             # RM accuracy, PPO gold, KL, times, the worst seed
+#                                                             # first; mean ± std, min, max
 #
 # Arguments are Hydra overrides prefixed with the stage they go to (sft:, reward:, ppo:, dpo:) or all:
 # (all: goes to the stages of the chosen PIPELINE: ppo = sft, reward, ppo; dpo = sft, dpo).
@@ -76,6 +82,11 @@ case "$ALGO" in
   ppo) PPO+=(ppo.kl_coef=0.8) ;;
   grpo|rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
   *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
+esac
+
+RM_ENSEMBLE="${RM_ENSEMBLE:-1}"
+case "$RM_ENSEMBLE" in
+  ""|*[!0-9]*|0) echo "run_all.sh: RM_ENSEMBLE is the number of reward models (an integer >= 1), got '$RM_ENSEMBLE'" >&2; exit 2 ;;
 esac
 
 case "${PRESET:-}" in
@@ -136,7 +147,7 @@ SKIPPED=""       # set once a stage was skipped: this invocation's wall time is 
 
 stage() {  # stage <module> <title> <overrides...>: skip, resume or run it, and say which and why
   local module="$1" title="$2"; shift 2
-  local out="$ROOT/$module" action reason
+  local out="$ROOT/${STAGE_DIR:-$module}" action reason  # STAGE_DIR: another directory than <module> (reward_2)
   if [ "${FORCE:-0}" = 1 ]; then
     action=run reason="FORCE=1"
   elif [ -n "$UPSTREAM_RAN" ]; then
@@ -161,6 +172,16 @@ elif [ "$PIPELINE" = tools ]; then  # no critic (GRPO) and no reward model: crit
   stage ppo "RL with the calculator tool" "actor.model=$ROOT/sft" "critic.model=$ROOT/sft" "${PPO[@]}"
 else
   stage reward "reward model" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
+  if [ "$RM_ENSEMBLE" -gt 1 ]; then  # the ensemble's other members: the same stage, seed + 1000 x k
+    base=1234 MEMBER=() members=()
+    for a in "${RM[@]}"; do case "$a" in seed=*) base="${a#seed=}" ;; *) MEMBER+=("$a") ;; esac; done
+    for k in $(seq 2 "$RM_ENSEMBLE"); do
+      STAGE_DIR="reward_$k" stage reward "reward model $k of $RM_ENSEMBLE" "model.name_or_path=$ROOT/sft" \
+        model.fallback_to_config=false ${MEMBER[@]+"${MEMBER[@]}"} "seed=$(( base + 1000 * (k - 1) ))"
+      members+=("$ROOT/reward_$k")
+    done
+    PPO+=("reward.ensemble_models=[$(IFS=,; echo "${members[*]}")]")
+  fi
   stage ppo PPO "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
 fi
 if [ -n "$SKIPPED" ]; then

@@ -58,3 +58,41 @@ def test_compute_params_counts_a_tied_head_once_per_use():
         # per layer: q, o (16x16), k, v (16x8), gate, up, down (16x24 each), 2 norms (16); final norm 16; head 40x16
         layer = 2 * 16 * 16 + 2 * 16 * 8 + 3 * 16 * 24 + 2 * 16
         assert compute_params(model) == 2 * layer + 16 + 40 * 16, tied
+
+
+def test_profiler_tables_count_each_phase_own_ops_and_functions(tmp_path):
+    """--profile's Profiler: the segments of a phase summed (the ops' calls counted exactly), each phase
+    only its own ops and Python functions, the overhead's segment between them, the real-token share."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    from bench_rl import Profiler
+
+    def matmuls(n: int) -> None:
+        a = torch.ones(8, 8)
+        for _ in range(n):
+            a @ a
+
+    def sigmoids(n: int) -> None:
+        a = torch.ones(8)
+        for _ in range(n):
+            torch.sigmoid(a)
+
+    prof = Profiler(cuda=False)
+    for _ in range(2):  # two steps: update segments of 3 matmuls, overhead segments of 5 sigmoids
+        prof.switch("update")
+        matmuls(3)
+        prof.switch("overhead")
+        sigmoids(5)
+    prof.switch(None)
+    prof.real[:] = [47.0, 50]
+    prof.write(str(tmp_path / "p.txt"), "title")
+    text = (tmp_path / "p.txt").read_text()
+    assert prof.ops["update"]["aten::mm"][0] == 6 and "aten::sigmoid" not in prof.ops["update"], prof.ops["update"]
+    assert prof.ops["overhead"]["aten::sigmoid"][0] == 10 and "aten::mm" not in prof.ops["overhead"]
+    assert prof.ops["generate"] == {} and prof.wall["generate"] == 0 and prof.wall["update"] > 0
+    sections = text.split("\n--- ")
+    assert text.startswith("==== title\nthe rollouts' real tokens: 94.0% of their padded rows' positions"), text[:200]
+    update = next(s for s in sections if s.startswith("update:"))
+    overhead = next(s for s in sections if s.startswith("overhead:"))
+    assert "aten::mm" in update and "matmuls" in update and "sigmoids" not in update, update
+    assert "aten::sigmoid" in overhead and "sigmoids" in overhead and "matmuls" not in overhead, overhead

@@ -38,6 +38,8 @@ NOT_RUN = {
     "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
+    "python scripts/bench_async.py --actor outputs/sft --seeds 1234 1 2 --steps 12": "six torchrun PPO runs, a "
+    "measurement (docs/engine.md); tests/test_split.py runs both modes, and the script's 2-step form is run",
     "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 "
     "--repeat 3": "a CPU benchmark of tens of minutes on 2 cores (its --small form is run)",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
@@ -46,6 +48,8 @@ NOT_RUN = {
                                                  "form (the tiny default) is run",
     "PYTHONPATH=. python scripts/bench_rl.py --reps 3 --steps 5": "a benchmark of whole stage runs against a baseline "
                                                                   "checkout; its smoke form is run by tests/test_bench_rl.py",
+    "OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/bench_rl.py --profile outputs/bench_rl/profile.txt --steps 4 "
+    "--clock cpu": "profiles whole stage runs; tests/test_bench_rl.py checks its Profiler's tables on values",
     "python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none":
         "tests/test_bench_rl.py runs it (checking the phases and the counted FLOPs on values)",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
@@ -53,6 +57,9 @@ NOT_RUN = {
     "python scripts/make_tool_data.py": "rewrites the shipped tool data; tests/test_multiturn.py checks that it "
                                         "reproduces them",
     "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; SEEDS= is run (test_ppo.py)",
+    "python scripts/drop_layers.py outputs/sft --keep 0 2 --out outputs/student_init":
+        "keeps layers 0 and 2 of the embedded default's 3; the workspace's SFT model has 2: "
+        "tests/test_drop_layers.py runs it on a 3-layer model and checks the result on values",
     # run as written (smoke size) by the pipeline tests of tests/test_ppo.py; not twice
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",
     "PRESET=smoke bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke",
@@ -65,6 +72,9 @@ NOT_RUN = {
     "python -m rlhf.ppo actor.model=runs/sft_lora critic.model=runs/rm_lora model.lora.r=8 model.lora.merge_on_save=false output_dir=runs/ppo_lora": OWN_MODEL,
     "python -m rlhf.evaluate model.name_or_path=runs/ppo_lora output_dir=runs/eval_ppo": OWN_MODEL,
     "python -m rlhf.evaluate model.name_or_path=runs/rm_lora output_dir=runs/eval_rm": OWN_MODEL,
+    "python -m rlhf.ppo reward.ensemble_models=[outputs/reward_2] reward.ensemble_agg=mean_minus_std "
+    "reward.ensemble_lambda=1": "reads outputs/reward_2, which the RM_ENSEMBLE=2 command above it trains (that one "
+                                "is run); tests/test_reward_ensemble.py runs PPO with a two-model ensemble",
     'SEEDS="1234 1 2" bash scripts/run_all.sh': "tests/test_ppo.py::test_run_all_seed_sweep (SEEDS=\"3 4\")",
     # a server runs until stopped; tests/test_serve.py starts real ones and runs PPO against them
     "python -m rlhf.serve reward.model=outputs/reward server.port=8000": "tests/test_serve.py (a server runs until "

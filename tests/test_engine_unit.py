@@ -239,6 +239,8 @@ def test_accumulation_equals_one_big_batch(info, stage):
     cfg = OptimConfig(lr=1e-2, scheduler="constant", grad_clip=1.0)
     one = TrainEngine(TinyNet(), EngineConfig(stage=stage), cfg, total_steps=3, info=info)
     four = TrainEngine(TinyNet(), EngineConfig(stage=stage), cfg, total_steps=3, info=info)
+    # one rank: no DDP wrapper at stage 0 (its all-reduce is the identity), so no no_sync either
+    assert not isinstance(four.model, torch.nn.parallel.DistributedDataParallel) and (stage or four.model is four.unwrapped)
     for s in range(3):
         a = one.train_step([batch(s)], tiny_loss_fn)
         b = four.train_step(split(batch(s), 4), tiny_loss_fn)  # ragged: micro-batch weights differ

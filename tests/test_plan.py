@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from conftest import ROOT, cli_env
-from rlhf.run.plan import run_plan
+from rlhf.core.errors import ConfigError
+from rlhf.run.plan import format_plan, run_plan
 from test_engine_dist import _free_port
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "engine_scripts", "plan_ranks.py")
@@ -119,6 +120,24 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
+
+
+def test_split_placement_plans_both_rank_kinds(llama25m):
+    """engine.placement=split on 4 ranks, 1 generating: the training rank's models are sharded over the 3 trainers
+    (as a 3-rank colocated plan), the generation rank holds the whole actor, its KV cache and one stream bucket."""
+    paths = [f"actor.model={llama25m}", f"critic.model={llama25m}", TOKENIZER, "rollout.max_new_tokens=32",
+             "engine.stage=3", "rollout.prompts_per_step=96", "rollout.mini_batch_size=96", "rollout.micro_batch_size=8"]
+    split, _ = run_plan(["stage=ppo", "world_size=4", *paths, "engine.placement=split", "engine.weight_bucket_mb=16"])
+    three, _ = run_plan(["stage=ppo", "world_size=3", *paths])
+    assert split["training_ranks"] == 3 and split["models"] == three["models"]
+    g = split["generation_rank"]
+    assert g["weight_bytes"] == split["models"]["actor"]["total_params"] * 2  # the whole actor in bf16
+    # 32 rows per trainer, the one generator serves all 3: 96 rows x (48 + 32 tokens), 7 layers, 4 x 64 kv, bf16
+    assert g["rows"] == 96 and g["kv_cache_bytes"] == 2 * 7 * 96 * 80 * 256 * 2
+    assert g["bucket_bytes"] == 16 * 2**20 and g["peak_bytes"] == g["weight_bytes"] + g["kv_cache_bytes"] + 16 * 2**20
+    assert "1 generation rank(s)" in format_plan(split, None) and "a generation rank: the actor's weights" in format_plan(split, None)
+    with pytest.raises(ConfigError, match="engine.generation_ranks=4"):
+        run_plan(["stage=ppo", "world_size=4", *paths, "engine.placement=split", "engine.generation_ranks=4"])
 
 
 def test_a_directory_holding_only_config_json_is_enough(tmp_path):

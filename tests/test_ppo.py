@@ -509,13 +509,26 @@ def test_run_all_seed_sweep(tmp_path):
         assert row == json.loads((root / f"seed_{seed}" / "report.json").read_text())
         assert row["rm_accuracy"] == summary(root / f"seed_{seed}" / "reward")["eval_accuracy"]
     table = [line for line in (root / "sweep.md").read_text().splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[0] for line in table[1:]] == ["| 3", "| 4", "| mean ± std", "| min", "| max"]
+    # the worst seed first: the lower PPO gold (then the higher KL)
+    worst = sorted(zip((3, 4), sweep["runs"]), key=lambda p: (p[1]["ppo_gold"], -p[1]["kl"], p[0]))
+    assert [line.split(" | ")[0] for line in table[1:]] == [f"| {s}" for s, _ in worst] + ["| mean ± std", "| min",
+                                                                                            "| max"]
+    assert f"Worst seed: {worst[0][0]} (PPO gold" in (root / "sweep.md").read_text()
 
 
 def test_run_all_rejects_a_bad_seed_list(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
                           env={**cli_env(), "OUTPUT_DIR": str(tmp_path), "SEEDS": "1 -2"}, timeout=60)
     assert proc.returncode == 2 and "SEEDS holds seeds (integers >= 0) separated by spaces, got '-2'" in proc.stderr
+    assert os.listdir(tmp_path) == []  # nothing ran
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_run_all_rejects_a_bad_rm_ensemble(tmp_path, value):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
+                          env={**cli_env(), "OUTPUT_DIR": str(tmp_path), "RM_ENSEMBLE": value}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"RM_ENSEMBLE is the number of reward models (an integer >= 1), got '{value}'" in proc.stderr
     assert os.listdir(tmp_path) == []  # nothing ran
 
 

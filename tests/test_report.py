@@ -143,8 +143,8 @@ def test_aggregate_by_hand():
 def test_seed_sweep_table(tmp_path):
     report = load_report()
     runs = {1: summaries(60.0, 0.90, 85.0, 0.5, (100.0, 200.0, 300.0)),
-            2: summaries(70.0, 0.94, 91.0, 0.7, (110.0, 210.0, 310.0)),
-            3: summaries(65.0, 0.95, 95.0, 0.6, (120.0, 220.0, 320.0))}
+            2: summaries(70.0, 0.94, 95.0, 0.7, (110.0, 210.0, 310.0)),
+            3: summaries(65.0, 0.95, 91.0, 0.6, (120.0, 220.0, 320.0))}
     for seed, s in runs.items():
         (tmp_path / f"seed_{seed}").mkdir()
         total = sum(st["time_s"] for st in s.values()) + 10
@@ -156,17 +156,21 @@ def test_seed_sweep_table(tmp_path):
     table = [line for line in (tmp_path / "sweep.md").read_text().splitlines() if line.startswith("| ")]
     assert table[0].split(" | ")[:7] == ["| seed", "SFT gold (%)", "RM held-out accuracy", "RM gold AUC", "PPO gold (%)",
                                          "PPO gain (points)", "KL (nats)"]
-    # gains 25, 21, 30: mean 25.333, std sqrt(((-1/3)^2 + (13/3)^2 + (14/3)^2) / 2) = 4.509
+    # gains 25, 25, 26: mean 25.333, std sqrt(((-1/3)^2 + (-1/3)^2 + (2/3)^2) / 2) = 0.577
+    # rows worst PPO gold first: seed 1 (85), seed 3 (91), seed 2 (95)
+    assert [line.split(" | ")[0] for line in table[1:4]] == ["| 1", "| 3", "| 2"]
     assert table[1] == "| 1 | 60.0 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
-    assert table[4] == ("| mean ± std | 65.0 ± 5.0 | 0.930 ± 0.026 | – | 90.3 ± 5.0 | +25.3 ± 4.5 | 0.600 ± 0.100 "
+    assert table[2] == "| 3 | 65.0 | 0.950 | – | 91.0 | +26.0 | 0.600 | 120 | 220 | 320 | 670 |"
+    assert table[4] == ("| mean ± std | 65.0 ± 5.0 | 0.930 ± 0.026 | – | 90.3 ± 5.0 | +25.3 ± 0.6 | 0.600 ± 0.100 "
                         "| 110 ± 10 | 210 ± 10 | 310 ± 10 | 640 ± 30 |")
-    assert table[5] == "| min | 60.0 | 0.900 | – | 85.0 | +21.0 | 0.500 | 100 | 200 | 300 | 610 |"
-    assert table[6] == "| max | 70.0 | 0.950 | – | 95.0 | +30.0 | 0.700 | 120 | 220 | 320 | 670 |"
+    assert table[5] == "| min | 60.0 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
+    assert table[6] == "| max | 70.0 | 0.950 | – | 95.0 | +26.0 | 0.700 | 120 | 220 | 320 | 670 |"
     assert len(table) == 7
     text = (tmp_path / "sweep.md").read_text()
-    assert "accuracy 0.930 ± 0.026 (min 0.900)" in text and "gain +25.3 ± 4.5 (min +21.0) points" in text
+    assert "accuracy 0.930 ± 0.026 (min 0.900)" in text and "gain +25.3 ± 0.6 (min +25.0) points" in text
+    assert "Worst seed: 1 (PPO gold 85 at KL 0.5, reward-model accuracy 0.9)." in text
     saved = json.loads((tmp_path / "sweep.json").read_text())
-    assert saved["seeds"] == [1, 2, 3] and saved["aggregate"]["gold_gain"]["min"] == 21.0
+    assert saved["seeds"] == [1, 2, 3] and saved["aggregate"]["gold_gain"]["min"] == 25.0
     assert saved["aggregate"]["rm_accuracy"]["std"] == pytest.approx(0.026458, abs=1e-6)
 
     missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--sweep", "1", "4"],

@@ -338,7 +338,8 @@ def test_two_ranks_equal_one_process_per_estimator(tmp_path):
     """Per estimator, per policy loss (clip, gspo, cispo), with the sampler/trainer corrections (tis,
     sequence-level mis), for distillation's reverse-KL reward and for online DPO's pair loss: every row's
     advantages (online DPO: its pair role) and one ZeRO-3 actor update's loss, metrics and gradients on 2
-    gloo ranks = in 1 process (tests/engine_scripts/rl_estimators.py)."""
+    gloo ranks = in 1 process (tests/engine_scripts/rl_estimators.py); and ppo.old_logprobs' choice per
+    step the same on both ranks and in 1 process."""
     import socket
 
     script = str(ROOT / "tests" / "engine_scripts" / "rl_estimators.py")
@@ -370,4 +371,18 @@ def test_two_ranks_equal_one_process_per_estimator(tmp_path):
     roles = one["online_dpo"]["advantages"].reshape(4, 3)
     assert roles[0].abs().sum() == 0 and one["online_dpo"]["stats"]["weight"] == (roles == 1).sum().item() >= 1
     assert torch.equal((roles == 1).sum(1), (roles == -1).sum(1))
+    # ppo.old_logprobs (#31): the sampler's log-probs forced 0.01 off on rank 1's rows only at step 2
+    # (checks every 2 steps, max gap 1e-3). The gap is all-reduced, so both ranks choose alike, as 1 process
+    # does, although rank 0's own rows are exactly on: sampler falls back to recompute at step 2 on both;
+    # auto stops reusing after step 2 (recomputes step 3, back to reuse after its gap of 0; step 4 checks)
+    old_two, old_one = torch.load(tmp_path / "old_logprobs_w2.pt"), torch.load(tmp_path / "old_logprobs_w1.pt")
+    want = {"sampler": [True, False, True, True, True, True], "auto": [True, True, True, True, True, False]}
+    for mode, choices in want.items():
+        r0, r1 = old_two[mode]
+        assert r0["choices"] == r1["choices"] == old_one[mode][0]["choices"] == choices, (mode, r0, r1, old_one[mode])
+        assert r0["gaps"].keys() == old_one[mode][0]["gaps"].keys()
+        for step, gap in old_one[mode][0]["gaps"].items():
+            assert r0["gaps"][step] == r1["gaps"][step] == pytest.approx(gap, rel=1e-6, abs=1e-12), (mode, step)
+        assert r0["own_gap"] == 0.0 and r1["own_gap"] == pytest.approx(0.01, rel=1e-4), (r0["own_gap"], r1["own_gap"])
+        assert r0["gaps"][2] > 1e-3 and all(g == 0.0 for s, g in r0["gaps"].items() if s != 2), r0["gaps"]
 

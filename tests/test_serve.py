@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import ROOT, cli_env, metrics, run_stage, summary
+from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage, summary
 
 pytest.importorskip("fastapi", reason="rlhf.serve needs the serve extra (fastapi, uvicorn)")
 
@@ -32,6 +32,7 @@ from rlhf.config.validate import validate_http_source, validate_serve  # noqa: E
 from rlhf.core.errors import ConfigError  # noqa: E402
 from rlhf.core.task import judge  # noqa: E402
 from rlhf.rl.remote import RewardClient, RewardServerDown, RewardServiceError  # noqa: E402
+from scripts.bench_serve import random_reward_model  # noqa: E402
 
 
 def free_port() -> int:
@@ -75,22 +76,10 @@ def stop(proc) -> None:
 
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory):
-    """A tiny reward model (the shipped tokenizer) whose head is random, so that rows score far apart."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
-
-    d = tmp_path_factory.mktemp("rm") / "model"
-    tok = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
-                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(cfg)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    """A tiny reward model (the tests' small shape, the shipped tokenizer) whose head is random, so that rows
+    score far apart: scripts/bench_serve.py's builder."""
+    shape = {k.removeprefix("model.config."): int(v) for k, v in (o.split("=") for o in SMALL_MODEL)}
+    return random_reward_model(str(tmp_path_factory.mktemp("rm") / "model"), shape)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from engine.config import EngineConfig, PRECISIONS as ENGINE_PRECISIONS
 
 PRECISIONS = ("auto", *ENGINE_PRECISIONS)
 REWARD_SOURCES = ("model", "judge", "answer", "function", "http")  # reward.sources; each built in rlhf/rl/rewards.py
+REWARD_ENSEMBLE_AGGREGATES = ("mean", "min", "mean_minus_std")  # reward.ensemble_agg (rlhf/rl/rewards.py ensemble_reward)
 SERVED_REWARDS = ("auto", "model", "judge", "function")  # reward.source of `python -m rlhf.serve`
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -398,11 +399,21 @@ class RolloutConfig:
     # with rollout.env: a step where more than this fraction of the episodes fail (raise, time out, garbage)
     # stops the run with an error naming the environment
     max_env_failure_fraction: float = 0.5  # with rollout.env: fraction of a step's episodes allowed to fault
+    # engine.placement=split (docs/engine.md, "Split placement"): sync = the generation ranks sample step s
+    # with the weights after step s-1 (the trainers wait, as colocated); async = with weights at most
+    # max_staleness steps old, so generation overlaps training (the importance correction, ppo.is_correction,
+    # weighs each token against the version trained)
+    mode: str = "sync"  # sync | async (engine.placement=split: generation overlaps training, weights up to max_staleness steps old)
+    max_staleness: int = 1  # rollout.mode=async: step s is sampled with the weights after step s-1-k, k <= this (0 = sync)
 
 
 @dataclass(kw_only=True)
 class PPOTrainConfig(CadenceConfig):
     stop_on_alarm: bool = False  # a reward-hacking alarm (alarms.*) saves a checkpoint and ends the run cleanly
+    # The held-out evaluation that picks the exported actor: gold where a judge applies, else the held-out
+    # (sampled) reward; an evaluation every train.eval_every steps and after the last
+    export_best: bool = False  # export the actor of the best held-out evaluation as model/ (not the last step's); summary says which
+    early_stop_patience: int = 0  # stop after this many evaluations in a row without a better held-out score (0 = never)
 
 
 @dataclass(kw_only=True)
@@ -423,6 +434,12 @@ class RewardSourcesConfig:
     # the http source: a server unreachable (connections refused) for longer than this stops the run with an
     # error naming reward.url, a checkpoint of the last completed step written first
     down_timeout_s: float = 120.0
+    # A reward-model ensemble (rlhf/rl/rewards.py RewardEnsemble): these reward models score every response
+    # beside reward_model.model (the model source then is the ensemble; scripts/run_all.sh RM_ENSEMBLE=N
+    # trains them); their scores combine by ensemble_agg, and their std per row is the step's reward_disagreement
+    ensemble_models: list[str] = field(default_factory=list)  # more reward models scoring beside reward_model.model ([] = one)
+    ensemble_agg: str = "mean"  # mean | min | mean_minus_std (mean - ensemble_lambda x std): the ensemble's reward
+    ensemble_lambda: float = 1.0  # mean_minus_std: the weight of the members' std (>= 0)
 
 
 @dataclass(kw_only=True)
@@ -440,6 +457,7 @@ class AlarmsConfig:
     gen_kl: float = 0.01  # gen: the step's gen_kl (k3 KL, sampler || trainer, per token) at least this
     # tools (rollout.env): window's mean tool calls or turns per episode at most this x the baseline's
     tool_collapse: float = 0.5  # tools: tool calls / turns per episode collapsed to this fraction of the baseline
+    disagreement_ratio: float = 2.0  # disagreement: the reward ensemble's window mean std at least this x the baseline's
 
 
 @dataclass(kw_only=True)

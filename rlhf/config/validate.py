@@ -18,6 +18,7 @@ from rlhf.algos.online_dpo import PAIR_LOSSES
 from rlhf.algos.preference import LOSS_TYPES, UNPAIRED_LOSS_TYPES
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS, IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, LOSS_AGGREGATIONS, policy_loss_fn
 from rlhf.config.schema import (
+    REWARD_ENSEMBLE_AGGREGATES, PPOTrainConfig,
     DTYPES, PRECISIONS, REWARD_SOURCES, AlarmsConfig, CadenceConfig, DataConfig, DPOConfig, EvaluateConfig,
     GenerationConfig, LoggerConfig, ModelConfig, OptimGroupConfig, PPOConfig, RewardConfig, RewardSourcesConfig,
     RolloutConfig, SERVED_REWARDS, ServeConfig, SFTConfig, StageConfig, TrainConfig,
@@ -249,6 +250,8 @@ def validate_stage(cfg: StageConfig, info) -> int:
     before any model loads; returns the accumulation steps."""
     _need(bool(cfg.output_dir), "output_dir must be set")
     _need(cfg.seed >= 0, f"seed must be >= 0, got {cfg.seed}")
+    _need(cfg.engine.placement == "colocated", f"engine.placement={cfg.engine.placement}: a split placement (ranks that "
+          "only generate) is for RL, python -m rlhf.ppo; this stage trains on every rank")
     validate_model(cfg.model)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
@@ -399,11 +402,47 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(rows % r.mini_batch_size == 0,
           f"{what} must be a multiple of rollout.mini_batch_size ({r.mini_batch_size}, rows)")
     validate_cadence(cfg.train)
+    validate_best(cfg.train)
     validate_reward_sources(cfg.reward)
     validate_alarms(cfg.alarms)
     validate_objective(cfg)
     validate_env(r, p.objective)
+    validate_split(cfg)
     engine_config(cfg.engine, info)
+
+
+def validate_best(t: PPOTrainConfig) -> None:
+    """train.export_best / train.early_stop_patience: a count >= 0, and evaluations to choose by."""
+    _need(isinstance(t.early_stop_patience, int) and not isinstance(t.early_stop_patience, bool)
+          and t.early_stop_patience >= 0, f"train.early_stop_patience must be an integer >= 0 (evaluations without "
+          f"a better held-out score; 0 = never stop early), got {t.early_stop_patience!r}")
+    _need(not (t.export_best or t.early_stop_patience) or t.eval_every > 0,
+          f"train.export_best / train.early_stop_patience choose by the held-out evaluations every train.eval_every "
+          f"steps: set train.eval_every > 0, got {t.eval_every}")
+
+
+ROLLOUT_MODES = ("sync", "async")
+
+
+def validate_split(cfg: PPOConfig) -> None:
+    """rollout.mode / rollout.max_staleness and what engine.placement=split supports (docs/engine.md)."""
+    r, e, p = cfg.rollout, cfg.engine, cfg.ppo
+    _need(r.mode in ROLLOUT_MODES, f"rollout.mode must be one of {ROLLOUT_MODES}, got {r.mode!r}")
+    _need(not isinstance(r.max_staleness, bool) and isinstance(r.max_staleness, int) and r.max_staleness >= 0,
+          f"rollout.max_staleness must be an integer >= 0 (steps; 0 = synchronous), got {r.max_staleness!r}")
+    _need(r.mode == "sync" or e.placement == "split", "rollout.mode=async overlaps generation on some ranks with "
+          "training on the others: it needs engine.placement=split (and engine.generation_ranks)")
+    if e.placement != "split":
+        return
+    _need(e.generation in ("auto", "hf"), f"engine.placement=split: the generation ranks run transformers generate "
+          f"on their copy of the model (the injected layout is not streamed yet): engine.generation={e.generation} "
+          "is not supported, use auto or hf")
+    _need(p.objective == "rl", f"engine.placement=split runs ppo.objective=rl (PPO, GRPO, RLOO, REINFORCE++), "
+          f"not {p.objective}")
+    if r.mode == "async" and r.max_staleness > 0:
+        _need(p.old_logprobs != "sampler", "rollout.mode=async with rollout.max_staleness > 0 samples with weights "
+              "older than those trained: ppo.old_logprobs=sampler would take the stale policy's log-probs as the old "
+              "ones; use recompute or auto (recomputed on every step in async mode)")
 
 
 OBJECTIVES = ("rl", "online_dpo", "distill")  # ppo.objective; algorithm=online_dpo / distill set the others
@@ -462,11 +501,24 @@ def validate_reward_sources(rw: RewardSourcesConfig) -> None:
     else:
         _need(rw.function is None, f"reward.function={rw.function!r} is set but 'function' is not in "
                                    f"reward.sources {list(rw.sources)} (add it, e.g. reward.sources=[function])")
+    validate_reward_ensemble(rw)
     if "http" in rw.sources:
         validate_http_source(rw)
     else:
         _need(rw.url is None, f"reward.url={rw.url!r} is set but 'http' is not in reward.sources {list(rw.sources)} "
                               f"(add it, e.g. reward.sources=[http])")
+
+
+def validate_reward_ensemble(rw: RewardSourcesConfig) -> None:
+    """reward.ensemble_*: an aggregate by name, a finite lambda >= 0, models only with the model source."""
+    _need(rw.ensemble_agg in REWARD_ENSEMBLE_AGGREGATES, f"reward.ensemble_agg must be one of "
+          f"{REWARD_ENSEMBLE_AGGREGATES}, got {rw.ensemble_agg!r}")
+    _need(isinstance(rw.ensemble_lambda, (int, float)) and math.isfinite(rw.ensemble_lambda) and rw.ensemble_lambda >= 0,
+          f"reward.ensemble_lambda must be a finite number >= 0, got {rw.ensemble_lambda!r}")
+    models = list(rw.ensemble_models)
+    _need(not models or "model" in rw.sources, f"reward.ensemble_models={models} scores beside the reward model, but "
+          f"'model' is not in reward.sources {list(rw.sources)} (add it, or leave reward.ensemble_models empty)")
+    _need(all(isinstance(m, str) and m for m in models), f"reward.ensemble_models must be paths (non-empty), got {models}")
 
 
 def validate_http_source(rw: RewardSourcesConfig) -> None:
@@ -516,6 +568,8 @@ def validate_alarms(a: AlarmsConfig) -> None:
     _need(0 <= a.tool_collapse <= 1, f"alarms.tool_collapse must be in [0, 1], got {a.tool_collapse}")
     _need(math.isfinite(a.gen_kl) and a.gen_kl > 0,
           f"alarms.gen_kl must be a finite number > 0 (nats per token), got {a.gen_kl}")
+    _need(math.isfinite(a.disagreement_ratio) and a.disagreement_ratio > 1, f"alarms.disagreement_ratio must be a "
+          f"finite number > 1 (a growth of the reward ensemble's std over its baseline), got {a.disagreement_ratio}")
 
 
 def unused_sources(cfg: PPOConfig | ServeConfig) -> set[str]:

@@ -3,7 +3,8 @@
 A policy that games its reward shows it in the figures every step already logs, before the gold
 score (when there is one) says so. Five alarms (thresholds: `alarms.*` in rlhf/config/schema.py), each
 computed from the last `alarms.window` steps W, against the first `window` steps B (the baseline),
-and a sixth on the train <-> generate boundary, checked on each step alone:
+a sixth on the reward ensemble's disagreement, and a seventh on the train <-> generate boundary,
+checked on each step alone:
 
     kl        KL to the reference grows fast:   least-squares slope of the rollouts' KL over W
                                                 >= alarms.kl_slope (nats per response, per step)
@@ -14,6 +15,10 @@ and a sixth on the train <-> generate boundary, checked on each step alone:
               gold score is >= alarms.gold_drop points below its best earlier value while the
               training reward (mean of the `window` steps before each evaluation) is above its value
               at that best evaluation
+    disagreement  the reward ensemble's members disagree more and more (reward.ensemble_models): the mean
+              of the step's reward_disagreement (the members' std per response) over W >= alarms.disagreement_ratio
+              x its mean over B: the policy moves where the reward models no longer agree, the over-optimisation
+              of a learned reward that an ensemble can see before a gold judge does (Eisenstein et al. 2023)
     gen       the sampler and the trainer disagree on the sampled tokens' log-probs: the step's gen_kl
               (k3 KL(sampler || trainer) per token, rlhf/rl/metrics.py sampler_gap) >= alarms.gen_kl.
               Not a trend: a weight that did not reach the sampler, or a temperature applied on one side
@@ -23,7 +28,7 @@ and a sixth on the train <-> generate boundary, checked on each step alone:
               model turns per episode over W <= alarms.tool_collapse x their mean over B (a policy that
               stops calling its tool, or answers in one turn, is gaming or losing what the tool gave)
 
-`entropy`, `length` and `tools` need 2 x window steps (W and B apart); the others `window` steps (gold: two
+`entropy`, `length`, `tools` and `disagreement` need 2 x window steps (W and B apart); the others `window` steps (gold: two
 evaluations). Every computed alarm adds `alarm_<name>` (0 or 1) and its figures
 (`alarm_<name>_<figure>`) to the step's train record (gold: to the evaluation's record); one that
 fires, having been quiet, logs one WARN line with the numbers. `train.stop_on_alarm=true` then ends
@@ -48,8 +53,8 @@ logger = logging.getLogger("rlhf.alarms")
 
 # what the history keeps per step
 TRAIN_KEYS = ("reward", "kl", "entropy", "response_len", "clipfrac", "gen_kl", "gen_logprob_gap",
-              "gen_logprob_gap_max", "tool_calls", "turns")
-NAMES = ("kl", "entropy", "length", "clipfrac", "gold", "gen", "tools")
+              "gen_logprob_gap_max", "tool_calls", "turns", "reward_disagreement")
+NAMES = ("kl", "entropy", "length", "clipfrac", "gold", "gen", "tools", "disagreement")
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,18 @@ def tool_collapse(tool_calls: Sequence[float], turns: Sequence[float], window: i
                  f"{base:.3f} over the first {window} steps; alarms.tool_collapse={ratio})")
 
 
+def disagreement_growth(std: Sequence[float], window: int, ratio: float) -> Alarm | None:
+    """The reward ensemble's disagreement per step (mean std of its members' scores; NaN or missing
+    without an ensemble): the last window's mean against the first window's."""
+    if (means := _vs_baseline(std, window)) is None:
+        return None
+    base, now = means
+    r = now / base
+    return Alarm("disagreement", r >= ratio, {"ratio": r, "now": now, "baseline": base},
+                 f"the reward ensemble's disagreement grew {r:.2f}x ({now:.4f} vs {base:.4f} over the first {window} "
+                 f"steps; alarms.disagreement_ratio={ratio}): the policy is where the reward models no longer agree")
+
+
 def clip_high(clipfrac: Sequence[float], window: int, threshold: float) -> Alarm | None:
     """Policy clip fraction per step: its mean over the last `window` steps."""
     m = _mean(clipfrac[-window:])
@@ -194,7 +211,8 @@ def train_alarms(history: Sequence[dict], cfg: AlarmsConfig) -> list[Alarm]:
     found = (kl_growth(col["kl"], w, cfg.kl_slope), entropy_collapse(col["entropy"], w, cfg.entropy_ratio),
              length_drift(col["response_len"], w, cfg.length_drift), clip_high(col["clipfrac"], w, cfg.clipfrac),
              sampler_trainer_gap(col["gen_kl"], col["gen_logprob_gap"], col["gen_logprob_gap_max"], cfg.gen_kl),
-             tool_collapse(col["tool_calls"], col["turns"], w, cfg.tool_collapse))
+             tool_collapse(col["tool_calls"], col["turns"], w, cfg.tool_collapse),
+             disagreement_growth(col["reward_disagreement"], w, cfg.disagreement_ratio))
     return [a for a in found if a is not None]
 
 

@@ -28,8 +28,11 @@ from rlhf.modeling.load import (
 )
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.rl.distill import is_distill, reference_path
-from rlhf.rl.rewards import RewardModelScore, RewardSource, begin as begin_rewards
+from rlhf.rl.rewards import RewardEnsemble, RewardModelScore, RewardSource, begin as begin_rewards
 from rlhf.rl.rollout import Rollout, score_rollout
+
+
+BEST_ACTOR = "best_actor.pt"  # in a checkpoint: train.export_best's snapshot of the best evaluation's actor
 
 
 def model_cfg(cfg: PPOConfig, path: str, lora=None) -> ModelConfig:
@@ -46,13 +49,17 @@ class Models:
         ref_key = "teacher" if is_distill(cfg) else "reference"
         rm_path = cfg.reward_model.model or cfg.critic.model
         needs_critic = advantage_estimator(cfg.ppo.advantage_estimator).needs_critic
+        # reward.ensemble_models: more reward models beside reward_model.model, one ensemble (rlhf/rl/rewards.py)
+        members = [] if reward_source else [(f"reward.ensemble_models[{i}]", path)
+                                            for i, path in enumerate(cfg.reward.ensemble_models)]
         if cfg.model.tokenizer is None:  # each model brings its own: they must all be the actor's
             loaded = ((ref_key, ref_path), ("critic", cfg.critic.model if needs_critic else None),
-                      ("reward_model", None if reward_source else rm_path))
+                      ("reward_model", None if reward_source else rm_path), *members)
             for key, path in loaded:
                 if path and path != cfg.actor.model and (
                         why := tokenizer_mismatch(tok, load_tokenizer(model_cfg(cfg, path), key))):
-                    raise ConfigError(f"{key}.model={path!r} was saved with another tokenizer than actor.model "
+                    raise ConfigError(f"{key if '[' in key else key + '.model'}={path!r} was saved with another "
+                                      f"tokenizer than actor.model "
                                       f"({why}): the PPO models must share one (set model.tokenizer to force one)")
         fused = cfg.engine.kernels
         actor = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok,
@@ -63,10 +70,12 @@ class Models:
                                                     lora=False)), fused=fused)
         rm = None if reward_source else ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, rm_path), tok, seed=cfg.seed, key="reward_model", lora=False)))
-        for key, m in (("critic", critic), ("reward_model", rm)):
+        member_models = [(key, ValueModel(disable_dropout(load_value_model(
+            model_cfg(cfg, path), tok, seed=cfg.seed, key=key, lora=False)))) for key, path in members]
+        for key, m in (("critic", critic), ("reward_model", rm), *member_models):
             if m is not None and hf_base_model(m).config.num_labels != 1:
-                raise ConfigError(f"{key}.model must be a reward/value model with one output (num_labels=1)")
-        for m in (actor, critic, ref, rm):
+                raise ConfigError(f"{key if '[' in key else key + '.model'} must be a reward/value model with one output (num_labels=1)")
+        for m in (actor, critic, ref, rm, *(m for _, m in member_models)):
             if m is not None:
                 check_context(m, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
                               "data.max_prompt_len + rollout.max_new_tokens")
@@ -82,9 +91,16 @@ class Models:
         self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=getattr(cfg, self.reference_role).offload),
                                       info)
         self.reward = rm and FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
+        self.reward_members = [FrozenEngine(m, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
+                               for _, m in member_models]
         self.reward_source = reward_source or RewardModelScore(self.reward, self.score_batch_size, self.pack_length)
+        if self.reward_members:  # the reward model and the ensemble's other members, combined (reward.ensemble_agg)
+            self.reward_source = RewardEnsemble(
+                [self.reward_source] + [RewardModelScore(e, self.score_batch_size, self.pack_length)
+                                        for e in self.reward_members], cfg.reward.ensemble_agg, cfg.reward.ensemble_lambda)
+        self.best_actor: dict | None = None  # train.export_best: the best evaluation's actor (main rank), checkpointed
         self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
-        for e in (self.actor, self.critic, self.reference, self.reward):
+        for e in (self.actor, self.critic, self.reference, self.reward, *self.reward_members):
             if e is not None:
                 e.eval()  # dropout is off anyway; eval() keeps HF modules from training-only branches
 
@@ -92,7 +108,9 @@ class Models:
         """The engines this run built, by role: a critic-free run has no critic, and a run whose reward
         source is not the reward model has no reward model."""
         return {k: e for k, e in (("actor", self.actor), ("critic", self.critic), (self.reference_role, self.reference),
-                                  ("reward_model", self.reward)) if e is not None}
+                                  ("reward_model", self.reward),
+                                  *((f"reward_model_{i + 1}", e) for i, e in enumerate(self.reward_members)))
+                if e is not None}
 
     def memory_report(self) -> dict:
         """The actor's memory report (engine.memory), plus `models`: the bytes of parameters, gradients
@@ -129,12 +147,20 @@ class Models:
             kill_point("between_models")
             if self.critic is not None:
                 self.critic.write_state(os.path.join(tmp, "critic"))
+            if self.best_actor is not None and self.info.is_main:
+                torch.save(self.best_actor, os.path.join(tmp, BEST_ACTOR))
 
-    def export(self, tok: Any, cfg: PPOConfig) -> str:
+    def snapshot_actor(self) -> None:
+        """Keep the actor's weights now as the best (train.export_best): a CPU copy on the main rank. Collective."""
+        sd = self.actor.full_state_dict()
+        self.best_actor = {k: v.detach().to("cpu", copy=True) for k, v in sd.items()} if self.info.is_main else {}
+
+    def export(self, tok: Any, cfg: PPOConfig, actor_state: dict | None = None) -> str:
         """model/ (the actor), critic/ and model_ema/ (those this run has) as HF directories under
         output_dir, published together (summary.json, written after, marks them complete). Collective:
-        every rank consolidates, rank 0 writes. Returns the actor's directory."""
-        actor_sd = self.actor.full_state_dict()
+        every rank consolidates, rank 0 writes. `actor_state`: the actor's weights to export instead of
+        its current ones (train.export_best's snapshot). Returns the actor's directory."""
+        actor_sd = self.actor.full_state_dict() if actor_state is None else actor_state
         critic_sd = self.critic.full_state_dict() if self.critic is not None else None
         ema_sd = None
         if self.ema is not None:
@@ -156,6 +182,11 @@ class Models:
         if self.critic is not None:
             self.critic.read_state(os.path.join(path, "critic"))
         self.actor.read_state(os.path.join(path, "actor"))  # last: its RNG state is the one kept
+        best = os.path.join(path, BEST_ACTOR)
+        if os.path.exists(best) and self.info.is_main:
+            self.best_actor = torch.load(best, map_location="cpu", weights_only=True)
+        elif os.path.exists(best):
+            self.best_actor = {}
         if self.ema is not None:
             if self.actor.rank_extra is None:
                 raise ConfigError(f"{path} holds no EMA state for this rank (ppo.ema_decay was 0, or another "

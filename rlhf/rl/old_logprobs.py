@@ -47,6 +47,11 @@ class OldLogprobs:
 
     def __init__(self, p: PPOAlgoConfig, r: RolloutConfig):
         self.mode = p.old_logprobs
+        if self.mode == "auto" and r.mode == "async" and r.max_staleness > 0:
+            logger.info("ppo.old_logprobs=auto: recomputing on every step (rollout.mode=async samples with weights up "
+                        "to rollout.max_staleness=%d steps old: the old log-probs are the version trained's)",
+                        r.max_staleness)
+            self.mode = "recompute"
         self.max_gap, self.every = p.old_logprobs_max_gap, p.old_logprobs_check_every
         if self.mode == "auto" and p.is_correction != "none":
             logger.info("ppo.old_logprobs=auto: recomputing on every step (ppo.is_correction=%s weighs the trainer's "

@@ -12,7 +12,10 @@ per row of this rank, `rollout.group[i]` being the index of row i's prompt in th
 the source was built with. The sources (`reward.sources`, weights `reward.weights`, default all 1):
 
     model     the frozen reward model's value at the last real token (`RewardModelScore`); the only
-              source that loads a model: without it the reward model is not loaded at all
+              source that loads a model: without it the reward model is not loaded at all. With
+              `reward.ensemble_models`, several reward models (`RewardEnsemble`): their mean, min or
+              mean - lambda x std (`reward.ensemble_agg`, `ensemble_reward`), their std the step's
+              `reward_disagreement`
     judge     the gold judge of the held-out gold score (`rlhf.core.task.judge`): exact match with the row's
               `answer` field when it has one, else the embedded task's judge (1.0 / 0.0); every prompt
               must be judgeable
@@ -60,6 +63,7 @@ import torch
 from engine import FrozenEngine
 from rlhf.algos.reward_model import sequence_scores
 from rlhf.config import REWARD_SOURCES, RewardSourcesConfig
+from rlhf.config.schema import REWARD_ENSEMBLE_AGGREGATES
 from rlhf.core.errors import ConfigError
 from rlhf.core.plugins import as_score, load_function
 from rlhf.core.task import judge, parse_prompt
@@ -105,6 +109,61 @@ class RewardModelScore:
                                                     "position_ids": positions[sl], "pack_length": self.pack_length})
             parts.append(sequence_scores(values.float(), mask[sl]))
         return torch.cat(parts)
+
+
+ENSEMBLE_AGGREGATES = REWARD_ENSEMBLE_AGGREGATES  # reward.ensemble_agg
+
+
+def ensemble_reward(scores: torch.Tensor, how: str, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A reward-model ensemble's reward from its members' scores `scores` [K, B] (member k, row b), and
+    its disagreement: the members' standard deviation per row (divisor K; 0 for one member).
+
+        mean            mean_k s_k                      (the ensemble average)
+        min             min_k s_k                       (worst-case optimisation)
+        mean_minus_std  mean_k s_k - lam * std_k s_k    (uncertainty-weighted optimisation)
+
+    Coste et al. 2023, "Reward Model Ensembles Help Mitigate Overoptimization" (mean / worst-case /
+    uncertainty-weighted objectives; their UWO penalises the variance, here the std so that lam is
+    in the score's units), and Eisenstein et al. 2023, "Helping or Herding? Reward Model Ensembles
+    Mitigate but do not Eliminate Reward Hacking": a policy pushed where the members disagree is
+    exploiting errors they do not share; a penalty on disagreement, or the minimum, keeps it off there."""
+    if scores.dim() != 2 or scores.shape[0] < 1:
+        raise ValueError(f"ensemble_reward takes member scores [K, B] with K >= 1, got shape {tuple(scores.shape)}")
+    mean, std = scores.mean(0), scores.std(0, unbiased=False)
+    if how == "mean":
+        return mean, std
+    if how == "min":
+        return scores.min(0).values, std
+    if how == "mean_minus_std":
+        return mean - lam * std, std
+    raise ValueError(f"unknown ensemble aggregate {how!r} (known: {', '.join(ENSEMBLE_AGGREGATES)})")
+
+
+class RewardEnsemble:
+    """Several reward models' scores (`members`, each a RewardSource) as one reward, `ensemble_reward`'s
+    `how` over them; `last_std` [B]: the members' disagreement on the last call's rows (the step's
+    `reward_disagreement`, which the disagreement alarm watches, rlhf/rl/alarms.py)."""
+
+    def __init__(self, members: Sequence[RewardSource], how: str = "mean", lam: float = 1.0):
+        if not members:
+            raise ValueError("a reward ensemble needs at least one member")
+        self.members, self.how, self.lam = list(members), how, lam
+        self.last_std: torch.Tensor | None = None
+        self.last_members: torch.Tensor | None = None  # [K, B] of the last call
+
+    def score(self, rollout: Rollout) -> torch.Tensor:
+        scores = torch.stack([m.score(rollout).float() for m in self.members])
+        reward, self.last_std = ensemble_reward(scores, self.how, self.lam)
+        self.last_members = scores
+        return reward
+
+
+def disagreement(source: RewardSource) -> torch.Tensor | None:
+    """The reward ensemble's per-row std on its last call (alone or inside a weighted sum); None without one."""
+    for _, part in getattr(source, "parts", [(1.0, source)]):
+        if isinstance(part, RewardEnsemble):
+            return part.last_std
+    return None
 
 
 # ----------------------------------------------------------------------------- the verifiable rewards

@@ -20,9 +20,11 @@ held-out samples of each evaluation (`RunLog.samples`) go to each logger's table
 from __future__ import annotations
 
 import csv
+import importlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from rlhf.config import LoggerConfig
@@ -53,22 +55,32 @@ def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows])
 
 
-class WandbSink:
-    def __init__(self, cfg: LoggerConfig, output_dir: str, config: dict[str, Any]):
-        import wandb
+class RunSink:
+    """W&B and trackio: one API (`init(config=..., **options)` opens the current run, `log(values, step=)`,
+    `Table(columns=, data=)`, `finish()`), so one sink over the library's module, named in SINKS with the
+    options its `init` gets (RUN_OPTIONS)."""
 
-        self.wandb = wandb
-        self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=cfg.name, mode=cfg.mode, dir=output_dir,
-                              config=config, resume="allow")
+    def __init__(self, module: str, cfg: LoggerConfig, output_dir: str, config: dict[str, Any]):
+        self.lib = importlib.import_module(module)
+        self.lib.init(config=config, **RUN_OPTIONS[module](cfg, output_dir))
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+        self.lib.log(values, step=step)
 
     def table(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
-        self.run.log({SAMPLES_TABLE: self.wandb.Table(columns=columns, data=rows)}, step=step)
+        self.lib.log({SAMPLES_TABLE: self.lib.Table(columns=columns, data=rows)}, step=step)
 
     def finish(self) -> None:
-        self.run.finish()
+        self.lib.finish()
+
+
+RUN_OPTIONS: dict[str, Callable[[LoggerConfig, str], dict[str, Any]]] = {
+    # offline by default (logger.mode): the run's files under output_dir/wandb; a resumed run continues it
+    "wandb": lambda cfg, output_dir: dict(project=cfg.project, entity=cfg.entity, name=cfg.name, mode=cfg.mode,
+                                          dir=output_dir, resume="allow"),
+    # trackio's local store (TRACKIO_DIR); embed=False: no dashboard opened from a training run
+    "trackio": lambda cfg, output_dir: dict(project=cfg.project, name=cfg.name, embed=False),
+}
 
 
 class TensorBoardSink:
@@ -136,23 +148,6 @@ class MLflowSink:
         self.client.set_terminated(self.run_id)
 
 
-class TrackioSink:
-    def __init__(self, cfg: LoggerConfig, output_dir: str, config: dict[str, Any]):
-        import trackio
-
-        self.trackio = trackio
-        self.run = trackio.init(project=cfg.project, name=cfg.name, config=config, embed=False)
-
-    def scalars(self, step: int, values: dict[str, float]) -> None:
-        self.trackio.log(values, step=step)
-
-    def table(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
-        self.trackio.log({SAMPLES_TABLE: self.trackio.Table(columns=columns, data=rows)}, step=step)
-
-    def finish(self) -> None:
-        self.trackio.finish()
-
-
 class CsvSink:
     """DeepSpeed's csv_monitor layout: one file per scalar, `step,<name>` rows, appended as the run goes."""
 
@@ -180,8 +175,8 @@ class CsvSink:
         pass
 
 
-SINKS = {"wandb": WandbSink, "tensorboard": TensorBoardSink, "mlflow": MLflowSink, "trackio": TrackioSink,
-         "csv": CsvSink}
+SINKS = {"wandb": partial(RunSink, "wandb"), "tensorboard": TensorBoardSink, "mlflow": MLflowSink,
+         "trackio": partial(RunSink, "trackio"), "csv": CsvSink}
 
 
 def open_sinks(cfg: LoggerConfig, output_dir: str, config: dict[str, Any]) -> list[Sink]:

@@ -197,6 +197,16 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     """Bytes per rank of every model a `stage` run holds, the phases' transient memory, and the peak."""
     ecfg = resolve_precision(cfg.engine, torch.device(device))
     e = 4 if ecfg.precision == "fp32" else 2
+    split = stage == "ppo" and ecfg.placement == "split"
+    if split:  # the models below live on the training ranks only, sharded over their own group
+        n_gen = ecfg.generation_ranks
+        if not 1 <= n_gen < world:
+            raise ConfigError(f"engine.placement=split: engine.generation_ranks={n_gen} must leave at least one "
+                              f"training rank of world_size={world}")
+        if rank >= world - n_gen:
+            raise ConfigError(f"rank={rank} is a generation rank (the last {n_gen} of {world}); the plan is of a "
+                              f"training rank (0..{world - n_gen - 1}) and of a generation rank, both printed")
+        world -= n_gen
     models, gen_rows, gen_len = roles(stage, cfg, world)
     report = {"stage": stage, "world_size": world, "rank": rank, "device": device, "precision": ecfg.precision,
               "zero_stage": ecfg.stage, "models": {}, "budget_bytes": budget_gib * GiB}
@@ -235,10 +245,29 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
             weights = a.total * e if path == "injected" or ecfg.stage >= 2 else 0
             report.update(generation_path=path, generation_why=why, kv_cache_bytes=kv, generation_weight_bytes=weights)
             phases["generation"] = kv + weights
+            actor = a
     resident = sum(m["device_bytes"] for m in report["models"].values())
     report.update(phases=phases, resident_bytes=resident, peak_bytes=resident + max(phases.values()))
-    report["fits"] = None if budget_gib <= 0 else report["peak_bytes"] <= budget_gib * GiB
+    worst = report["peak_bytes"]
+    if split:
+        report["generation_rank"] = g = split_generation_rank(cfg, actor, trainers=world, e=e, gen_len=gen_len)
+        report["training_ranks"] = world
+        worst = max(worst, g["peak_bytes"])
+    report["fits"] = None if budget_gib <= 0 else worst <= budget_gib * GiB
     return report
+
+
+def split_generation_rank(cfg, a: Arch, *, trainers: int, e: int, gen_len: int) -> dict:
+    """A generation rank of engine.placement=split: the whole actor in the layout dtype (transformers generate on
+    its own copy), the KV cache of the rows it samples (each of its trainers' rows: rollout rows / trainers x
+    ceil(trainers / generation_ranks)), one bucket of the weight stream being received."""
+    r, n_gen = cfg.rollout, cfg.engine.generation_ranks
+    rows = r.prompts_per_step // trainers * r.n_samples_per_prompt * math.ceil(trainers / n_gen)
+    weights = a.total * e
+    kv = 2 * a.layers * rows * gen_len * a.kv * e
+    bucket = min(cfg.engine.weight_bucket_mb * 2**20, weights)
+    return {"ranks": n_gen, "rows": rows, "weight_bytes": weights, "kv_cache_bytes": kv, "bucket_bytes": bucket,
+            "peak_bytes": weights + kv + bucket}
 
 
 def candidates(stage: str, cfg, world: int) -> list[tuple[int, list[str]]]:
@@ -313,6 +342,10 @@ def format_plan(report: dict, change: list[str] | None) -> str:
     r = report
     lines = [f"plan: stage {r['stage']}, {r['world_size']} rank(s), rank {r['rank']}, {r['device']} {r['precision']}, "
              f"ZeRO stage {r['zero_stage']}"]
+    if "generation_rank" in r:
+        g = r["generation_rank"]
+        lines[0] += (f"; engine.placement=split: {r['training_ranks']} training rank(s) (below: a training rank, ZeRO "
+                     f"over {r['training_ranks']}) + {g['ranks']} generation rank(s)")
     for name, m in r["models"].items():
         where = ", offloaded to CPU" if m["offload"] else ""
         if not m["trained"]:
@@ -331,6 +364,10 @@ def format_plan(report: dict, change: list[str] | None) -> str:
                      f" | weights {_g(r['generation_weight_bytes'])}")
     lines.append(f"  resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
         f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
+    if "generation_rank" in r:
+        g = r["generation_rank"]
+        lines.append(f"  a generation rank: the actor's weights {_g(g['weight_bytes'])} | KV cache ({g['rows']} rows) "
+                     f"{_g(g['kv_cache_bytes'])} | a weight-stream bucket {_g(g['bucket_bytes'])} = peak {_g(g['peak_bytes'])}")
     if r["fits"] is not None:
         verdict = "fits" if r["fits"] else "does NOT fit"
         lines.append(f"  budget {_g(r['budget_bytes'])}: {verdict}")

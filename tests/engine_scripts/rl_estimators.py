@@ -14,6 +14,10 @@ different loss aggregation per estimator, asymmetric clip). Then online DPO: thi
 pairs of its prompt groups and one ZeRO-3 update with rlhf/rl/online_dpo.py's `update` and pair loss
 (its "advantages": +1 chosen, -1 rejected, 0 neither, per row). Rank 0 saves every row's advantages,
 the step's loss and metrics and the full gradients to <out>/rl_w<world>.pt.
+Then `ppo.old_logprobs` (sampler and auto) over OLD_STEPS steps of these rows, the sampler's log-probs
+forced off the trainer's by OLD_OFFSET on the second rank's rows only at step OLD_FORCED: each rank's
+choice per step (OldLogprobs fed rlhf/rl/metrics.py's all-reduced sampler_gap, as rlhf/ppo.py does),
+the measured gaps and each rank's own gap at OLD_FORCED, to <out>/old_logprobs_w<world>.pt.
 """
 from __future__ import annotations
 
@@ -27,14 +31,20 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
+from rlhf.config import PPOAlgoConfig, RolloutConfig  # noqa: E402
 from rlhf.modeling.forward import position_ids_from_mask, token_logprobs
 from rlhf.modeling.roles import Policy
 from rlhf.rl import online_dpo
 from rlhf.rl.experience import build_experience
+from rlhf.rl.metrics import sampler_gap  # noqa: E402
+from rlhf.rl.old_logprobs import OldLogprobs  # noqa: E402
 from rlhf.rl.update import make_actor_loss
 
 VOCAB, P, T, PROMPTS, N, MICRO, TEMPERATURE = 64, 4, 6, 4, 3, 2, 0.7
 GLOBAL = PROMPTS * N
+# ppo.old_logprobs on 2 ranks: checks every 2 steps; at OLD_FORCED the last GLOBAL/2 rows' sampler log-probs
+# are OLD_OFFSET off (every other step: the trainer's exactly)
+OLD_STEPS, OLD_EVERY, OLD_FORCED, OLD_OFFSET = 6, 2, 2, 0.01
 RUNS = {  # name: (estimator, kl_coef in the reward, loss aggregation, actor-loss options [+ gamma, kl_loss_coef])
     "grpo": ("grpo", 0.0, "seq_mean_token_mean", {}), "rloo": ("rloo", 0.0, "seq_mean_token_sum", {}),
     "reinforce_pp": ("reinforce_pp", 0.1, "token_mean", {}),
@@ -137,7 +147,36 @@ def main(out_dir: str) -> None:
                             "stats": {k: out[k] for k in ("loss", "weight", "dpo_margin", "dpo_accuracy")}}
     if info.is_main:
         torch.save(result, os.path.join(out_dir, f"rl_w{info.world_size}.pt"))
+    old = old_logprobs_choices(full, sl, info.world_size)
+    if info.is_main:
+        torch.save(old, os.path.join(out_dir, f"old_logprobs_w{info.world_size}.pt"))
     dist.barrier()
+
+
+def old_logprobs_choices(full: dict, sl: slice, world: int) -> dict:
+    """Per mode (sampler, auto): every rank's recompute choice per step, the gaps the recomputed steps
+    measured (all-reduced), and each rank's own gap at OLD_FORCED (its rows alone)."""
+    out = {}
+    mask = full["response_mask"][sl]
+    for mode in ("sampler", "auto"):
+        src = OldLogprobs(PPOAlgoConfig(old_logprobs=mode, old_logprobs_check_every=OLD_EVERY), RolloutConfig())
+        choices, gaps = [], {}
+        for step in range(OLD_STEPS):
+            logp_gen = full["logp_old"].clone()
+            if step == OLD_FORCED:
+                logp_gen[GLOBAL // 2 :] += OLD_OFFSET  # the second rank's rows (in 1 process: the same rows)
+            exp = SimpleNamespace(logp_old=full["logp_old"][sl], logp_gen=logp_gen[sl], response_mask=mask)
+            recompute = src.recompute(step)
+            choices.append(recompute)
+            if step == OLD_FORCED:
+                own = ((exp.logp_old - exp.logp_gen).abs() * mask).sum() / mask.sum()
+            if recompute:  # rlhf/ppo.py: only a recomputed step measures the gap (a collective)
+                gaps[step] = sampler_gap(exp, PPOAlgoConfig())["gen_logprob_gap"]
+            src.after_step(step, {"gen_logprob_gap": gaps[step]} if recompute else {})
+        every = [None] * world
+        dist.all_gather_object(every, {"choices": choices, "gaps": gaps, "own_gap": float(own)})
+        out[mode] = every
+    return out
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ A user's environment, named on the command line as `rollout.env=my_pkg.envs:Calc
             return Step(f"<result>{evaluate(text)}</result>")
 
 One environment instance lives for one episode (reset, then step after every model turn). The rollout loop
-never calls an environment directly: it goes through a runner (`make_runner`), which returns a `Reply` per
+never calls an environment directly: it goes through a runner (`make_runner`, pool.py), which returns a `Reply` per
 episode and never raises for the environment's faults: an environment that raises, hangs past
 `timeout_s`, returns something that is not a `Step`, or kills its worker gives `Reply.error` set (the
 episode ends, masked and counted by the loop) while the other episodes go on.
@@ -147,11 +147,3 @@ class InlineRunner:
         if reply.done:
             self.close([episode])
         return reply
-
-
-def make_runner(env_cls: type[Environment], workers: int, timeout_s: float, **limits: Any):
-    """The runner the rollout loop uses: InlineRunner when workers == 0, else the process pool
-    (rlhf/rl/environments/pool.py: `workers` processes, each call limited to `timeout_s`)."""
-    if workers == 0:
-        return InlineRunner(env_cls)
-    raise ConfigError("rollout.env_workers > 0: the process pool is not built yet; set rollout.env_workers=0")
