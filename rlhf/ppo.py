@@ -404,7 +404,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     last = run.evaluate_after()
     if env is not None:
         env[0].close()  # every episode's environment
-        getattr(env[0], "shutdown", lambda: None)()  # the process pool's workers (rollout.env_workers > 0)
+        env[0].shutdown()  # and the process pool's workers (rollout.env_workers > 0)
     exported = best.exported(run.total, last)  # train.export_best: the best evaluation's step, else the last
     after = exported["eval"]
     out_dir = cfg.output_dir

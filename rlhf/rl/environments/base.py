@@ -130,6 +130,10 @@ class InlineRunner:
                 except Exception:  # an environment's cleanup fault must not end the run
                     pass
 
+    def shutdown(self) -> None:
+        """End every open episode (the process pool's shutdown also stops its workers)."""
+        self.close()
+
     def _call(self, episode: int, method: str, arg: Any) -> Reply:
         start = time.perf_counter()
         try:
