@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import WeightCheckError
+from .generation import BatchInvariantGenerator, HFGenerator
+from .parallelize import TORCH_DTYPES
 from .weight_check import agree, describe, fingerprint
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -294,8 +296,6 @@ class GenerationReplica:
     and row seeds is the one the trainer would sample. Runs no collective but the stream's."""
 
     def __init__(self, model: torch.nn.Module, cfg, info, receiver: WeightReceiver):
-        from .parallelize import TORCH_DTYPES
-
         self.cfg, self.info, self.receiver = cfg, info, receiver
         self.dtype = TORCH_DTYPES[cfg.precision]
         self.model = model.to(info.device, self.dtype).eval()
@@ -321,7 +321,5 @@ class GenerationReplica:
 
     @contextlib.contextmanager
     def generation(self):
-        from .generation import BatchInvariantGenerator, HFGenerator
-
         gen = HFGenerator(self.model)
         yield BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen

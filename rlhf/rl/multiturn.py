@@ -159,17 +159,6 @@ class EpisodeStats:
     episodes: list[Episode] = field(default_factory=list)
 
 
-def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
-    return ids, mask
-
-
 def stop_ids(tok: Any, turn_stop: tuple[str, ...]) -> tuple[list[int], list[str]]:
     """The turn_stop strings that are one token (passed to the sampler as extra stop ids) and the
     others (found in the decoded turn after generation; the turn is cut after the first token that
@@ -223,7 +212,8 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
                 if turn == 0 and len(active) == B and all(not e.ids for e in eps):
                     in_ids, in_mask = prompts["input_ids"], prompts["attention_mask"]  # exactly today's first call
                 else:
-                    in_ids, in_mask = _left_pad([eps[b].prompt + eps[b].ids for b in active], pad)
+                    batch = collate_prompts([{"input_ids": eps[b].prompt + eps[b].ids} for b in active], pad)
+                    in_ids, in_mask = batch["input_ids"], batch["attention_mask"]
                 seeds = {}
                 if row_seeds is not None:
                     rs = row_seeds[active].tolist()
