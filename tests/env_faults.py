@@ -91,3 +91,35 @@ class SmallPythonTool(PythonTool):
     timeout_s = 1.0
     max_output_chars = 200
     max_calls = 2
+
+
+class Tally(Environment):
+    """Deterministic, for whole RL runs (tests/test_multiturn_ranks.py): the first two turns are answered with
+    the turn's length in characters, the third ends the episode; reward part `distinct` = distinct characters
+    of every turn / 10 (episodes of one prompt differ, so GRPO's advantages are not all zero).
+
+    With TALLY_HANG=<path> set, every reset appends a byte to <path>.resets, and a step taken after more than
+    TALLY_HANG_AFTER resets writes this process's pid to <path> (the first one to get there) and sleeps: the
+    trainer waits on an episode batch, for a test to kill it."""
+
+    def reset(self, row):
+        self.turn = 0
+        hang = os.environ.get("TALLY_HANG")
+        if hang:
+            with open(hang + ".resets", "ab") as f:
+                f.write(b".")
+
+    def step(self, text):
+        hang = os.environ.get("TALLY_HANG")
+        if hang and os.path.getsize(hang + ".resets") > int(os.environ["TALLY_HANG_AFTER"]):
+            try:
+                fd = os.open(hang + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                os.rename(hang + ".tmp", hang)
+            except FileExistsError:
+                pass
+            time.sleep(600)
+        self.turn += 1
+        reward = {"distinct": len(set(text)) / 10}
+        return Step(str(len(text)) if self.turn <= 2 else None, reward)
