@@ -17,10 +17,23 @@ With --compare-start it also times starting one child that imports the pool and 
 interleaved times each, from a main module that imports torch at its top as a trainer's does: fork+exec
 of `python -c` (the pool's way) against multiprocessing's spawn and forkserver (its server already
 running, the pool preloaded), which re-import that main module, torch included, in every child.
+
+With --step ACTOR (a tool-task SFT output, e.g. `TASK=tools bash scripts/run_all.sh`'s outputs/sft) it
+measures the environment's share of a whole RL step instead: the tool task's RL stage (TOOLS_RL below, as
+run_all.sh runs it) for --steps steps per run, once per --workers value and rep, interleaved, each a
+`python -m rlhf.ppo` subprocess. Per step, from its metrics.jsonl record: the step = generation_s +
+scoring_s + training_s; the environment's overhead = env_overhead_s (every second the episodes cost outside
+the model's generate calls: the calculator's calls and the pool's round trips (env_s), inserting the
+observations' ids, re-batching the open episodes, the chat-template check). The same step without the
+environment is the step less that overhead: printed is step / (step - overhead) - 1, median and worst over
+the steps after each run's first (warm-up), and the split of the step.
+
+    python scripts/bench_env.py --step outputs/sft --steps 6 --reps 2 --workers 0 2
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -118,6 +131,45 @@ def compare_start(reps: int = 5) -> None:
                        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
 
 
+# the tool task's RL stage: scripts/run_all.sh's TASK=tools PPO overrides (tests/test_multiturn.py checks them)
+TOOLS_RL = ["algorithm=grpo", "data.path=data/tools/prompts_tools.jsonl", "data.eval_prompts_path=data/tools/eval_tools.jsonl",
+            "reward.sources=[judge]", "rollout.env=rlhf.rl.environments.calculator:Calculator", "rollout.max_turns=3",
+            "rollout.max_new_tokens=16", "rollout.max_episode_tokens=64"]
+
+
+def step_overhead(actor: str, steps: int, reps: int, workers: list[int], work: str) -> None:
+    """The environment's overhead as a fraction of the tool task's RL step (see the module docstring)."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "WANDB_MODE": "disabled",
+           "TOKENIZERS_PARALLELISM": "false"}
+    per: dict[int, list[dict]] = {w: [] for w in workers}
+    for rep in range(reps):
+        for w in workers if rep % 2 == 0 else workers[::-1]:
+            out = os.path.join(work, f"w{w}_rep{rep}")
+            cmd = [sys.executable, "-m", "rlhf.ppo", f"output_dir={out}", f"actor.model={actor}", f"critic.model={actor}",
+                   *TOOLS_RL, f"rollout.env_workers={w}", f"train.max_steps={steps}", "train.eval_every=0",
+                   "train.save_every=0", "data.num_eval_prompts=8", "train.overwrite=true", f"seed={1234 + rep}"]
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                train = [r for r in map(json.loads, f) if r["kind"] == "train"]
+            per[w] += train[1:]  # the first step is the warm-up
+            print(f"  rep {rep}, rollout.env_workers={w}: {len(train)} steps", flush=True)
+    print(f"the tool task's RL step with the calculator, from {actor}: {steps} steps x {reps} reps per row "
+          f"(the first of each run left out); load average {os.getloadavg()[0]:.1f}")
+    print(f"{'env_workers':>11} {'step s':>8} {'generate':>9} {'score':>7} {'train':>7} {'env calls':>10} "
+          f"{'overhead':>9} {'tool calls':>10} {'+% median':>10} {'+% worst':>9}")
+    for w, rows in per.items():
+        step = [r["generation_s"] + r["scoring_s"] + r["training_s"] for r in rows]
+        over = [r["env_overhead_s"] for r in rows]
+        extra = [100 * (o / (s - o)) for s, o in zip(step, over)]
+        med = statistics.median
+        print(f"{w:>11} {med(step):8.3f} {med(r['generation_s'] for r in rows):9.3f} "
+              f"{med(r['scoring_s'] for r in rows):7.3f} {med(r['training_s'] for r in rows):7.3f} "
+              f"{med(r['env_s'] for r in rows):10.4f} {med(over):9.4f} {med(r['tool_calls'] for r in rows):10.2f} "
+              f"{med(extra):10.2f} {max(extra):9.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=64)
@@ -125,7 +177,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--compare-start", action="store_true", help="also time fork+exec vs spawn vs forkserver")
+    parser.add_argument("--step", metavar="ACTOR", help="the environment's share of the tool task's RL step, from "
+                        "this tool-task SFT output (--workers: rollout.env_workers values; default 0 2)")
+    parser.add_argument("--steps", type=int, default=6, help="--step: RL steps per run")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench_env_step"),
+                        help="--step: where the runs write")
     args = parser.parse_args()
+    if args.step:
+        workers = args.workers if args.workers != parser.get_default("workers") else [0, 2]
+        step_overhead(args.step, args.steps, args.reps, workers, args.work)
+        return
     episodes = list(range(args.episodes))
 
     t0 = time.perf_counter()

@@ -3,12 +3,15 @@
     python scripts/make_tool_data.py            # rewrites data/tools/*.jsonl
 
 The judge's `add` kind (rlhf/core/task.py) with two 4-digit operands: sums the ~1M-parameter default model
-does not learn to do in its head in minutes. Files (every prompt unique across them):
+does not learn to do in its head in minutes. Files (sft_tools, prompts_tools and eval_tools hold distinct sums):
 
     sft_tools.jsonl    tool-use demonstrations as chat messages (the embedded tokenizer's template has a
                        tool role): user "What is A+B?", assistant "calc: A+B", tool "S", assistant "S";
                        mixed with the shipped demonstrations (data/default/sft_train.jsonl) by the SFT
                        stage of `TASK=tools bash scripts/run_all.sh`, so these are part of its SFT rows
+    sft_direct.jsonl   the same 2,000 sums answered directly, no tool ({prompt, response: " S"}): the control
+                       arm's SFT rows (`TASK=tools TOOL=off`: SFT -> RL on the same prompts without the tool),
+                       the gold score a model of this size reaches on these sums in its head
     prompts_tools.jsonl    RL prompts ("Human: What is A+B?\\n\\nAssistant:")
     eval_tools.jsonl       held-out prompts with their answers (the gold score with and without the tool)
 
@@ -27,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from rlhf.core.task import gold_answer, make_prompt
 
 SEED = 4321
-SIZES = {"sft_tools": 2000, "prompts_tools": 2000, "eval_tools": 200}
+SIZES = {"sft_tools": 2000, "prompts_tools": 2000, "eval_tools": 200}  # distinct sums each
 LOW, HIGH = 1000, 9999  # 4-digit operands
 
 
@@ -58,6 +61,9 @@ def build() -> dict[str, list[dict]]:
                 rows.append({"prompt": prompt, "answer": answer, "task": "add"})
         files[name] = rows
         start += n
+    # the control arm: sft_tools' sums, each answered in one response
+    files["sft_direct"] = [{"prompt": make_prompt(r["messages"][0]["content"]), "response": " " + r["messages"][3]["content"]}
+                           for r in files["sft_tools"]]
     return files
 
 

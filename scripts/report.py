@@ -118,6 +118,13 @@ def tools_lines(root: str, s: dict) -> list[str]:
     last = train[-1] if train else {}
     samples = read_samples_of(os.path.join(root, "ppo"))
     final = [x for x in samples if x.get("step") == max((y["step"] for y in samples), default=None)]
+    if p.get("gold_score_tool_after") is None:  # the control arm (TOOL=off): trained and judged without the tool
+        return ["", "## Without the tool (the control arm: TOOL=off, held-out sums, greedy)", "",
+                "| model | gold (%) |", "|---|---|",
+                f"| after SFT (direct answers) | {fmt(p.get('gold_score_before'))} |",
+                f"| after RL (no tool) | {fmt(p.get('gold_score_after'))} |", "",
+                "The same sums, demonstrated and rewarded as one direct answer: what the model reaches in its head. "
+                "`TASK=tools` (the tool arm) gives the gold with the calculator beside it."]
     lines = [
         "", "## With the calculator tool (held-out sums, greedy)", "",
         "| model | without the tool (%) | with the tool (%) |", "|---|---|---|",
@@ -175,9 +182,12 @@ def figures(s: dict[str, dict], total_s: float) -> dict[str, float | None]:
 
 
 def aggregate(rows: list[dict[str, float | None]]) -> dict[str, dict[str, float | None]]:
-    """Per figure over the runs that have it: mean, std (sample, n - 1; None below 2 runs), min, max, n."""
+    """Per figure over the runs that have it: mean, std (sample, n - 1; None below 2 runs), min, max, n (labels,
+    such as the tool task's "task": "tools", are not figures)."""
     out = {}
     for key in rows[0] if rows else ():
+        if any(isinstance(r.get(key), str) for r in rows):
+            continue
         vals = [r[key] for r in rows if r.get(key) is not None]
         out[key] = {"mean": statistics.fmean(vals) if vals else None,
                     "std": statistics.stdev(vals) if len(vals) > 1 else None,
@@ -194,12 +204,31 @@ SWEEP_COLUMNS = [
 ]
 
 
+# The tool task's sweep (TASK=tools: report.json has "task": "tools"): its columns, headline figure first
+TOOL_SWEEP_COLUMNS = [
+    ("rl_gold_tool", "RL gold with the tool (%)", "{:.1f}"), ("sft_gold_tool", "SFT gold with the tool (%)", "{:.1f}"),
+    ("sft_gold", "SFT gold without (%)", "{:.1f}"), ("rl_gold", "RL gold without (%)", "{:.1f}"),
+    ("tool_calls", "tool calls / episode", "{:.2f}"), ("env_errors", "env errors", "{:.0f}"),
+    ("sft_s", "SFT (s)", "{:.0f}"), ("rl_s", "RL (s)", "{:.0f}"), ("total_s", "total (s)", "{:.0f}"),
+]
+
+
+def headline(rows: list[dict]) -> str:
+    """The figure a sweep ranks seeds by: PPO gold; for the tool task its gold with the tool (the control arm,
+    TOOL=off: its gold without)."""
+    if rows and rows[0].get("task") == "tools":
+        return "rl_gold_tool" if rows[0].get("tool") == "on" else "rl_gold"
+    return "ppo_gold"
+
+
 def worst_first(seeds: list[int], rows: list[dict]) -> list[tuple[int, dict]]:
-    """(seed, figures) ordered worst first: the lowest PPO gold (a run without one first), then the highest
-    KL, then the seed."""
+    """(seed, figures) ordered worst first: the lowest headline gold (`headline`: PPO gold; a run without one
+    first), then the highest KL, then the seed."""
+    gold_key = headline(rows)
+
     def key(pair: tuple[int, dict]) -> tuple:
         seed, r = pair
-        gold, kl = r.get("ppo_gold"), r.get("kl")
+        gold, kl = r.get(gold_key), r.get("kl")
         return (-math.inf if gold is None else gold, -(kl if kl is not None else -math.inf), seed)
 
     return sorted(zip(seeds, rows), key=key)
@@ -210,15 +239,15 @@ def sweep_table(seeds: list[int], rows: list[dict], agg: dict) -> list[str]:
     def cell(fmt_: str, v) -> str:
         return "–" if v is None else fmt_.format(v)
 
-    lines = ["| seed | " + " | ".join(h for _, h, _ in SWEEP_COLUMNS) + " |",
-             "|---|" + "---|" * len(SWEEP_COLUMNS)]
-    lines += [f"| {seed} | " + " | ".join(cell(f, r[k]) for k, _, f in SWEEP_COLUMNS) + " |"
+    columns = TOOL_SWEEP_COLUMNS if rows and rows[0].get("task") == "tools" else SWEEP_COLUMNS
+    lines = ["| seed | " + " | ".join(h for _, h, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {seed} | " + " | ".join(cell(f, r.get(k)) for k, _, f in columns) + " |"
               for seed, r in worst_first(seeds, rows)]
     lines.append("| mean ± std | " + " | ".join(
         cell(f, agg[k]["mean"]) + ("" if agg[k]["std"] is None else " ± " + cell(f, agg[k]["std"]).lstrip("+"))
-        for k, _, f in SWEEP_COLUMNS) + " |")
+        for k, _, f in columns) + " |")
     for stat in ("min", "max"):
-        lines.append(f"| {stat} | " + " | ".join(cell(f, agg[k][stat]) for k, _, f in SWEEP_COLUMNS) + " |")
+        lines.append(f"| {stat} | " + " | ".join(cell(f, agg[k][stat]) for k, _, f in columns) + " |")
     return lines
 
 
@@ -232,22 +261,29 @@ def sweep(root: str, seeds: list[int]) -> list[str]:
         with open(path) as f:
             rows.append(json.load(f))
     agg = aggregate(rows)
-    acc, gain = agg["rm_accuracy"], agg["gold_gain"]
 
     def spread(a: dict, f: str) -> str:
         return "–" if a["mean"] is None else (f.format(a["mean"]) + ("" if a["std"] is None else " ± " + f.format(a["std"]).lstrip("+"))
                                               + f" (min {f.format(a['min'])})")
 
+    tools = rows[0].get("task") == "tools"
+    ranked = {"ppo_gold": "PPO gold", "rl_gold_tool": "RL gold with the tool", "rl_gold": "RL gold without the tool"}
+    if tools:
+        closing = (f"RL gold with the tool {spread(agg['rl_gold_tool'], '{:.1f}')}; without it, after SFT "
+                   f"{spread(agg['sft_gold'], '{:.1f}')}, after RL {spread(agg['rl_gold'], '{:.1f}')}; slowest "
+                   f"pipeline {fmt(agg['total_s']['max'])} s.")
+    else:
+        closing = (f"Reward-model held-out pair accuracy {spread(agg['rm_accuracy'], '{:.3f}')}; PPO gold gain "
+                   f"{spread(agg['gold_gain'], '{:+.1f}')} points; slowest pipeline {fmt(agg['total_s']['max'])} s.")
     lines = [
-        "# RLHF pipeline: seed sweep", "",
+        "# RLHF pipeline: seed sweep" + (" (the tool task)" if tools else ""), "",
         f"Output root: `{os.path.abspath(root)}`. {len(seeds)} seeds ({', '.join(map(str, seeds))}), each a whole "
         "pipeline under `seed_<s>/` (`seed=<s>` in every stage: initialisation, data order, sampling; the same data) "
         "with its own report.md. Std is the sample standard deviation (n - 1). Rows: the worst seed first "
-        "(lowest PPO gold, then highest KL).", "",
+        f"(lowest {ranked[headline(rows)]}, then highest KL).", "",
         worst_line(seeds, rows), "",
         *sweep_table(seeds, rows, agg), "",
-        f"Reward-model held-out pair accuracy {spread(acc, '{:.3f}')}; PPO gold gain {spread(gain, '{:+.1f}')} points; "
-        f"slowest pipeline {fmt(agg['total_s']['max'])} s.", "",
+        closing, "",
     ]
     with open(os.path.join(root, "sweep.md"), "w") as f:
         f.write("\n".join(lines))
@@ -258,6 +294,9 @@ def sweep(root: str, seeds: list[int]) -> list[str]:
 
 def worst_line(seeds: list[int], rows: list[dict]) -> str:
     seed, r = worst_first(seeds, rows)[0]
+    if r.get("task") == "tools":
+        return (f"Worst seed: {seed} (RL gold with the tool {fmt(r.get('rl_gold_tool'))}, without it "
+                f"{fmt(r.get('rl_gold'))}; tool calls per episode {fmt(r.get('tool_calls'))}).")
     return (f"Worst seed: {seed} (PPO gold {fmt(r.get('ppo_gold'))} at KL {fmt(r.get('kl'))}, reward-model accuracy "
             f"{fmt(r.get('rm_accuracy'))}).")
 
@@ -331,11 +370,13 @@ def main() -> None:
         with open(os.path.join(root, "report.md"), "w") as f:
             f.write("\n".join(lines))
         with open(os.path.join(root, "report.json"), "w") as f:  # the headline figures
-            json.dump({"sft_gold": s["sft"].get("gold_score_after"), "rl_gold": s["ppo"].get("gold_score_after"),
+            json.dump({"task": "tools", "tool": "on" if s["ppo"].get("gold_score_tool_after") is not None else "off",
+                       "sft_gold": s["sft"].get("gold_score_after"), "rl_gold": s["ppo"].get("gold_score_after"),
                        "sft_gold_tool": s["ppo"].get("gold_score_tool_before"),
                        "rl_gold_tool": s["ppo"].get("gold_score_tool_after"),
                        "tool_calls": s["ppo"].get("tool_calls_eval_after"), "turns": s["ppo"].get("turns_eval_after"),
-                       "env_errors": s["ppo"].get("env_errors"), "total_s": total}, f, indent=1)
+                       "env_errors": s["ppo"].get("env_errors"), "sft_s": s["sft"].get("time_s"),
+                       "rl_s": s["ppo"].get("time_s"), "total_s": total}, f, indent=1)
         print("\n".join(lines[:40]))
         print(f"report: {os.path.join(root, 'report.md')}")
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -310,6 +311,49 @@ def test_faults_end_their_episode_masked_and_counted_and_the_step_goes_on(embedd
     multiturn.check_failures(rec, stats, multiturn.Settings(max_turns=2, max_new_tokens=4, max_failure_fraction=0.7))
 
 
+class Slow(Tool):
+    """Tool, each step taking 30 ms."""
+
+    def step(self, text):
+        time.sleep(0.03)
+        return super().step(text)
+
+
+def test_the_episodes_overhead_is_everything_outside_the_model():
+    """env_overhead_s = the episodes' time outside the generator's calls: the environment's (env_s) and more;
+    a generator that takes 50 ms a call is not in it."""
+    tok_ids = [[[5, 6, 2]] * 2] * 3  # every turn of both rows: two tokens and EOS (id 2)
+
+    class Timed(Script):
+        def generate(self, *a, **kw):
+            time.sleep(0.05)
+            return super().generate(*a, **kw)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "data/tokenizer")
+    texts = PROMPTS[:2]
+    _, stats = multiturn.generate_episodes(
+        Actor(Timed(tok_ids, tok.pad_token_id)), prompts_of(tok, texts), torch.arange(2), rows_of(texts), SAMPLE, tok,
+        InlineRunner(Slow), multiturn.Settings(max_turns=3, max_new_tokens=4, max_episode_tokens=200),
+        multiturn.template_glue(tok))
+    assert stats.tool_calls.tolist() == [2.0, 2.0] and stats.turns.tolist() == [3.0, 3.0]
+    # 6 environment calls of 30 ms; the generator's 3 calls of 50 ms would add 150 ms
+    assert 6 * 0.03 <= stats.env_s <= stats.overhead_s < stats.env_s + 0.1, (stats.env_s, stats.overhead_s)
+    rec = multiturn.step_env_metrics(stats, torch.device("cpu"))
+    assert rec["env_overhead_s"] == pytest.approx(stats.overhead_s) and rec["env_s"] == pytest.approx(stats.env_s)
+
+
+def test_the_env_bench_runs_the_pipelines_tool_rl_stage():
+    """scripts/bench_env.py --step times the RL stage that run_all.sh's TASK=tools runs."""
+    from scripts.bench_env import TOOLS_RL
+
+    text = (ROOT / "scripts" / "run_all.sh").read_text()
+    tools = text.split("  tools)", 1)[1].split("\n    ;;", 1)[0].split("\n      off)", 1)[0]  # the tool arm's lines
+    for arg in TOOLS_RL:
+        assert (arg in tools) if arg != "algorithm=grpo" else ('ALGO="${ALGO:-grpo}"' in text.split("  tools)")[1]), arg
+
+
 # ----------------------------------------------------------------------------- the calculator
 
 
@@ -386,6 +430,10 @@ def test_shipped_tool_data_is_what_the_generator_makes_and_held_out_sums_are_uns
     seen = {r["prompt"] for r in files["prompts_tools"]} | {
         "Human: " + r["messages"][0]["content"] + "\n\nAssistant:" for r in files["sft_tools"]}
     assert len(held) == 200 and not held & seen
+    # the control arm's rows: the same sums, the answer as one response
+    assert [(r["prompt"], r["response"]) for r in files["sft_direct"]] == [
+        ("Human: " + r["messages"][0]["content"] + "\n\nAssistant:", " " + r["messages"][3]["content"])
+        for r in files["sft_tools"]]
     demo = files["sft_tools"][0]["messages"]
     a, b = (int(x) for x in demo[1]["content"].removeprefix("calc: ").split("+"))
     assert demo[2]["content"] == demo[3]["content"] == str(a + b) == Calculator().step(" " + demo[1]["content"]).observation

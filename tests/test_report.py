@@ -176,3 +176,33 @@ def test_seed_sweep_table(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--sweep", "1", "4"],
                              cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert missing.returncode != 0 and "seed_4/report.json is missing (did the pipeline for seed 4 finish?)" in missing.stderr
+
+
+def test_tool_task_seed_sweep_ranks_by_the_gold_with_the_tool(tmp_path):
+    """TASK=tools' report.json rows: the sweep's columns are the tool task's, the worst seed the one with the
+    lowest gold with the tool; the control arm (tool off) is ranked by its gold without."""
+    report = load_report()
+
+    def row(tool, rl_tool, rl, seconds):
+        return {"task": "tools", "tool": tool, "sft_gold": 0.0, "rl_gold": rl, "sft_gold_tool": 100.0 if tool == "on" else None,
+                "rl_gold_tool": rl_tool, "tool_calls": 1.0 if tool == "on" else None, "turns": 2.0, "env_errors": 0,
+                "sft_s": seconds, "rl_s": 100.0, "total_s": seconds + 110}
+
+    for arm, rows in {"on": {1: row("on", 99.5, 0.0, 300.0), 2: row("on", 97.0, 0.0, 320.0)},
+                      "off": {1: row("off", None, 2.5, 280.0), 2: row("off", None, 0.5, 290.0)}}.items():
+        root = tmp_path / arm
+        for seed, r in rows.items():
+            (root / f"seed_{seed}").mkdir(parents=True)
+            (root / f"seed_{seed}" / "report.json").write_text(json.dumps(r))
+        lines = report.sweep(str(root), [1, 2])
+        table = [line for line in lines if line.startswith("| ")]
+        assert table[0].split(" | ")[:3] == ["| seed", "RL gold with the tool (%)", "SFT gold with the tool (%)"]
+        assert [line.split(" | ")[0] for line in table[1:3]] == ["| 2", "| 1"]  # both arms: seed 2 is worse
+        text = "\n".join(lines)
+        if arm == "on":
+            assert table[1] == "| 2 | 97.0 | 100.0 | 0.0 | 0.0 | 1.00 | 0 | 320 | 100 | 430 |"
+            assert "Worst seed: 2 (RL gold with the tool 97, without it 0; tool calls per episode 1)." in text
+            assert "RL gold with the tool 98.2 ± 1.8 (min 97.0)" in text and "(lowest RL gold with the tool," in text
+        else:
+            assert table[1] == "| 2 | – | – | 0.0 | 0.5 | – | 0 | 290 | 100 | 400 |"
+            assert "(lowest RL gold without the tool," in text and "after RL 1.5 ± 1.4 (min 0.5)" in text

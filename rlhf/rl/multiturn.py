@@ -151,6 +151,8 @@ class EpisodeStats:
     tool_calls: torch.Tensor                  # [B] observations inserted
     obs_tokens: torch.Tensor                  # [B] ids inserted (observations + glue)
     env_s: float = 0.0                        # seconds in the runner's reset/step calls
+    overhead_s: float = 0.0                   # seconds of the episodes outside the model's generate calls:
+                                              # env_s + observation insertion, batching, the template check
     errors: int = 0                           # faults other than timeouts (raised, garbage, worker died)
     timeouts: int = 0
     template_checked: int = 0
@@ -196,8 +198,8 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
     B = prompts["input_ids"].shape[0]
     eps = [Episode(prompt=p[m.bool()].tolist()) for p, m in zip(prompts["input_ids"], prompts["attention_mask"])]
     ids_ = list(range(B))
-    stats_s = 0.0
-    t = time.perf_counter()
+    stats_s = model_s = 0.0
+    start = t = time.perf_counter()
     for e, reply in zip(eps, runner.reset(ids_, rows)):
         _apply_reset(e, reply, tok)
     stats_s += time.perf_counter() - t
@@ -219,10 +221,12 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
                     rs = row_seeds[active].tolist()
                     seeds = {"row_seeds": torch.tensor(rs if turn == 0 else [stream_seed(s, turn) for s in rs],
                                                        dtype=torch.long, device=device)}
+                t = time.perf_counter()
                 g = gen.generate(in_ids.to(device), in_mask.to(device), params, eos_token_id=eos_arg,
                                  pad_token_id=pad, return_logprobs=True, **seeds)
                 responses, rmask = g.responses.cpu(), g.response_mask.cpu()
                 logprobs = g.logprobs.cpu() if g.logprobs is not None else torch.zeros(responses.shape)
+                model_s += time.perf_counter() - t
                 if turn == 0:
                     empty = empty_responses(responses, rmask, [eos])
                 texts = []
@@ -260,6 +264,7 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
     stats = _stats(eps, stats_s, rollout.sequences.device)
     if check_template and glue.source == "chat template":
         check_transcripts(eps, rows, tok, stats)
+    stats.overhead_s = time.perf_counter() - start - model_s
     return rollout, stats
 
 
@@ -406,17 +411,19 @@ def first_difference(ours: list[int], expected: list[int]) -> int | None:
 
 def step_env_metrics(stats: EpisodeStats, device) -> dict[str, float]:
     """The step's environment figures over every rank (a collective): per-episode means of turns,
-    tool_calls and obs_tokens; env_s (the slowest rank's share is not separated: summed seconds / ranks),
-    env_errors, env_timeouts, template_mismatch (rows)."""
+    tool_calls and obs_tokens; env_s and env_overhead_s (seconds in the runner's calls, and everything the
+    episodes cost outside the model's generate calls; the slowest rank's share is not separated: summed
+    seconds / ranks), env_errors, env_timeouts, template_mismatch (rows)."""
     n = float(len(stats.turns))
     s = all_reduce_sum(torch.tensor([n, float(stats.turns.sum()), float(stats.tool_calls.sum()),
                                      float(stats.obs_tokens.sum()), stats.env_s, float(stats.errors),
                                      float(stats.timeouts), float(stats.template_checked),
-                                     float(stats.template_mismatch), 1.0], dtype=torch.float64, device=device)).tolist()
+                                     float(stats.template_mismatch), 1.0, stats.overhead_s], dtype=torch.float64,
+                                    device=device)).tolist()
     eps = max(s[0], 1.0)
     return {"turns": s[1] / eps, "tool_calls": s[2] / eps, "obs_tokens": s[3] / eps, "env_s": s[4] / s[9],
-            "env_errors": int(s[5]), "env_timeouts": int(s[6]), "template_checked": int(s[7]),
-            "template_mismatch": int(s[8]), "episodes": int(s[0])}
+            "env_overhead_s": s[10] / s[9], "env_errors": int(s[5]), "env_timeouts": int(s[6]),
+            "template_checked": int(s[7]), "template_mismatch": int(s[8]), "episodes": int(s[0])}
 
 
 def check_failures(rec: dict[str, Any], stats: EpisodeStats, settings: Settings) -> None:
