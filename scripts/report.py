@@ -213,6 +213,9 @@ TOOL_SWEEP_COLUMNS = [
 ]
 
 
+TOOL_OFF_COLUMNS = ("sft_gold", "rl_gold", "sft_s", "rl_s", "total_s")
+
+
 def headline(rows: list[dict]) -> str:
     """The figure a sweep ranks seeds by: PPO gold; for the tool task its gold with the tool (the control arm,
     TOOL=off: its gold without)."""
@@ -239,7 +242,9 @@ def sweep_table(seeds: list[int], rows: list[dict], agg: dict) -> list[str]:
     def cell(fmt_: str, v) -> str:
         return "–" if v is None else fmt_.format(v)
 
-    columns = TOOL_SWEEP_COLUMNS if rows and rows[0].get("task") == "tools" else SWEEP_COLUMNS
+    columns = SWEEP_COLUMNS
+    if rows and rows[0].get("task") == "tools":  # the control arm (tool off) has no figures with the tool
+        columns = [c for c in TOOL_SWEEP_COLUMNS if rows[0].get("tool") == "on" or c[0] in TOOL_OFF_COLUMNS]
     lines = ["| seed | " + " | ".join(h for _, h, _ in columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {seed} | " + " | ".join(cell(f, r.get(k)) for k, _, f in columns) + " |"
               for seed, r in worst_first(seeds, rows)]
@@ -268,7 +273,10 @@ def sweep(root: str, seeds: list[int]) -> list[str]:
 
     tools = rows[0].get("task") == "tools"
     ranked = {"ppo_gold": "PPO gold", "rl_gold_tool": "RL gold with the tool", "rl_gold": "RL gold without the tool"}
-    if tools:
+    if tools and rows[0].get("tool") == "off":
+        closing = (f"The control arm (no tool): gold after SFT {spread(agg['sft_gold'], '{:.1f}')}, after RL "
+                   f"{spread(agg['rl_gold'], '{:.1f}')}; slowest pipeline {fmt(agg['total_s']['max'])} s.")
+    elif tools:
         closing = (f"RL gold with the tool {spread(agg['rl_gold_tool'], '{:.1f}')}; without it, after SFT "
                    f"{spread(agg['sft_gold'], '{:.1f}')}, after RL {spread(agg['rl_gold'], '{:.1f}')}; slowest "
                    f"pipeline {fmt(agg['total_s']['max'])} s.")
@@ -294,6 +302,8 @@ def sweep(root: str, seeds: list[int]) -> list[str]:
 
 def worst_line(seeds: list[int], rows: list[dict]) -> str:
     seed, r = worst_first(seeds, rows)[0]
+    if r.get("task") == "tools" and r.get("tool") == "off":
+        return f"Worst seed: {seed} (the control arm, no tool: SFT gold {fmt(r.get('sft_gold'))}, RL gold {fmt(r.get('rl_gold'))})."
     if r.get("task") == "tools":
         return (f"Worst seed: {seed} (RL gold with the tool {fmt(r.get('rl_gold_tool'))}, without it "
                 f"{fmt(r.get('rl_gold'))}; tool calls per episode {fmt(r.get('tool_calls'))}).")

@@ -82,6 +82,9 @@ NOT_RUN = {
     "python -m rlhf.ppo reward.sources=[http] reward.url=http://127.0.0.1:8000": "needs a running server: "
         "tests/test_serve.py::test_ppo_over_http_equals_in_process_and_combines_with_the_judge",
     "python scripts/bench_serve.py": "a load test of 30 s and more (its --duration 2 form is run)",
+    "python scripts/bench_env.py --step outputs/sft --steps 6 --reps 2 --workers 0 2": "a measurement of 4 RL stage "
+        "runs of the tool task from a tool-task SFT output (docs/environments.md); tests/test_multiturn.py checks "
+        "that it runs run_all.sh's TASK=tools RL stage and that env_overhead_s is what it says",
     "python scripts/bench_serve.py --ppo --sft outputs/sft": "two PPO runs of 3 steps (the PPO comparison is "
         "tests/test_serve.py::test_ppo_over_http_equals_in_process_and_combines_with_the_judge)",
 }

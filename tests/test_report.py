@@ -196,13 +196,15 @@ def test_tool_task_seed_sweep_ranks_by_the_gold_with_the_tool(tmp_path):
             (root / f"seed_{seed}" / "report.json").write_text(json.dumps(r))
         lines = report.sweep(str(root), [1, 2])
         table = [line for line in lines if line.startswith("| ")]
-        assert table[0].split(" | ")[:3] == ["| seed", "RL gold with the tool (%)", "SFT gold with the tool (%)"]
         assert [line.split(" | ")[0] for line in table[1:3]] == ["| 2", "| 1"]  # both arms: seed 2 is worse
         text = "\n".join(lines)
         if arm == "on":
+            assert table[0].split(" | ")[:3] == ["| seed", "RL gold with the tool (%)", "SFT gold with the tool (%)"]
             assert table[1] == "| 2 | 97.0 | 100.0 | 0.0 | 0.0 | 1.00 | 0 | 320 | 100 | 430 |"
             assert "Worst seed: 2 (RL gold with the tool 97, without it 0; tool calls per episode 1)." in text
             assert "RL gold with the tool 98.2 ± 1.8 (min 97.0)" in text and "(lowest RL gold with the tool," in text
         else:
-            assert table[1] == "| 2 | – | – | 0.0 | 0.5 | – | 0 | 290 | 100 | 400 |"
+            assert table[0] == "| seed | SFT gold without (%) | RL gold without (%) | SFT (s) | RL (s) | total (s) |"
+            assert table[1] == "| 2 | 0.0 | 0.5 | 290 | 100 | 400 |"
+            assert "Worst seed: 2 (the control arm, no tool: SFT gold 0, RL gold 0.5)." in text
             assert "(lowest RL gold without the tool," in text and "after RL 1.5 ± 1.4 (min 0.5)" in text
