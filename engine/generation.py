@@ -227,6 +227,7 @@ class HFGenerator:
     """The generic generation path: `transformers` `generate` on the whole module."""
 
     name = "hf"
+    resumes = False  # a multi-turn episode's next turn is prefilled whole (see InjectedGenerator.resumes)
 
     def __init__(self, module: nn.Module):
         self.module = module
@@ -243,18 +244,28 @@ class InjectedGenerator:
     graphs on CUDA), same interface and output layout as `HFGenerator`."""
 
     name = "injected"
+    # generate(resume=...) continues rows whose earlier tokens are in the KV cache (engine.inference.Resume):
+    # a multi-turn episode's next turn feeds only its new tokens
+    resumes = True
 
     def __init__(self, model):
         self.model = model
 
+    def reserve(self, batch_size: int, tokens: int) -> None:
+        """Size the KV cache for `batch_size` rows of `tokens` (prompt and every later turn) before a first call
+        that later calls resume: a resumed call may not grow it."""
+        from .inference import cache_slots
+
+        self.model.setup_cache(batch_size, cache_slots(tokens))
+
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, *,
                  eos_token_id: int | list[int], pad_token_id: int, return_logprobs: bool = False,
-                 row_seeds: torch.Tensor | None = None) -> Generated:
+                 row_seeds: torch.Tensor | None = None, resume=None) -> Generated:
         from .inference import generate
 
         out = generate(self.model, prompt_ids, prompt_mask, _max_new_tokens(params), eos_token_id=eos_token_id,
                        pad_token_id=pad_token_id, sampling=params, return_logprobs=return_logprobs,
-                       row_seeds=row_seeds)
+                       row_seeds=row_seeds, resume=resume)
         resp_mask = out.response_mask.long()
         logprobs = out.logprobs.float() * resp_mask if return_logprobs else None
         return Generated(sequences=out.sequences, attention_mask=out.attention_mask.long(), response_mask=resp_mask,
@@ -285,6 +296,8 @@ class BatchInvariantGenerator:
     padding can change a row's logits in the last bits. Output: as the inner generator's, with the
     prompt columns as given; the response width is the longest chunk's.
     """
+
+    resumes = False  # its chunks of `rows` rows run through the inner generator one after another
 
     def __init__(self, inner, rows: int):
         if rows < 1:

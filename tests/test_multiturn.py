@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, comparable, metrics, run_stage, summary
 from test_chat_data import make_chatml
 
-from engine.generation import Generated, HFGenerator, SamplingParams
+from engine.generation import Generated, HFGenerator, InjectedGenerator, SamplingParams
 from rlhf.algos import rl as rl_math
 from rlhf.config import PPOConfig
 from rlhf.config.validate import validate_env
@@ -41,6 +41,11 @@ class Actor:
         actor = self
 
         class Recording:
+            resumes = getattr(actor.generator, "resumes", False)  # (the scripted generator: no cache)
+
+            def reserve(self, rows, tokens):
+                actor.generator.reserve(rows, tokens)
+
             def generate(self, ids, mask, params, **kw):
                 out = actor.generator.generate(ids, mask, params, **kw)
                 actor.calls.append((ids.clone(), mask.clone(), out))
@@ -530,8 +535,8 @@ def test_the_documented_environment_runs_as_written(embedded):
 
 
 def test_injected_generation_gives_the_transformers_episodes(embedded, tiny_lm):
-    """engine.generation=injected (re-prefilled each turn) and transformers generate run the same greedy
-    episodes: the same ids, masks and observations."""
+    """engine.generation=injected (each later turn resumed from its KV cache) and transformers generate
+    (re-prefilled each turn) run the same greedy episodes: the same ids, masks and observations."""
     import copy
 
     from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
@@ -552,3 +557,49 @@ def test_injected_generation_gives_the_transformers_episodes(embedded, tiny_lm):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
     assert [e.observations for e in stats.episodes] == [e.observations for e in ref_stats.episodes]
     torch.testing.assert_close(got.logp_gen, ref.logp_gen, rtol=1e-4, atol=1e-5)
+
+
+class Prefilled(InjectedGenerator):
+    """The injected decoder with each turn prefilled whole (as a generator that cannot resume)."""
+
+    resumes = False
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_resumed_turns_equal_re_prefilled_ones(embedded, tiny_lm, sampled):
+    """The injected decoder continuing each episode from its KV cache (only the new tokens fed: the last
+    sampled token, the glue and the observation; finished episodes dropped from the cache's rows, tokens cut
+    after a turn's limit never attended) gives the episodes of prefilling the whole transcript each turn:
+    the same ids and masks, log-probs to float rounding; greedy and sampled with per-row streams. The cache
+    is allocated once."""
+    from engine.inference import InferenceModel
+
+    tok = embedded
+    texts = [*PROMPTS, "Human: Sort cab.\n\nAssistant:", "Human: Count the a in banana.\n\nAssistant:"]
+
+    class Mixed(Tool):  # episodes of 1, 2 and 3 turns in one batch: rows leave the cache's batch
+        def reset(self, row):
+            super().reset(row)
+            self.n = row["n"]
+
+    rows = [{"prompt": t, "n": k % 3} for k, t in enumerate(texts)]
+    params = SamplingParams(max_new_tokens=5, greedy=not sampled, temperature=1.0)
+    settings = multiturn.Settings(max_turns=3, max_new_tokens=5, max_episode_tokens=60)
+    seeds = torch.arange(100, 100 + len(texts)) if sampled else None
+    runs = {}
+    for name, cls in (("resumed", InjectedGenerator), ("prefilled", Prefilled)):
+        model = InferenceModel(tiny_lm.config, tiny_lm.state_dict().items(), dtype=torch.float32, device="cpu")
+        actor = Actor(cls(model))
+        runs[name] = (*multiturn.generate_episodes(
+            actor, prompts_of(tok, texts), torch.arange(len(texts)), rows, params, tok, InlineRunner(Mixed), settings,
+            multiturn.template_glue(tok), row_seeds=seeds), actor, model)
+    (got, stats, actor, model), (ref, ref_stats, ref_actor, _) = runs["resumed"], runs["prefilled"]
+    assert [len(e.turns) for e in stats.episodes] == [len(e.turns) for e in ref_stats.episodes] == [1, 2, 3, 1, 2]
+    for name in ("sequences", "attention_mask", "response_mask", "answer_mask"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    torch.testing.assert_close(got.logp_gen, ref.logp_gen, rtol=1e-5, atol=1e-5)
+    # later turns fed only what was not in the cache: far fewer columns than the whole transcripts
+    fed, whole = [c[0].shape for c in actor.calls[1:]], [c[0].shape for c in ref_actor.calls[1:]]
+    assert [r for r, _ in fed] == [r for r, _ in whole] == [3, 1]  # rows: the episodes still open
+    assert all(f < w / 2 for (_, f), (_, w) in zip(fed, whole)), (fed, whole)
+    assert model.allocations == 2  # the fused weights, then the KV cache once for every turn

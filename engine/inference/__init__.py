@@ -21,7 +21,7 @@ Memory timeline of one generation phase (`with engine.generation():`), per rank:
                 allocator. After `release()`, `load_weights` re-allocates (new storage, new graphs).
 """
 from .args import ModelArgs, supports
-from .generate import DecodeState, GenerationOutput, cache_slots, decode_step, generate
+from .generate import DecodeState, GenerationOutput, Resume, cache_slots, decode_step, generate
 from .model import InferenceModel, KVCache
 from .sampling import SamplingParams, filter_logits, row_noise, sample, stream_seed
 
@@ -31,6 +31,7 @@ __all__ = [
     "InferenceModel",
     "KVCache",
     "ModelArgs",
+    "Resume",
     "SamplingParams",
     "cache_slots",
     "decode_step",

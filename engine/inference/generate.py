@@ -51,6 +51,24 @@ class GenerationOutput:
 
 
 @dataclass
+class Resume:
+    """Continue rows already in the KV cache (a multi-turn episode's next turn) instead of prefilling them again:
+    the call's ids [B', W] (left-padded) are the rows' new tokens only, written from cache slot `slot` on.
+
+    rows [B']: the cache rows to continue, in the call's row order (the others are dropped from the cache's
+    front rows: episodes that ended). slot: the first slot not yet written (the previous call's prompt width +
+    its response columns - 1: a response's last token is sampled, never fed, so it belongs in these ids).
+    positions [B']: each row's position of its first real new token (its real tokens so far). stale [B']: the
+    first slot of each row that is not part of its sequence any more (response tokens cut after the previous
+    call, or fed after its EOS); slots from it to `slot` are never attended again."""
+
+    rows: torch.Tensor
+    slot: int
+    positions: torch.Tensor
+    stale: torch.Tensor
+
+
+@dataclass
 class DecodeState:
     """The device tensors one decode step reads and updates in place (static addresses for graphs)."""
 
@@ -168,6 +186,7 @@ def generate(
     return_logprobs: bool = False,
     check_every: int | None = None,
     row_seeds: torch.Tensor | None = None,
+    resume: Resume | None = None,
 ) -> GenerationOutput:
     """Sample up to `max_new_tokens` for left-padded prompts [B, P] (mask 1 = real token).
 
@@ -175,6 +194,9 @@ def generate(
     sampling: SamplingParams (default: temperature 1, no top-k/top-p; its max_new_tokens is not read
     here). check_every: steps between "all done" host reads (default 8 on CUDA, 1 elsewhere).
     row_seeds: [B] int64 >= 0, per-row sampling streams (see the module doc); None = `generator`.
+    resume: the prompts are new tokens of rows already in the cache (`Resume`); the cache must hold them
+    and the sampled tokens without growing (size it before the first call: `model.setup_cache`). The
+    returned sequences hold the new tokens (as the prompt) and the response.
     """
     sampling = sampling or SamplingParams()
     if max_new_tokens < 1:
@@ -185,22 +207,40 @@ def generate(
     if not bool(mask[:, -1].all()):  # one sync per call
         raise ValueError("prompts must be left-padded: the last column of prompt_mask must be all ones")
     a = model.args
-    if a.arch == "opt" and P + max_new_tokens > a.max_positions:
-        raise ValueError(f"OPT has {a.max_positions} positions; prompt {P} + {max_new_tokens} new tokens exceed it")
+    first_pos = 0 if resume is None else int(resume.positions.max())
+    if a.arch == "opt" and first_pos + P + max_new_tokens > a.max_positions:
+        raise ValueError(f"OPT has {a.max_positions} positions; prompt {first_pos + P} + {max_new_tokens} new tokens "
+                         "exceed it")
     if check_every is None:
         check_every = 8 if device.type == "cuda" else 1
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    model.setup_cache(B, cache_slots(P + max_new_tokens))  # (setup_cache keeps the largest batch and length seen)
+    start = 0 if resume is None else resume.slot
+    if resume is not None:  # the cache already holds the rows: it must not be reallocated (that would lose them)
+        c = model.cache
+        if c is None or c.batch_size < int(resume.rows.numel()) or c.max_seq_len < start + P + max_new_tokens:
+            raise ValueError(f"resume: the KV cache cannot continue {B} rows from slot {start} with {P} new and "
+                             f"{max_new_tokens} sampled tokens (cache: "
+                             f"{'none' if c is None else f'{c.batch_size} rows x {c.max_seq_len} slots'})")
+        keep_rows(model, resume.rows.to(device), resume.stale.to(device), start)
+    else:
+        model.setup_cache(B, cache_slots(P + max_new_tokens))  # (setup_cache keeps the largest batch and length seen)
     # Capture (first use) before the prefill: the capture's warm-up steps write cache slots.
     if row_seeds is not None and row_seeds.shape != (B,):
         raise ValueError(f"row_seeds must have one seed per prompt row: shape ({B},), got {tuple(row_seeds.shape)}")
     seeded = row_seeds is not None
-    graph = _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded) if max_new_tokens > 1 else None
+    # (resuming: a graph captured now would write its warm-up steps into the kept rows' slots: only one
+    # captured before serves, else this call decodes eagerly)
+    graph = (_graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded, capture=resume is None)
+             if max_new_tokens > 1 else None)
 
-    # Prefill. Position = number of real tokens before the token (transformers' cumsum - 1).
+    # Prefill. Position = number of real tokens before the token (transformers' cumsum - 1), after the row's
+    # earlier tokens when resuming.
     position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = model.forward(prompt_ids, torch.arange(P, device=device), position_ids, mask, kv_len=P, last_only=True)
+    if resume is not None:
+        position_ids = position_ids + resume.positions.to(device)[:, None]
+    logits = model.forward(prompt_ids, torch.arange(start, start + P, device=device), position_ids, mask,
+                           kv_len=start + P, last_only=True)
     noise = row_noise(row_seeds.to(device), 0, logits.shape[-1]) if seeded and not sampling.greedy else None
     first, first_lp = sample(logits[:, -1], sampling, generator, noise=noise)
 
@@ -211,8 +251,8 @@ def generate(
 
     st = graph.state if graph is not None else DecodeState.empty(B, eos, seeded)
     st.tokens.copy_(first[:, None])
-    st.input_pos.fill_(P)
-    st.position_ids.copy_(mask.sum(-1, keepdim=True))
+    st.input_pos.fill_(start + P)
+    st.position_ids.copy_(position_ids[:, -1:] + 1)  # every row's last prompt column is real
     st.done.copy_(is_eos(first, eos))
     st.step.fill_(1)
     if seeded:
@@ -225,8 +265,8 @@ def generate(
             break
         if graph is not None:
             graph.replay()
-        else:  # the fed token sits in slot P + t - 1: attend slots [0, P + t)
-            decode_step(model, st, sampling, pad_token_id, generator, kv_len=P + t)
+        else:  # the fed token sits in slot start + P + t - 1: attend slots [0, start + P + t)
+            decode_step(model, st, sampling, pad_token_id, generator, kv_len=start + P + t)
         out_tokens[:, t], out_logprobs[:, t], out_active[:, t] = st.out_tokens, st.out_logprobs, st.out_active
 
     # A row's active columns are a prefix, so the columns with any active row are one too.
@@ -240,17 +280,30 @@ def generate(
     )
 
 
+def keep_rows(model: InferenceModel, rows: torch.Tensor, stale: torch.Tensor, slot: int) -> None:
+    """The cache's rows `rows` [n] become its rows [0, n) (in that order), and each kept row's slots from
+    stale[i] to `slot` are marked invalid (never attended). Copies within the cache's storage: captured
+    graphs stay valid."""
+    c, n = model.cache, int(rows.numel())
+    c.k[:, :n] = c.k[:, rows]
+    c.v[:, :n] = c.v[:, rows]
+    c.valid[:n] = c.valid[rows]
+    c.valid[:n, :slot] &= c.slots[:slot] < stale[:, None]
+
+
 def graphs_enabled(model: InferenceModel) -> bool:
     return model.use_cuda_graphs and model.device.type == "cuda"
 
 
-def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False) -> DecodeGraph | None:
-    """The captured decode step for this batch size and setting (capturing it on first use), or None
-    off CUDA / when disabled."""
+def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False, capture=True) -> DecodeGraph | None:
+    """The captured decode step for this batch size and setting (capturing it on first use when `capture`), or
+    None off CUDA / when disabled / not captured."""
     if not graphs_enabled(model):
         return None
     draw = sampling.draw_settings()
     key = (B, draw, pad_token_id, tuple(eos_ids), seeded)
+    if key not in model.graphs and not capture:
+        return None
     if key not in model.graphs:
         model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos, seeded), draw, pad_token_id)
     return model.graphs[key]

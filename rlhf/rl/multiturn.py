@@ -15,9 +15,13 @@ when the environment faults (`Reply.error`: the row is masked out of the update 
 Token-in, token-out: the response region of each row is the concatenation, in order, of the ids the
 sampler drew (every turn's, its EOS / stop token included) and the ids inserted after each turn (the
 glue + the observation's ids); nothing is decoded and re-encoded, and each next turn is generated from
-exactly those ids (re-prefilled: both generation paths take the whole transcript each turn, so the KV cache
-is rebuilt, equal tokens by construction). The environment sees each turn as text (decoded, special tokens
-dropped); only the observation's text is encoded. `Rollout.response_mask` is 1 on the sampler's tokens
+exactly those ids. A generator that resumes (`gen.resumes`: the injected decoder) continues each open
+episode from its KV cache, fed only the ids not in it yet (the turn's last sampled token, the glue, the
+observation; `Cached`): the episodes that ended leave the cache's batch, and tokens cut after a turn's
+limit are never attended again. Any other (transformers generate, the batch-invariant deterministic mode)
+takes the whole transcript again each turn (re-prefill); both give the same tokens
+(tests/test_multiturn.py). The environment sees each turn as text (decoded, special tokens dropped); only
+the observation's text is encoded. `Rollout.response_mask` is 1 on the sampler's tokens
 only: observations and glue are out of the policy loss, the KL, the critic's targets (GAE and the
 returns skip the masked-out columns, rlhf/algos/rl.py) and the score's position (the last policy token).
 
@@ -44,7 +48,7 @@ import torch
 
 from engine.distributed import all_reduce_sum
 from engine.generation import SamplingParams
-from engine.inference import stream_seed
+from engine.inference import Resume, stream_seed
 from rlhf.data import collate_prompts
 from rlhf.core.errors import TrainingError
 from rlhf.rl.environments.base import ERROR_TIMEOUT, Reply
@@ -203,24 +207,32 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
     for e, reply in zip(eps, runner.reset(ids_, rows)):
         _apply_reset(e, reply, tok)
     stats_s += time.perf_counter() - t
+    cached: Cached | None = None  # what the KV cache holds after a call a generator can resume
     try:
         with actor.generation() as gen:
+            if gen.resumes:  # room for every turn's tokens at once: a resumed call may not grow the cache
+                gen.reserve(B, prompts["input_ids"].shape[1] + max((len(e.ids) for e in eps), default=0)
+                            + settings.max_turns * settings.max_new_tokens + (settings.max_turns - 1) * settings.budget)
             for turn in range(settings.max_turns):
                 active = [b for b in range(B) if not eps[b].done]
                 if not active:
                     break
                 room = {b: settings.budget - len(eps[b].ids) for b in active}
                 params = replace(sampling, max_new_tokens=max(1, min(settings.max_new_tokens, max(room.values()))))
-                if turn == 0 and len(active) == B and all(not e.ids for e in eps):
+                resume = cached.resume(eps, active, device) if cached is not None else None
+                if resume is not None:  # only each episode's tokens that are not in the KV cache yet
+                    batch = collate_prompts([{"input_ids": eps[b].ids[cached.upto[b]:]} for b in active], pad)
+                    in_ids, in_mask = batch["input_ids"], batch["attention_mask"]
+                elif turn == 0 and len(active) == B and all(not e.ids for e in eps):
                     in_ids, in_mask = prompts["input_ids"], prompts["attention_mask"]  # exactly today's first call
-                else:
+                else:  # the whole transcript again (re-prefill)
                     batch = collate_prompts([{"input_ids": eps[b].prompt + eps[b].ids} for b in active], pad)
                     in_ids, in_mask = batch["input_ids"], batch["attention_mask"]
-                seeds = {}
+                seeds = {"resume": resume} if resume is not None else {}
                 if row_seeds is not None:
                     rs = row_seeds[active].tolist()
-                    seeds = {"row_seeds": torch.tensor(rs if turn == 0 else [stream_seed(s, turn) for s in rs],
-                                                       dtype=torch.long, device=device)}
+                    seeds["row_seeds"] = torch.tensor(rs if turn == 0 else [stream_seed(s, turn) for s in rs],
+                                                      dtype=torch.long, device=device)
                 t = time.perf_counter()
                 g = gen.generate(in_ids.to(device), in_mask.to(device), params, eos_token_id=eos_arg,
                                  pad_token_id=pad, return_logprobs=True, **seeds)
@@ -230,6 +242,9 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
                 if turn == 0:
                     empty = empty_responses(responses, rmask, [eos])
                 texts = []
+                # a response's columns up to the second last were fed to the model (their K/V are in the cache)
+                slot0 = (resume.slot if resume is not None else 0) + in_ids.shape[1]
+                cached = Cached(rows=active, slot=slot0 + responses.shape[1] - 1) if gen.resumes else None
                 for i, b in enumerate(active):
                     e = eps[b]
                     n = int(rmask[i].sum())
@@ -242,6 +257,9 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
                         ending = next((x for x in multi if tok.decode(toks).endswith(x)), "")
                     if len(toks) > room[b]:
                         toks, lps, ended, ending = toks[: room[b]], lps[: room[b]], "length", ""
+                    if cached is not None:  # the kept tokens in the cache; after them, stale slots
+                        fed = min(len(toks), responses.shape[1] - 1)
+                        cached.upto[b], cached.stale[b] = len(e.ids) + fed, slot0 + fed
                     e.turns.append((len(e.ids), len(e.ids) + len(toks)))
                     e.ids += toks
                     e.policy += [True] * len(toks)
@@ -266,6 +284,30 @@ def generate_episodes(actor, prompts: dict, group: torch.Tensor, rows: list[dict
         check_transcripts(eps, rows, tok, stats)
     stats.overhead_s = time.perf_counter() - start - model_s
     return rollout, stats
+
+
+@dataclass
+class Cached:
+    """After a call of a generator that resumes (`gen.resumes`): the call's rows (episode indices, in the
+    cache's row order), the first cache slot not written, and per episode how many of its `ids` are in the
+    cache (`upto`) and the first slot after them (`stale`: the turn's tokens cut after sampling, or fed after
+    its EOS, sit from there on)."""
+
+    rows: list[int]
+    slot: int
+    upto: dict[int, int] = field(default_factory=dict)
+    stale: dict[int, int] = field(default_factory=dict)
+
+    def resume(self, eps: list[Episode], active: list[int], device) -> Resume | None:
+        """The next call's `Resume` for the still active episodes (a subset of `rows`: episodes only end), or
+        None when one has no new token to feed (an empty observation after a turn whose last token was fed:
+        the turn is prefilled whole instead)."""
+        if any(len(eps[b].ids) <= self.upto[b] for b in active):
+            return None
+        long = {"dtype": torch.long, "device": device}
+        return Resume(rows=torch.tensor([self.rows.index(b) for b in active], **long), slot=self.slot,
+                      positions=torch.tensor([len(eps[b].prompt) + self.upto[b] for b in active], **long),
+                      stale=torch.tensor([self.stale[b] for b in active], **long))
 
 
 def _apply_reset(e: Episode, reply: Reply, tok: Any) -> None:
