@@ -120,6 +120,12 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
+    # multi-turn: rows of prompt + the episode budget (48 + 64), the KV cache every turn's new tokens
+    # (48 + 3 x 16 + 2 x 64 = 224 slots, a multiple of 32) for 8 prompts x 8 samples
+    tools, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]",
+                         "rollout.env=rlhf.rl.environments.calculator:Calculator", "rollout.max_turns=3",
+                         "rollout.max_new_tokens=16", "rollout.max_episode_tokens=64"])
+    assert tools["models"]["actor"]["seq"] == 48 + 64 and tools["kv_cache_bytes"] == 2 * 7 * 64 * 224 * 256 * 2
 
 
 def test_split_placement_plans_both_rank_kinds(llama25m):

@@ -24,7 +24,9 @@ width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute 
                          2 blocks*e (one computing, one prefetched); stage 0/1 in bf16: Psi*e
                          (autocast's cached casts); an offloaded frozen model at stage 0/1: + its
                          stored bytes (moved to the device for each forward)
-    KV cache (RL)        2*L*B*(P + T)*kv*e, B = prompts_per_step / N * n_samples_per_prompt
+    KV cache (RL)        2*L*B*(P + T)*kv*e, B = prompts_per_step / N * n_samples_per_prompt; multi-turn
+                         (rollout.env): s = P + E (E = the episode's budget, rollout.max_episode_tokens) and
+                         the cache P + turns*T + (turns - 1)*E (every turn's new tokens, resumed)
     generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
 Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
 gathered params of the trained model that needs most), scoring (logits + gathered params of one
@@ -174,6 +176,12 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
         raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} is not registered")
     tok = lambda: _tokenizer(model_cfg(cfg, cfg.actor.model), "actor")  # noqa: E731
     seq = cfg.data.max_prompt_len + r.max_new_tokens
+    gen_len = seq
+    if r.env:  # multi-turn episodes (rlhf/rl/multiturn.py): a row's response side is the episode's token budget;
+        # the injected decoder's KV cache holds every turn's new tokens at once (generate_episodes' reserve)
+        budget = r.max_episode_tokens or r.max_turns * r.max_new_tokens
+        seq = cfg.data.max_prompt_len + budget
+        gen_len = cfg.data.max_prompt_len + r.max_turns * r.max_new_tokens + (r.max_turns - 1) * budget
     unused = unused_sources(cfg)
     wanted = [("actor", cfg.actor.model, cfg.actor.lora, True, False, False),
               ("critic", cfg.critic.model, cfg.critic.lora, True, True, False),
@@ -190,7 +198,7 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
         arch = build_arch(model_cfg(cfg, path, lora), tok, name, value=value, lora=trained)
         out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), r.micro_batch_size, seq,
                         not value))
-    return out, r.prompts_per_step // world * r.n_samples_per_prompt, seq
+    return out, r.prompts_per_step // world * r.n_samples_per_prompt, gen_len
 
 
 def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", budget_gib: float = 0.0) -> dict:
