@@ -565,8 +565,18 @@ class Prefilled(InjectedGenerator):
     resumes = False
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-def test_resumed_turns_equal_re_prefilled_ones(embedded, tiny_lm, sampled):
+def tiny_opt(tok):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(vocab_size=len(tok), hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=32,
+                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                    pad_token_id=tok.pad_token_id)).eval()
+
+
+@pytest.mark.parametrize("arch,sampled", [("llama", False), ("llama", True), ("opt", True)])
+def test_resumed_turns_equal_re_prefilled_ones(embedded, tiny_lm, arch, sampled):
     """The injected decoder continuing each episode from its KV cache (only the new tokens fed: the last
     sampled token, the glue and the observation; finished episodes dropped from the cache's rows, tokens cut
     after a turn's limit never attended) gives the episodes of prefilling the whole transcript each turn:
@@ -587,8 +597,9 @@ def test_resumed_turns_equal_re_prefilled_ones(embedded, tiny_lm, sampled):
     settings = multiturn.Settings(max_turns=3, max_new_tokens=5, max_episode_tokens=60)
     seeds = torch.arange(100, 100 + len(texts)) if sampled else None
     runs = {}
+    lm = tiny_lm if arch == "llama" else tiny_opt(tok)  # OPT: learned positions, continued past the cache
     for name, cls in (("resumed", InjectedGenerator), ("prefilled", Prefilled)):
-        model = InferenceModel(tiny_lm.config, tiny_lm.state_dict().items(), dtype=torch.float32, device="cpu")
+        model = InferenceModel(lm.config, lm.state_dict().items(), dtype=torch.float32, device="cpu")
         actor = Actor(cls(model))
         runs[name] = (*multiturn.generate_episodes(
             actor, prompts_of(tok, texts), torch.arange(len(texts)), rows, params, tok, InlineRunner(Mixed), settings,
