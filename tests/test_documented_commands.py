@@ -64,6 +64,9 @@ NOT_RUN = {
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",
     "PRESET=smoke bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke",
     "FORCE=1 bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_skips_finished_stages_and_resumes_interrupted_ones",
+    "OUTPUT_DIR=runs/exp1 bash scripts/run_all.sh": "the plain pipeline (tests/test_ppo.py::test_run_all_smoke) with "
+                                                    "its root chosen: every run_all.sh command here runs with its own "
+                                                    "OUTPUT_DIR, and the tests of test_ppo.py with theirs",
     # docs/own-model.md's "Your own model" block: one flow, each command reading the last one's output
     "python -m rlhf.sft model.name_or_path=/models/my-model data.path=my_sft.jsonl output_dir=runs/sft": OWN_MODEL,
     "python -m rlhf.reward model.name_or_path=runs/sft data.path=my_pairs.jsonl output_dir=runs/rm": OWN_MODEL,
