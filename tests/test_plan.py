@@ -126,6 +126,10 @@ def test_ppo_models_follow_the_algorithm(llama25m):
                          "rollout.env=rlhf.rl.environments.calculator:Calculator", "rollout.max_turns=3",
                          "rollout.max_new_tokens=16", "rollout.max_episode_tokens=64"])
     assert tools["models"]["actor"]["seq"] == 48 + 64 and tools["kv_cache_bytes"] == 2 * 7 * 64 * 224 * 256 * 2
+    hf, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
+                      "rollout.env=rlhf.rl.environments.calculator:Calculator", "rollout.max_turns=3",
+                      "rollout.max_new_tokens=16", "rollout.max_episode_tokens=64"])
+    assert hf["generation_path"] == "hf" and hf["kv_cache_bytes"] == 2 * 7 * 64 * (48 + 64) * 256 * 4  # re-prefilled, fp32
 
 
 def test_split_placement_plans_both_rank_kinds(llama25m):

@@ -26,7 +26,8 @@ width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute 
                          stored bytes (moved to the device for each forward)
     KV cache (RL)        2*L*B*(P + T)*kv*e, B = prompts_per_step / N * n_samples_per_prompt; multi-turn
                          (rollout.env): s = P + E (E = the episode's budget, rollout.max_episode_tokens) and
-                         the cache P + turns*T + (turns - 1)*E (every turn's new tokens, resumed)
+                         the injected decoder's cache P + turns*T + (turns - 1)*E (every turn's new
+                         tokens, resumed; the hf path re-prefills: P + E)
     generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
 Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
 gathered params of the trained model that needs most), scoring (logits + gathered params of one
@@ -249,7 +250,9 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         phases["scoring"] = max(phases["scoring"], logits + gathered)
         if m.name == "actor":
             path, why = choose_generation_path(ecfg.generation, device, a.config, adapters=a.adapters)
-            kv = 2 * a.layers * gen_rows * (cache_slots(gen_len) if path == "injected" else gen_len) * a.kv * e
+            # (the hf path re-prefills each multi-turn turn: its cache is one row's length, m.seq; the injected
+            # decoder's holds every turn's new tokens, gen_len; both P + T for single-turn rollouts)
+            kv = 2 * a.layers * gen_rows * (cache_slots(gen_len) if path == "injected" else m.seq) * a.kv * e
             weights = a.total * e if path == "injected" or ecfg.stage >= 2 else 0
             report.update(generation_path=path, generation_why=why, kv_cache_bytes=kv, generation_weight_bytes=weights)
             phases["generation"] = kv + weights
