@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 
@@ -33,9 +34,10 @@ def cli_env() -> dict[str, str]:
 
 
 def run_stage(module: str, *overrides: str, torchrun: int = 0, check: bool = True, timeout: int = 600,
-              env: dict[str, str] | None = None):
+              env: dict[str, str] | None = None, fresh: bool = False):
     """`python -m rlhf.<module> overrides...` (or under torchrun with N ranks; `env` added to the
-    environment); returns the process."""
+    environment); returns the process. One process runs through the fork server (tests/forkserver.py:
+    a fresh process's behaviour without its ~8 s of imports) unless `fresh` (a test timing the start)."""
     if torchrun:
         import socket
 
@@ -44,10 +46,12 @@ def run_stage(module: str, *overrides: str, torchrun: int = 0, check: bool = Tru
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun),
                "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", f"rlhf.{module}", *overrides]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
     else:
         cmd = [sys.executable, "-m", f"rlhf.{module}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**cli_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+        proc = forkserver.run(f"rlhf.{module}", list(overrides), cwd=ROOT, env={**cli_env(), **(env or {})},
+                              timeout=timeout, fresh=fresh)
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}")
     return proc

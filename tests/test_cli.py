@@ -218,7 +218,7 @@ def start_s() -> dict[str, float]:
     out = {}
     for stage in ("sft", "ppo"):
         t0 = time.time()
-        run_stage(stage, "--cfg", "job")
+        run_stage(stage, "--cfg", "job", fresh=True)  # a new process's start, imports included
         out[stage] = time.time() - t0
     return out
 
@@ -232,7 +232,7 @@ def start_s() -> dict[str, float]:
 def test_offline_hub_name_fails_fast_naming_the_key(stage, override, key, tmp_path, monkeypatch, start_s):
     offline_env(monkeypatch, HF_HOME=str(tmp_path / "hf"))  # an empty cache
     t0 = time.time()
-    proc = run_stage(stage, f"output_dir={tmp_path / 'out'}", override, check=False, timeout=120)
+    proc = run_stage(stage, f"output_dir={tmp_path / 'out'}", override, check=False, timeout=120, fresh=True)
     elapsed = time.time() - t0
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     err = [line for line in proc.stderr.splitlines() if line.startswith("error")]

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import forkserver
 import pytest
 import torch
 from torch import nn
@@ -481,7 +482,8 @@ def run_all(root, *args, **env):
 
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")  # this venv's python first
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *TINY_ALL, *args], cwd=ROOT,
-                          env={**cli_env(), "PATH": path, "OUTPUT_DIR": str(root), "PRESET": "smoke", **env},
+                          env=forkserver.shim_env({**cli_env(), "PATH": path, "OUTPUT_DIR": str(root),
+                                                   "PRESET": "smoke", **env}),  # its stages through the fork server
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
     return [line for line in proc.stdout.splitlines() if line.startswith("== ")]
