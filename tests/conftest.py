@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import forkserver
 import pytest
 import torch
+
+import forkserver
 
 ROOT = Path(__file__).resolve().parents[1]
 

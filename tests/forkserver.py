@@ -205,8 +205,8 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, __file__, self.path, str(w)], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(w,))
         os.close(w)
-        with os.fdopen(r) as f:
-            line = f.readline()
+        with os.fdopen(r) as f:  # a server that dies says nothing (EOF); one that hangs, nothing in time
+            line = f.readline() if select.select([f], [], [], 600)[0] else ""
         self.ok = bool(line) and json.loads(line)["ready"]
         if not self.ok:
             self.close()
@@ -264,8 +264,13 @@ def run(module: str, args: list[str], *, cwd, env: dict[str, str], timeout: floa
     conn = None
     if server is not None:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-            conn, pid = request(server.path, module, [str(a) for a in args], str(cwd), env,
-                                [null.fileno(), out.fileno(), err.fileno()])
+            try:
+                conn, pid = request(server.path, module, [str(a) for a in args], str(cwd), env,
+                                    [null.fileno(), out.fileno(), err.fileno()])
+            except OSError:  # the server is gone (killed): plain processes for this environment from now on
+                server.ok = False
+                server.close()
+                conn = None
             if conn is not None:
                 with conn:
                     timed_out = not select.select([conn], [], [], timeout)[0]

@@ -24,8 +24,9 @@ import socket
 import subprocess
 import sys
 
-import forkserver
 import pytest
+
+import forkserver
 from conftest import ROOT, SMALL_MODEL, cli_env, run_stage, summary
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 
-import forkserver
 import pytest
+
+import forkserver
 from conftest import cli_env
 
 PROBE = '''
@@ -119,3 +120,19 @@ def test_the_python_shim_sends_modules_to_the_server_and_the_rest_to_python(prob
         assert len(probes) == 3 and all(p["preloaded"] == preloaded for p in probes)
         assert [line for line in lines if not line.startswith("{")] == ["rc=0", "rc=3", "rc=137", "plain False"]
         assert proc.stderr.count("to stderr") == 3 and proc.stderr.count("atexit ran") == 2
+
+
+def test_a_killed_server_leaves_plain_processes(probe):
+    """A server that dies (killed here) is not waited on: its environment's commands run as plain
+    processes, with the same results."""
+    import json
+
+    env = _env(probe, {"PROBE_SERVER": "killed"})
+    first, second = (forkserver.run("probe_mod", ["exit3"], cwd=probe, env=env, timeout=60) for _ in range(2))
+    assert [json.loads(p.stdout.splitlines()[0])["preloaded"] for p in (first, second)] == [False, True]
+    server = forkserver._servers[forkserver._key(env)]
+    server.proc.kill()
+    server.proc.wait()
+    after = forkserver.run("probe_mod", ["exit3"], cwd=probe, env=env, timeout=60)
+    assert after.returncode == 3 and '"preloaded": false' in after.stdout and "to stderr" in after.stderr
+    assert forkserver._server(env) is None

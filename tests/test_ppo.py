@@ -7,11 +7,11 @@ import shutil
 import subprocess
 import sys
 
-import forkserver
 import pytest
 import torch
 from torch import nn
 
+import forkserver
 from conftest import ROOT, SMALL_MODEL, cli_env, comparable, killed_at, leftovers, metrics, run_stage, summary
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine.generation import SamplingParams, hf_generate, response_mask_from_eos
