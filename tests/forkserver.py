@@ -10,6 +10,7 @@ suite launches hundreds of them. What a child sees is what a fresh process sees:
   `-m` sets them, a fresh `__main__` module, `runpy._run_module_as_main` (what `-m` calls);
 - the caller's own stdin/stdout/stderr: the client passes its file descriptors over the server's UNIX
   socket (SCM_RIGHTS) and the child installs them as 0, 1, 2, so C-level output lands where it would;
+  what the server's imports printed (import-time warnings) is written there first;
 - the exit status a fresh process has (a `sys.exit`, an uncaught exception's traceback and 1, a
   signal's -N), and the interpreter's normal shutdown (atexit handlers, non-daemon threads joined);
 - a collector that leaves the preloaded objects alone (`gc.freeze()`, as the gc module's documentation
@@ -89,8 +90,9 @@ def _set_env(env: dict[str, str]) -> None:
     importlib.invalidate_caches()
 
 
-def _child(conn, listener, fds: list[int], req: dict) -> None:
-    """In the forked child: the caller's fds as 0/1/2, its directory, environment and argv."""
+def _child(conn, listener, fds: list[int], req: dict, printed: list[bytes]) -> None:
+    """In the forked child: the caller's fds as 0/1/2 (first what the server's imports printed), its
+    directory, environment and argv."""
     conn.close()
     listener.close()
     for target, fd in enumerate(fds):
@@ -98,6 +100,9 @@ def _child(conn, listener, fds: list[int], req: dict) -> None:
     for fd in fds:
         if fd > 2:
             os.close(fd)
+    for fd, text in zip((1, 2), printed):
+        if text:
+            os.write(fd, text)
     os.chdir(req["cwd"])
     _set_env(req["env"])
     sys.argv = ["-m", *req["args"]]
@@ -111,11 +116,25 @@ def serve(path: str, ready_fd: int) -> None:
     import threading
 
     mine = _key(dict(os.environ))  # as started: the imports may set variables of their own
-    for name in PRELOAD:  # what they print goes to the server's own stdout/stderr (/dev/null)
+    printed = []  # what the imports print (import-time warnings): each child writes it first, as a fresh process would
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
         try:
-            importlib.import_module(name)
-        except ImportError:  # a model family this transformers lacks: the child imports it if used
-            pass
+            for name in PRELOAD:
+                try:
+                    importlib.import_module(name)
+                except ImportError:  # a model family this transformers lacks: the child imports it if used
+                    pass
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        for f in (out, err):
+            f.seek(0)
+            printed.append(f.read())
     threads = threading.active_count()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
@@ -142,7 +161,7 @@ def serve(path: str, ready_fd: int) -> None:
         gc.freeze()  # the preloaded objects out of the collector's reach: a child's collections (at exit
         pid = os.fork()  # above all) would otherwise touch, so copy, every page of them (3 s of a child's exit)
         if pid == 0:
-            _child(conn, listener, fds, req)
+            _child(conn, listener, fds, req, printed)
         for fd in fds:
             os.close(fd)
         conn.send(json.dumps({"pid": pid}).encode())
