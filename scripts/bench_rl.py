@@ -311,7 +311,8 @@ def build_models(work: str, shape: list[str]) -> tuple[str, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="outputs/bench_rl", help="stage outputs (SFT/reward built once) and runs")
-    ap.add_argument("--baseline", default="103a0e2", help="the commit to compare with ('none': this tree alone)")
+    ap.add_argument("--baseline", default="103a0e2", help="the commit to compare with, or a directory holding "
+                    "a checkout of it ('none': this tree alone)")
     ap.add_argument("--algos", default="grpo,ppo", help="grpo (algorithm=grpo) and/or ppo (the default)")
     ap.add_argument("--reps", type=int, default=3, help="interleaved rounds (one run per tree and algorithm each)")
     ap.add_argument("--steps", type=int, default=5, help="RL steps per run (the first is left out as warm-up)")
@@ -344,7 +345,9 @@ def main() -> None:
         return profile(work, sft, reward, args)
     trees = {"this": ROOT}
     tmp = None
-    if args.baseline != "none":
+    if os.path.isdir(args.baseline):  # a checkout already made (e.g. `git archive <commit>` on a machine without git)
+        trees["baseline"] = os.path.abspath(args.baseline)
+    elif args.baseline != "none":
         tmp = tempfile.mkdtemp(prefix="bench_rl_baseline_")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tmp, args.baseline], check=True,
                        capture_output=True)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run that fits a short lease (about 9 minutes on one H100):
+#   1. the GPU test lane: `pytest -m gpu` (the Triton kernels on the device against their PyTorch
+#      references, CUDA-graph decode against eager and transformers, bf16 logits/greedy agreement), and the
+#      kernel, inference and injection test files whole with CUDA present;
+#   2. scripts/bench_generation.py: the injected path (weight refresh included) vs `transformers.generate`
+#      on the ~25M Llama shape of issue #31 (batch 64, prompt 64, 128 new tokens, bf16) and a 1.2B Llama;
+#   3. scripts/bench_kernels.py: fused log-probs, a train step and the PPO scoring pass, kernels on vs off;
+#   4. scripts/bench_rl.py: the default GRPO and PPO steps phase by phase against a baseline tree, with the
+#      matmul limit and the step's achieved FLOP rate on the ~25M shape.
+# Each part has its own time limit and writes its log to $OUT (or ./gpu_checks when OUT is unset); a part
+# that fails does not stop the next. Usage, from the repository root on the GPU machine:
+#     bash scripts/gpu_checks.sh [baseline]      # baseline: a commit (needs git) or a directory holding one
+# The Python packages the machine lacks are installed first from .whl/ when it is there
+# (bash ../shared/gpu/wheels.sh makes it).
+set -uo pipefail
+out=${OUT:-gpu_checks}
+mkdir -p "$out"
+base=${1:-none}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HYDRA_FULL_ERROR=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | tail -3
+fi
+part() {  # part NAME SECONDS command...: run with a limit, log to $out/NAME.log, report status and time
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s (limit $limit s)" | tee -a "$out/summary.txt"
+  tail -n "${TAILN:-25}" "$out/$name.log"
+}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers, triton, peft; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$out/summary.txt"
+TAILN=40 part tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 8 --dist loadfile -rs \
+  tests/test_kernels_logprobs.py tests/test_kernels_norms.py tests/test_kernels_rotary.py \
+  tests/test_kernels_sampling.py tests/test_kernels_swiglu.py tests/test_kernels_dispatch.py \
+  tests/test_inference.py tests/test_kernel_injection.py
+part generation 110 python3 scripts/bench_generation.py --shapes llama-25m llama-1.2b --batch 64 --prompt 64 \
+  --new 128 --repeat 3 --out "$out/bench_generation.json"
+TAILN=30 part rl 210 python3 scripts/bench_rl.py --baseline "$base" --reps 2 --steps 4 --work /tmp/bench_rl \
+  --json "$out/bench_rl.json"
+part kernels 60 python3 scripts/bench_kernels.py --steps 3 --out "$out/bench_kernels.json"
+cat "$out/summary.txt"
