@@ -34,7 +34,7 @@ part() {  # part NAME SECONDS command...: run with a limit, log to $out/NAME.log
   python3 -c "import torch, transformers, triton, peft; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$out/summary.txt"
-TAILN=40 part tests 150 python3 -m pytest -q -x -p no:cacheprovider -n 8 --dist loadfile -rs \
+TAILN=40 part tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -rs \
   tests/test_kernels_logprobs.py tests/test_kernels_norms.py tests/test_kernels_rotary.py \
   tests/test_kernels_sampling.py tests/test_kernels_swiglu.py tests/test_kernels_dispatch.py \
   tests/test_inference.py tests/test_kernel_injection.py
