@@ -17,6 +17,8 @@ set -uo pipefail
 out=${OUT:-gpu_checks}
 mkdir -p "$out"
 base=${1:-none}
+parts=${GPU_PARTS:-tests generation rl kernels}  # which parts, in order (stages: the stage test files on CUDA)
+want() { [[ " $parts " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD HYDRA_FULL_ERROR=1
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl 2>&1 | tail -3
@@ -34,13 +36,19 @@ part() {  # part NAME SECONDS command...: run with a limit, log to $out/NAME.log
   python3 -c "import torch, transformers, triton, peft; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$out/summary.txt"
-TAILN=40 part tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -rs \
+want tests && TAILN=40 part tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -rs \
   tests/test_kernels_logprobs.py tests/test_kernels_norms.py tests/test_kernels_rotary.py \
   tests/test_kernels_sampling.py tests/test_kernels_swiglu.py tests/test_kernels_dispatch.py \
   tests/test_inference.py tests/test_kernel_injection.py
-part generation 110 python3 scripts/bench_generation.py --shapes llama-25m llama-1.2b --batch 64 --prompt 64 \
+want generation && part generation 110 python3 scripts/bench_generation.py --shapes llama-25m llama-1.2b --batch 64 --prompt 64 \
   --new 128 --repeat 3 --out "$out/bench_generation.json"
-TAILN=30 part rl 210 python3 scripts/bench_rl.py --baseline "$base" --reps 2 --steps 4 --work /tmp/bench_rl \
+want rl && TAILN=30 part rl 210 python3 scripts/bench_rl.py --baseline "$base" --reps 2 --steps 4 --work /tmp/bench_rl \
   --json "$out/bench_rl.json"
-part kernels 60 python3 scripts/bench_kernels.py --steps 3 --out "$out/bench_kernels.json"
+want kernels && part kernels 60 python3 scripts/bench_kernels.py --steps 3 --out "$out/bench_kernels.json"
+# the stage test files with CUDA present (the stages then train and generate on the GPU): device
+# mix-ups and CUDA-only failures; SIGINT at the limit so that pytest still prints what failed
+want stages && TAILN=60 part stages 240 timeout -s INT 230 python3 -m pytest -q -p no:cacheprovider -n 14 \
+  -rfE --tb=short tests/test_kernels_logprobs.py tests/test_kernel_injection.py tests/test_ppo.py \
+  tests/test_rl_algorithms.py tests/test_sft.py tests/test_reward.py tests/test_dpo.py tests/test_old_logprobs.py \
+  tests/test_sampler_gap.py tests/test_generation_mode.py tests/test_policy_losses.py tests/test_evaluate.py
 cat "$out/summary.txt"

@@ -118,8 +118,11 @@ def test_sft_and_ppo_losses_are_the_same_with_kernels_on_and_off(tmp_path):
         run_stage("sft", f"output_dir={tmp_path / ('sft_' + k)}", *SFT, f"engine.kernels={k}")
     off, on = metrics(tmp_path / "sft_false", "train"), metrics(tmp_path / "sft_true", "train")
     assert len(on) == 4
+    # fp32 on this CPU: rounding alone; on CUDA (bf16 compute, the Triton kernels' own reduction order) the
+    # tolerance is bf16's, a few units of its 2^-8 rounding averaged over the tokens
+    rel = 2e-3 if torch.cuda.is_available() else None
     for a, b in zip(off, on):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel or 1e-5)
     run_stage("reward", f"output_dir={tmp_path / 'rm'}", f"model.name_or_path={tmp_path / 'sft_false'}",
               "model.fallback_to_config=false", "train.max_steps=3", "train.eval_every=0")
     ppo = ["train.max_steps=2", "train.eval_every=0", "rollout.prompts_per_step=8", "rollout.mini_batch_size=8",
@@ -131,4 +134,4 @@ def test_sft_and_ppo_losses_are_the_same_with_kernels_on_and_off(tmp_path):
     assert len(on) == 2
     for a, b in zip(off, on):
         for key in ("actor_loss", "critic_loss", "ptx_loss", "kl", "reward", "entropy"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+            assert b[key] == pytest.approx(a[key], rel=rel or 1e-4, abs=1e-6), key

@@ -198,7 +198,9 @@ def last_masked(m: torch.Tensor) -> torch.Tensor:
     contiguous mask from column 0 this is mask.sum(1) - 1."""
     T = m.shape[1]
     cols = torch.arange(T, device=m.device).expand_as(m)
-    return torch.where(m, cols, torch.zeros_like(cols)).amax(1) if T else torch.zeros(m.shape[0], dtype=torch.long)
+    if not T:
+        return torch.zeros(m.shape[0], dtype=torch.long, device=m.device)
+    return torch.where(m, cols, torch.zeros_like(cols)).amax(1)
 
 
 # ----------------------------------------------------------------------------- advantages

@@ -25,12 +25,12 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
     dropped = rollout.dropped if rollout.dropped is not None else torch.zeros_like(rollout.empty)
     failed = rollout.env_failed if rollout.env_failed is not None else torch.zeros_like(rollout.empty)
     kept = (~rollout.empty & ~nonfinite & ~failed).float()  # env_failed: a faulted episode (rl/multiturn.py)
-    sums = all_reduce_sum(torch.stack([
+    sums = all_reduce_sum(_stack([
         (exp.score * kept).sum(), (exp.score.clamp(-p.clip_reward_value, p.clip_reward_value) * kept).sum(),
         masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),
-        rollout.empty.sum(), rollout.truncated.sum(), torch.tensor(float(rollout.attention_mask.sum())),
-        nonfinite.sum(), dropped.sum(), torch.tensor(float(dropped_groups)),
-    ]).double().cpu()).tolist()
+        rollout.empty.sum(), rollout.truncated.sum(), rollout.attention_mask.sum(),
+        nonfinite.sum(), dropped.sum(), float(dropped_groups),
+    ], exp.score.device).cpu()).tolist()
     n_kept, n_update = max(sums[4], 1.0), max(sums[4] - sums[9], 1.0)
     t0, t1, t2, t3 = times
     rec = {
@@ -89,8 +89,8 @@ def sampler_gap(exp: Experience, p: PPOAlgoConfig) -> dict[str, float]:
         sums += [w.sum(), (m & (rho > p.is_cap)).sum() if p.is_correction == "tis" else torch.zeros(()),
                  rejected.sum(), (m.any(1) & (rejected.sum(1) == m.sum(1))).sum()]
         maxes.append(torch.where(m, w, 0.0).max() if w.numel() else torch.zeros(()))
-    s = all_reduce_sum(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in sums]).to(m.device)).tolist()
-    mx = all_reduce_max(torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in maxes]).to(m.device)).tolist()
+    s = all_reduce_sum(_stack(sums, m.device)).tolist()
+    mx = all_reduce_max(_stack(maxes, m.device)).tolist()
     n = max(s[2], 1.0)
     out = {"gen_logprob_gap": s[0] / n, "gen_logprob_gap_max": mx[0], "gen_kl": s[1] / n}
     if p.is_correction != "none":
@@ -100,6 +100,13 @@ def sampler_gap(exp: Experience, p: PPOAlgoConfig) -> dict[str, float]:
         else:
             out.update(is_masked_tokens=int(s[5]), is_masked_seqs=int(s[6]))
     return out
+
+
+def _stack(values: list, device: torch.device) -> torch.Tensor:
+    """Scalars (tensors on any device, or Python numbers) as one float64 vector on `device`: one
+    collective and one host copy for all of them; the rollout's tensors may sit on the CPU while the
+    experience is on the GPU."""
+    return torch.stack([torch.as_tensor(x).to(device=device, dtype=torch.float64) for x in values])
 
 
 def _mean(stats: list[dict], key: str) -> float:
