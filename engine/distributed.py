@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import LaunchError
+
 
 @dataclass(frozen=True, slots=True)
 class DistInfo:
@@ -70,6 +72,13 @@ def init_distributed(timeout_s: float | None = None) -> DistInfo:
     cuda = torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda and local_rank >= (n := torch.cuda.device_count()):  # else CUDA's "invalid device ordinal" from set_device
+        here = os.environ.get("LOCAL_WORLD_SIZE", "more")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise LaunchError(f"local rank {local_rank} has no GPU: {here} processes were started on this node but it "
+                          f"has {n} CUDA device{'s' if n != 1 else ''}"
+                          f"{f' (CUDA_VISIBLE_DEVICES={visible})' if visible is not None else ''}; start at most {n} "
+                          f"(torchrun --nproc_per_node {n}), or run on the CPU with gloo (CUDA_VISIBLE_DEVICES= empty)")
     if cuda:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")

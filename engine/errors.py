@@ -11,3 +11,7 @@ class WeightCheckError(RuntimeError):
     `transformers` generate uses) does not hold the training parameters it was built from
     (`engine.check_weights`): a stale, corrupted or unmerged weight. Raised on every rank before a
     token is sampled."""
+
+
+class LaunchError(ValueError):
+    """A launch that does not fit the machine: more processes on a node than it has GPUs, say."""

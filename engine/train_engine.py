@@ -512,7 +512,8 @@ class TrainEngine(_ShardedModule):
         from .generation import InjectedGenerator, decoder_mismatch, probe_prompts
 
         ids, mask = probe_prompts(hf_base_model(self.unwrapped).config.vocab_size, self.info.device)
-        with self.gathered_parameters():
+        cuda = [self.info.device] if self.info.device.type == "cuda" else []
+        with self.gathered_parameters(), torch.random.fork_rng(devices=cuda):  # the run's RNG streams untouched
             why = decoder_mismatch(InjectedGenerator(model), inner_module(self.unwrapped), ids, mask,
                                    dtype=TORCH_DTYPES[self.cfg.precision])
         failed = all_reduce_sum(torch.tensor([float(why is not None)], device=self.info.device)).item() > 0

@@ -12,6 +12,22 @@ import torch
 
 import forkserver
 
+# The suite is two lanes. The tests not marked `gpu` state CPU facts (fp32 rounding, bitwise repeats of a
+# run, gloo ranks on one machine), so on a machine with GPUs they run with the GPUs hidden, as in CI; the
+# GPU lane, `pytest -m gpu`, runs the tests marked `gpu` on CUDA. RLHF_TESTS_CUDA=1 leaves the GPUs visible
+# to every test (the stages then train on CUDA: a way to look for CUDA-only failures, not a lane that passes).
+CPU_SUITE = False
+
+
+def pytest_configure(config):
+    global CPU_SUITE
+    expr = config.getoption("markexpr", "") or ""
+    gpu_lane = "gpu" in expr and "not gpu" not in expr
+    if not gpu_lane and os.environ.get("RLHF_TESTS_CUDA") != "1":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything initialises CUDA; children inherit it
+        CPU_SUITE = True
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A smaller model than the shipped default, so that a CLI run of a few steps takes seconds.
@@ -96,8 +112,9 @@ def summary(out_dir) -> dict:
 
 
 def gpu(test):
-    """GPU lane: marked `gpu`, skipped cleanly without CUDA."""
-    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+    """GPU lane: marked `gpu`, skipped cleanly without CUDA (and in the CPU suite: see pytest_configure)."""
+    why = "the CPU suite hides the GPUs: the GPU lane is `pytest -m gpu`" if CPU_SUITE else "needs CUDA"
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason=why)(test))
 
 
 @pytest.fixture

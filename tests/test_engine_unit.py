@@ -385,3 +385,28 @@ def test_zero_formulas_and_report(info):
     assert r["optimizer_bytes"] >= 8 * numel  # exp_avg + exp_avg_sq (+ step counters)
     text = format_memory_report(r)
     assert "ZeRO stage 0" in text and "16Ψ" in text
+
+
+def test_more_ranks_than_gpus_on_a_node_is_a_clear_launch_error(monkeypatch, capsys):
+    """torchrun --nproc_per_node 2 on a one-GPU node: the rank without a GPU stops with what to start
+    instead (not CUDA's 'invalid device ordinal' from deep inside torch), and a stage reports it as
+    one line with exit code 2."""
+    import engine.distributed as d
+    from engine.errors import LaunchError
+    from rlhf.run.app import user_errors
+
+    monkeypatch.setattr(d, "_INFO", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device reached"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(LaunchError) as e:
+        d.init_distributed()
+    msg = str(e.value)
+    assert msg.startswith("local rank 1 has no GPU: 2 processes were started on this node but it has 1 CUDA device;")
+    assert "torchrun --nproc_per_node 1" in msg and "CUDA_VISIBLE_DEVICES= empty" in msg
+    with pytest.raises(SystemExit) as ex, user_errors():
+        d.init_distributed()
+    assert ex.value.code == 2 and capsys.readouterr().err.startswith("error (launch): local rank 1 has no GPU")

@@ -327,6 +327,53 @@ def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
     assert not model.graphs
 
 
+def test_a_failed_capture_decodes_eagerly_with_one_warning(monkeypatch, caplog):
+    """A capture the driver refuses (torch raises at the capture's end, as with an invalidated stream
+    capture) must not stop the run: that setting decodes eagerly, with the same tokens, is not captured
+    again, and the reason is logged once."""
+    import contextlib
+    import importlib
+
+    gen = importlib.import_module("engine.inference.generate")
+    fake_cuda_graphs(monkeypatch, gen)
+    tries = []
+
+    @contextlib.contextmanager
+    def refused(g, pool=None):
+        tries.append(1)
+        yield
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore")
+
+    monkeypatch.setattr(torch.cuda, "graph", refused)
+    hf = hf_model(llama_untied_gqa)
+    ids, mask = ragged_batch()
+    model = injected(hf)
+    greedy = SamplingParams(greedy=True)
+    with caplog.at_level("WARNING", logger="engine.inference.generate"):
+        outs = [model.generate(ids, mask, NEW, eos_token_id=V - 1, pad_token_id=PAD, sampling=greedy) for _ in range(2)]
+    for out in outs:
+        assert torch.equal(out.sequences, hf_greedy(hf, ids, mask, eos=V - 1))
+    assert len(tries) == 1 and list(model.graphs.values()) == [None]
+    warned = [r.getMessage() for r in caplog.records if "CUDA graph failed" in r.getMessage()]
+    assert len(warned) == 1 and "operation failed due to a previous error during capture; " in warned[0], warned
+
+
+def test_greedy_graph_decoding_leaves_the_callers_rng_alone(monkeypatch):
+    """Greedy decoding draws nothing: a graph-decoded greedy call must not take a number from the global
+    RNG (it would shift the caller's later sampling, e.g. after the engine's first-use self-check)."""
+    import importlib
+
+    gen = importlib.import_module("engine.inference.generate")
+    fake_cuda_graphs(monkeypatch, gen)
+    hf = hf_model(llama_untied_gqa)
+    ids, mask = ragged_batch()
+    model = injected(hf)
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    model.generate(ids, mask, NEW, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
+    assert len(model.graphs) == 1 and torch.equal(torch.get_rng_state(), before)
+
+
 # ---------------------------------------------------------------- sampling
 
 

@@ -22,12 +22,15 @@ streams, `engine.deterministic`) no generator is read: row b's token t is drawn 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling import SamplingParams, row_noise, sample
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .model import InferenceModel
@@ -257,7 +260,8 @@ def generate(
     st.step.fill_(1)
     if seeded:
         st.row_seeds.copy_(row_seeds)
-    if graph is not None and not seeded:  # seeded: the graph computes its noise, its generator is unused
+    if graph is not None and not seeded and not sampling.greedy:  # seeded: the graph computes its noise, its
+        # generator is unused; greedy draws nothing (and must not take a number from the caller's RNG)
         graph.seed(generator)
 
     for t in range(1, max_new_tokens):
@@ -305,5 +309,13 @@ def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False, cap
     if key not in model.graphs and not capture:
         return None
     if key not in model.graphs:
-        model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos, seeded), draw, pad_token_id)
+        try:
+            model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos, seeded), draw, pad_token_id)
+        except RuntimeError as e:  # torch.AcceleratorError is one: a capture the driver invalidated, say
+            # Decoding eagerly gives the same tokens, only slower: this setting is not captured again
+            # (None), and the reason is logged once per setting.
+            model.graphs[key] = None
+            logger.warning("generation: capturing the decode step in a CUDA graph failed (batch %d, %s): %s; this "
+                           "setting decodes eagerly", B, "seeded rows" if seeded else "one generator",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
     return model.graphs[key]

@@ -21,7 +21,7 @@ from hydra._internal.utils import get_args_parser
 from engine import exit_process, latest_checkpoint, list_checkpoints
 from engine.checkpoint import META
 from engine.distributed import barrier
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, LaunchError
 from rlhf.config import PPOConfig, ServeConfig, as_yaml, cli, compose, to_config
 from rlhf.config.ds_config import ds_overrides, log_report
 from rlhf.config.validate import unused_sources
@@ -41,8 +41,9 @@ def user_errors():
     not a stack trace from deep inside a library."""
     try:
         yield
-    except (ConfigError, DataFormatError, FileNotFoundError, TrainingError, CheckpointError) as e:
+    except (ConfigError, DataFormatError, FileNotFoundError, TrainingError, CheckpointError, LaunchError) as e:
         kind = "training" if isinstance(e, TrainingError) else "checkpoint" if isinstance(e, CheckpointError) else \
+            "launch" if isinstance(e, LaunchError) else \
             "configuration/data"  # subclasses too (the http reward source's RewardServerDown is a TrainingError)
         print(f"error ({kind}): {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
