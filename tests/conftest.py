@@ -113,7 +113,8 @@ def summary(out_dir) -> dict:
 
 def gpu(test):
     """GPU lane: marked `gpu`, skipped cleanly without CUDA (and in the CPU suite: see pytest_configure)."""
-    why = "the CPU suite hides the GPUs: the GPU lane is `pytest -m gpu`" if CPU_SUITE else "needs CUDA"
+    why = "needs CUDA (none here, or hidden: on a machine with GPUs the GPU lane is `pytest -m gpu`)" if CPU_SUITE \
+        else "needs CUDA"
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason=why)(test))
 
 
