@@ -449,3 +449,36 @@ def test_a_moved_adapter_chain_loads_and_a_missing_base_is_named(tmp_path):
         logits(copy)
     assert str(e.value).startswith(f"{copy / 'model' / 'adapter_config.json'} records base_model_name_or_path="
                                    f"'{base}', which does not exist (nor '../../opt-user' relative to the adapter")
+
+
+def test_export_keeps_tied_weights_tied_when_the_gathered_state_dict_copied_them(tmp_path):
+    """A state dict consolidated from GPU shards holds the tied embedding and LM head as two CPU copies
+    (on the CPU the gather returns one shared tensor). The export must still write one tied weight, as
+    the model it came from has, merged LoRA or not (seen on an H100: the merged SFT model gained an
+    lm_head.weight its base does not have)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from rlhf.config.schema import ModelConfig
+    from transformers import AutoTokenizer
+    from rlhf.modeling.export import export_hf
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    tok = AutoTokenizer.from_pretrained(ROOT / "data" / "tokenizer")
+    for lora in (False, True):
+        cfg = ModelConfig()
+        like = base
+        if lora:
+            cfg.lora.merge_on_save = True
+            like = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+        copied = {k: v.detach().clone() for k, v in like.state_dict().items()}  # sharing lost, as a gather loses it
+        out = tmp_path / f"lora_{lora}"
+        export_hf(copied, like, tok, str(out), cfg, add_bos=True)
+        keys = set(load_file(out / "model.safetensors"))
+        assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys, sorted(keys)[:4]
+        back = AutoModelForCausalLM.from_pretrained(out)
+        assert back.lm_head.weight is back.model.embed_tokens.weight
+        torch.testing.assert_close(back.model.embed_tokens.weight, copied[next(k for k in copied if "embed_tokens" in k)])

@@ -129,6 +129,7 @@ def export_hf(
     # NOTE: the skeleton takes these tensors as its own (assign=True) and merging LoRA writes into
     # the base weights in place, so copy: the state dict may share storage with the live model.
     copy = bool(peft_cfg) and cfg.lora.merge_on_save
+    state_dict = _tied_as_one(state_dict, like)
     sd, made = {}, {}
     for k, v in state_dict.items():
         if v.is_floating_point():
@@ -165,6 +166,22 @@ def export_hf(
             with open(os.path.join(tmp, name), "w") as f:
                 f.write(text)
     return out_dir
+
+
+def _tied_as_one(state_dict: dict[str, torch.Tensor], like: nn.Module) -> dict[str, torch.Tensor]:
+    """`state_dict` with the entries of each group of tied parameters of `like` (one Parameter under several
+    names: a tied embedding and LM head) made one tensor, the group's first. A state dict gathered from
+    GPU shards holds them as separate CPU copies (on the CPU the gather returns one shared tensor), and
+    an export of two tensors writes an untied `lm_head.weight` the model does not have."""
+    names: dict[int, list[str]] = {}
+    for name, p in like.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = dict(state_dict)
+    for group in names.values():
+        present = [n for n in group if n in out]
+        for n in present[1:]:
+            out[n] = out[present[0]]
+    return out
 
 
 def _record_adapter_base(adapter_dir: str, final_dir: str) -> None:
