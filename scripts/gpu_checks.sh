@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run that fits a short lease (about 9 minutes on one H100):
-#   1. the GPU test lane: `pytest -m gpu` (the Triton kernels on the device against their PyTorch
-#      references, CUDA-graph decode against eager and transformers, bf16 logits/greedy agreement), and the
-#      kernel, inference and injection test files whole with CUDA present;
+#   1. the GPU test lane, `pytest -m gpu`: the Triton kernels on the device against their PyTorch
+#      references, CUDA-graph decode against eager and transformers, bf16 logits/greedy agreement, and
+#      every stage on CUDA (tests/test_gpu_stages.py);
 #   2. scripts/bench_generation.py: the injected path (weight refresh included) vs `transformers.generate`
 #      on the ~25M Llama shape of issue #31 (batch 64, prompt 64, 128 new tokens, bf16) and a 1.2B Llama;
 #   3. scripts/bench_kernels.py: fused log-probs, a train step and the PPO scoring pass, kernels on vs off;
@@ -36,18 +36,16 @@ part() {  # part NAME SECONDS command...: run with a limit, log to $out/NAME.log
   python3 -c "import torch, transformers, triton, peft; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$out/summary.txt"
-want tests && TAILN=40 part tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile -rs \
-  tests/test_kernels_logprobs.py tests/test_kernels_norms.py tests/test_kernels_rotary.py \
-  tests/test_kernels_sampling.py tests/test_kernels_swiglu.py tests/test_kernels_dispatch.py \
-  tests/test_inference.py tests/test_kernel_injection.py
+want tests && TAILN=40 part tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu -rs tests/
 want generation && part generation 110 python3 scripts/bench_generation.py --shapes llama-25m llama-1.2b --batch 64 --prompt 64 \
   --new 128 --repeat 3 --out "$out/bench_generation.json"
-want rl && TAILN=30 part rl 210 python3 scripts/bench_rl.py --baseline "$base" --reps 2 --steps 4 --work /tmp/bench_rl \
+want rl && TAILN=30 part rl 210 python3 scripts/bench_rl.py --baseline "$base" --reps 2 --steps 8 --work /tmp/bench_rl \
   --json "$out/bench_rl.json"
 want kernels && part kernels 60 python3 scripts/bench_kernels.py --steps 3 --out "$out/bench_kernels.json"
 # the stage test files with CUDA present (the stages then train and generate on the GPU): device
-# mix-ups and CUDA-only failures; SIGINT at the limit so that pytest still prints what failed
-want stages && TAILN=60 part stages 240 timeout -s INT 230 python3 -m pytest -q -p no:cacheprovider -n 14 \
+# mix-ups and CUDA-only failures (RLHF_TESTS_CUDA=1: these tests assert CPU facts too, so read the
+# failures one by one); SIGINT at the limit so that pytest still prints what failed
+want stages && RLHF_TESTS_CUDA=1 TAILN=60 part stages 240 timeout -s INT 230 python3 -m pytest -q -p no:cacheprovider -n 14 \
   -rfE --tb=short tests/test_kernels_logprobs.py tests/test_kernel_injection.py tests/test_ppo.py \
   tests/test_rl_algorithms.py tests/test_sft.py tests/test_reward.py tests/test_dpo.py tests/test_old_logprobs.py \
   tests/test_sampler_gap.py tests/test_generation_mode.py tests/test_policy_losses.py tests/test_evaluate.py
