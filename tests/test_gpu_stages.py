@@ -71,7 +71,7 @@ def test_rl_steps_run_on_cuda_through_the_injected_decoder(stages, tmp_path, alg
     finite(rows, "reward", "kl", "actor_loss", "response_len", "gen_logprob_gap")
     # the sampler's log-probs (bf16 decode) against the trainer's (bf16 forward) on the same tokens: rounding,
     # not a different distribution (a wrong cache slot or position shows as gaps of order 1)
-    assert all(r["gen_logprob_gap"] < 0.05 for r in rows), [r["gen_logprob_gap"] for r in rows]
+    assert all(r["gen_logprob_gap"] < 0.1 for r in rows), [r["gen_logprob_gap"] for r in rows]
     if algo == "ppo":
         finite(rows, "critic_loss")
 

@@ -187,7 +187,7 @@ def compute_rewards(logp_old: torch.Tensor, logp_ref: torch.Tensor, score: torch
     rewards = -kl_coef * kl                                                   # [B, T]
     lengths = m.sum(1)                                                        # [B]
     last = last_masked(m).unsqueeze(1)                                        # [B, 1]
-    clipped = _f32(score).to(rewards.dtype).clamp(-clip_reward_value, clip_reward_value)
+    clipped = _f32(score).to(rewards.device, rewards.dtype).clamp(-clip_reward_value, clip_reward_value)
     clipped = torch.where(lengths > 0, clipped, torch.zeros_like(clipped))   # empty rows: no score
     rewards = rewards.scatter_add(1, last, clipped.unsqueeze(1))
     return rewards, kl
