@@ -33,6 +33,8 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
    segments between them); FILE gets per phase the top torch ops by self CPU time and the top Python
    functions by own time (cProfile's table), summed over the steps. The profilers slow the step: read
    the tables for where time goes, the timed rounds for how much.
+After each round but the last the medians so far are printed (and written to --json), so that a run cut at a
+time limit (a short lease on a GPU machine) still leaves its figures.
 Ratios are what a shared machine measures well; absolute seconds move with its load.
 """
 from __future__ import annotations
@@ -373,11 +375,25 @@ def main() -> None:
                           f"{[round(sum(s[p] for p in PHASES), 3) for s in res['steps']]}", flush=True)
             for dtype in limit:
                 limit[dtype].append(matmul_rate(args.matmul_n, dtype))
+            if rep + 1 < args.reps:  # a run cut short (a time-limited lease) still leaves its medians so far
+                medians_table(phases, trees, algos, limit, args, rep + 1)
     finally:
         if tmp:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tmp], capture_output=True)
+    report = medians_table(phases, trees, algos, limit, args, args.reps)
+    if args.flops_model != "none":
+        report["achieved"] = achieved(work, algos[0], args, report["matmul_flops_per_s"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def medians_table(phases: dict, trees: dict, algos: list[str], limit: dict, args: argparse.Namespace,
+                  rounds: int) -> dict:
+    """Prints the per-phase medians of the `rounds` rounds so far (and baseline / this), and the matmul
+    limit; writes them to --json; returns the report."""
     med = {k: {p: statistics.median(v) if v else float("nan") for p, v in d.items()} for k, d in phases.items()}
-    print(f"\nRL step phases, median {'CPU ' if args.clock == 'cpu' else ''}seconds over {args.reps} rounds x "
+    print(f"\nRL step phases, median {'CPU ' if args.clock == 'cpu' else ''}seconds over {rounds} rounds x "
           f"{args.steps - 1} steps "
           f"(device {device_name()}; baseline {args.baseline}):")
     print(f"{'algo':5s} {'tree':9s} " + " ".join(f"{p:>10s}" for p in (*PHASES, "step")))
@@ -390,14 +406,13 @@ def main() -> None:
                 f"{'-':>10s}" for p in (*PHASES, "step")) + "   (baseline / this: > 1 = faster)")
     rates = {d: statistics.median(v) for d, v in limit.items()}
     print(f"\nmatmul {args.matmul_n}x{args.matmul_n}: fp32 {rates['fp32'] / 1e9:.1f} GFLOP/s, "
-          f"bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s (median of {args.reps} measurements)")
-    report = {"medians": {f"{algo}/{name}": med[(name, algo)] for algo in algos for name in trees},
+          f"bf16 {rates['bf16'] / 1e9:.1f} GFLOP/s (median of {len(limit['fp32'])} measurements)", flush=True)
+    report = {"rounds": rounds, "medians": {f"{algo}/{name}": med[(name, algo)] for algo in algos for name in trees},
               "matmul_flops_per_s": rates}
-    if args.flops_model != "none":
-        report["achieved"] = achieved(work, algos[0], args, rates)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    return report
 
 
 def profile(work: str, sft: str, reward: str, args: argparse.Namespace) -> None:
