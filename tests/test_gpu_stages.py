@@ -85,3 +85,19 @@ def test_dpo_trains_on_cuda(stages, tmp_path):
     rows = metrics(tmp_path / "dpo", "train")
     assert len(rows) == 3
     finite(rows, "loss", "reward_chosen", "reward_rejected")
+
+
+@gpu
+def test_a_deterministic_grpo_run_repeats_bit_for_bit_on_cuda(stages, tmp_path):
+    """docs/stages.md (`seed`): on CUDA a run repeats bit for bit with engine.deterministic=true (PyTorch's
+    default CUDA kernels include nondeterministic ones); two same-seed runs' metrics are equal."""
+    root = stages[0]
+    runs = []
+    for name in ("a", "b"):
+        run_stage("ppo", f"output_dir={tmp_path / name}", f"actor.model={root / 'sft'}", "algorithm=grpo",
+                  f"critic.model={root / 'reward'}", "train.max_steps=3", "rollout.prompts_per_step=8",
+                  "rollout.n_samples_per_prompt=4", "rollout.mini_batch_size=8", "rollout.micro_batch_size=4",
+                  "engine.deterministic=true", *QUIET)
+        keys = ("reward", "kl", "actor_loss", "entropy", "response_len", "gen_logprob_gap")
+        runs.append([[r.get(k) for k in keys] for r in metrics(tmp_path / name, "train")])
+    assert len(runs[0]) == 3 and runs[0] == runs[1]
