@@ -301,7 +301,7 @@ def graphs_enabled(model: InferenceModel) -> bool:
 
 def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False, capture=True) -> DecodeGraph | None:
     """The captured decode step for this batch size and setting (capturing it on first use when `capture`), or
-    None off CUDA / when disabled / not captured."""
+    None off CUDA / when disabled / not captured / when its capture failed (logged once; decoded eagerly)."""
     if not graphs_enabled(model):
         return None
     draw = sampling.draw_settings()
