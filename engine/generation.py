@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # The one settings class of both paths (its docstring states the sampling convention), also
 # imported from here: this module is the generation interface.
@@ -109,6 +110,43 @@ class RowStreamSampler:
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens[:, None], 0.0)
 
 
+# transformers >= 5.23 names a model's KV cache argument `cache` (`past_key_values` deprecated, a warning per call)
+CACHE_KWARG = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int | None = None):
+    """Rows with equal prompts (the first `prompt_len` columns, default all, ids and mask): (first [U], the
+    row that stands for each distinct prompt; inverse [B], each row's), or None when no two rows share one."""
+    P = prompt_ids.shape[1] if prompt_len is None else prompt_len
+    key = torch.cat([prompt_ids[:, :P], prompt_mask[:, :P].to(prompt_ids.dtype)], 1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    U, B = int(inverse.max()) + 1, prompt_ids.shape[0]
+    if U == B:
+        return None
+    rows = torch.arange(B, device=prompt_ids.device)
+    first = torch.full((U,), B, dtype=rows.dtype, device=rows.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
+def shared_prompt_cache(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    """A KV cache of every row's prompt but its last token, each distinct prompt computed once and
+    gathered for the rows that repeat it (n samples per prompt), which `generate` continues from: the
+    prefill then runs U distinct prompts instead of B rows, the same values up to rounding. None when
+    no two rows share a prompt, the prompt is one token, or the model returns no cache."""
+    groups = prompt_groups(prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 and prompt_ids.shape[0] > 1 else None
+    if groups is None:
+        return None
+    first, inverse = groups
+    ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
+                use_cache=True)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inverse)
+    return cache
+
+
 @torch.no_grad()
 def hf_generate(
     model: nn.Module,
@@ -148,8 +186,9 @@ def hf_generate(
     was_training = model.training
     model.eval()
     try:
+        cache = shared_prompt_cache(model, prompt_ids, prompt_mask)
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_cfg,
-                             logits_processor=processors)
+                             logits_processor=processors, **({} if cache is None else {CACHE_KWARG: cache}))
     finally:
         model.train(was_training)
     P = prompt_ids.shape[1]

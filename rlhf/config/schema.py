@@ -382,6 +382,11 @@ class RolloutConfig:
     # the old log-probs): no gradient, no activations kept, so larger than the training micro-batch; null =
     # 2 x micro_batch_size (at most the step's rows per rank)
     score_batch_size: int | None = None  # rows per no-grad scoring forward on one rank (null = 2 x micro_batch_size)
+    # Rows of one forward that share a prompt (GRPO/RLOO's n samples of each prompt) run the prompt once,
+    # its KV cache gathered for each row, and only their responses on it: the scoring and update forwards
+    # of every model give the same values up to rounding with fewer tokens (rlhf/modeling/roles.py
+    # shared_prompt_forward; docs/engine.md). null = on unless data.packing=true packs the rows instead.
+    shared_prompt_forward: bool | None = None  # run a prompt shared by several rows of a forward once (null = unless packed)
     max_new_tokens: int = 16  # response tokens sampled per prompt
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)

@@ -288,6 +288,15 @@ def score_batch_size(r: RolloutConfig, world_size: int) -> int:
     return min(r.score_batch_size or 2 * r.micro_batch_size, max(per_rank, 1))
 
 
+def shared_prompts(cfg) -> bool:
+    """rollout.shared_prompt_forward resolved: null = on unless data.packing=true packs the RL forwards."""
+    flag = cfg.rollout.shared_prompt_forward
+    if flag and cfg.data.packing is True:
+        raise ConfigError("rollout.shared_prompt_forward=true runs each shared prompt once on a padded batch, and "
+                          "data.packing=true packs the RL forwards without padding: set one of them false")
+    return cfg.data.packing is not True if flag is None else bool(flag)
+
+
 # ppo.old_logprobs: the actor's scoring forward every step | the sampler's log-probs | chosen by the measured gap
 OLD_LOGPROBS = ("recompute", "sampler", "auto")
 
@@ -344,6 +353,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(0 <= p.is_low < 1 < p.is_high and math.isfinite(p.is_high),
           f"ppo.is_low and ppo.is_high must satisfy 0 <= is_low < 1 < is_high (finite): the MIS bounds around "
           f"ratio 1, got [{p.is_low}, {p.is_high}]")
+    shared_prompts(cfg)  # rollout.shared_prompt_forward=true with data.packing=true: a ConfigError
     _need(p.old_logprobs in OLD_LOGPROBS, f"ppo.old_logprobs must be one of {OLD_LOGPROBS}, got {p.old_logprobs!r}")
     _need(math.isfinite(p.old_logprobs_max_gap) and p.old_logprobs_max_gap >= 0,
           f"ppo.old_logprobs_max_gap must be a finite number >= 0 (nats per token), got {p.old_logprobs_max_gap}")

@@ -8,6 +8,8 @@ Layout of one rank's experience (P = prompt width, T = response width):
     rewards, kl, advantages, returns          [B, T]    column t = response token t
     score                                     [B]       the reward source's (e.g. the reward model's value
                                                         at the last real token: rlhf/rl/rewards.py)
+batch["shared_prompts"] (rollout.shared_prompt_forward): rows that share a prompt run it once per
+forward (rlhf/modeling/roles.py shared_prompt_forward), the same values up to rounding.
 Position ids come from the attention mask (cumsum - 1), exactly as `generate` numbers positions,
 for every model's forward: otherwise the left padding shifts every position and the PPO ratio is
 computed against log-probs of a different model input than the one that was sampled.
@@ -78,16 +80,19 @@ def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, wit
         entropy = None if entropy is None else rp.unpack(entropy)[:, P - 1 : P - 1 + T]
     else:
         logp, entropy = policy(seqs, batch["attention_mask"], batch["position_ids"], targets=seqs[:, P:], start=P - 1,
-                               temperature=temperature, with_entropy=with_entropy)
+                               temperature=temperature, with_entropy=with_entropy,
+                               prompt_len=P if batch.get("shared_prompts") else None)
     return (logp, entropy) if with_entropy else logp
 
 
 def row_values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """A `ValueModel`'s [B, L] values of a rollout batch, packed when batch["pack_length"] is set."""
+    """A `ValueModel`'s [B, L] values of a rollout batch, packed when batch["pack_length"] is set, each
+    shared prompt run once when batch["shared_prompts"] is (with batch["prompt_len"])."""
     if batch.get("pack_length") is not None:
         rp = Repacked(batch["sequences"], batch["attention_mask"], batch["pack_length"])
         return rp.unpack(model(rp.input_ids, None, rp.position_ids))
-    return model(batch["sequences"], batch["attention_mask"], batch["position_ids"])
+    return model(batch["sequences"], batch["attention_mask"], batch["position_ids"],
+                 prompt_len=batch["prompt_len"] if batch.get("shared_prompts") else None)
 
 
 def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import ModuleView, hf_base_model
+from engine.generation import CACHE_KWARG, prompt_groups
 from kernels import fused_logprobs_entropy
 from rlhf.algos.rl import entropy_from_logits
 from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES, block_causal_mask
@@ -38,12 +39,46 @@ def _mask(module: nn.Module, attention_mask: torch.Tensor | None, position_ids: 
     return block_causal_mask(position_ids, config._attn_implementation)
 
 
+def shared_prompt_forward(model: nn.Module, field: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          position_ids: torch.Tensor | None, prompt_len: int, keep_from: int = 0):
+    """`model`'s output `field` (logits or last_hidden_state) at positions keep_from.. of rows whose
+    first `prompt_len` columns (a left-padded prompt) repeat across rows, GRPO's n samples of one
+    prompt: each distinct prompt runs once, its KV cache is gathered for every row that has it, and
+    the responses run on that cache. Every position attends to the same positions with the same
+    position ids as in one forward of the whole rows, so the outputs are that forward's up to
+    rounding, and gradients flow through the gathered cache into the shared prompt's forward.
+    Returns [B, L - keep_from, ...], or None when no two rows share a prompt (the caller runs the rows
+    whole). rollout.shared_prompt_forward (docs/engine.md)."""
+    groups = prompt_groups(input_ids, attention_mask, prompt_len)
+    if groups is None:
+        return None
+    first, inverse = groups
+    P = prompt_len
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    head = model(input_ids=input_ids[first, :P], attention_mask=attention_mask[first, :P],
+                 position_ids=position_ids[first, :P], use_cache=True)
+    cache = getattr(head, "cache", None) or getattr(head, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        raise ValueError(f"{type(hf_base_model(model)).__name__} returned no KV cache to share a prompt's forward "
+                         "between its samples: set rollout.shared_prompt_forward=false")
+    cache.batch_select_indices(inverse)
+    tail = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
+                 use_cache=True, **{CACHE_KWARG: cache})
+    tail = getattr(tail, field)
+    if keep_from >= P:
+        return tail[:, keep_from - P :]
+    return torch.cat([getattr(head, field)[:, keep_from:][inverse], tail], 1)
+
+
 class Policy(ModuleView):
     """A causal LM as a policy: log-probs (and entropy) of given tokens.
 
     forward(input_ids [B, L], attention_mask [B, L], position_ids [B, L] | None, *, targets [B, T],
-            start, temperature, with_entropy, reduction)
+            start, temperature, with_entropy, reduction, prompt_len)
       position t of `targets` is predicted at input position start + t;
+      prompt_len (not None, start >= prompt_len - 1): the rows' first prompt_len columns are a left-padded
+      prompt that several rows share, run once per distinct prompt (`shared_prompt_forward`);
       reduction="none" -> (logp [B, T] float32, entropy [B, T] detached, or None);
       reduction="sum"  -> the summed negative log-likelihood of the targets (IGNORE_INDEX skipped).
     `fused` (engine.kernels): the backbone's hidden states go through `kernels.fused_logprobs_entropy`
@@ -57,15 +92,21 @@ class Policy(ModuleView):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
                 *, targets: torch.Tensor, start: int = 0, temperature: float = 1.0, with_entropy: bool = False,
-                reduction: str = "none"):
+                reduction: str = "none", prompt_len: int | None = None):
         T = targets.shape[1]
         attention_mask = _mask(self, attention_mask, position_ids)
+        if prompt_len is not None and (attention_mask is None or start < prompt_len - 1):
+            raise ValueError("a shared prompt forward needs a padded batch (an attention mask) and targets that "
+                             f"start at or after the prompt's last position (start={start}, prompt_len={prompt_len})")
         if self.fused:
             return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
-                               reduction)
-        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).logits
-        logits = logits[:, start : start + T].float()  # (B, T, V): the logits that predict each target
+                               reduction, prompt_len)
+        logits = None if prompt_len is None else shared_prompt_forward(
+            self.inner, "logits", input_ids, attention_mask, position_ids, prompt_len, keep_from=start)
+        if logits is None:
+            logits = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False).logits[:, start:]
+        logits = logits[:, :T].float()  # (B, T, V): the logits that predict each target
         if reduction == "sum":  # NOTE: cross_entropy's own sum (SFT's loss, bit for bit as before roles)
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
@@ -74,12 +115,16 @@ class Policy(ModuleView):
         # NOTE: `.squeeze` would return a view, which FSDP2 warns about (see `_fused`): one [B, T] copy
         return logp[..., 0].clone(), entropy_from_logits(logits.detach()) if with_entropy else None
 
-    def _fused(self, input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy, reduction):
+    def _fused(self, input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy, reduction,
+               prompt_len=None):
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
-        hidden = hidden[:, start : start + targets.shape[1]]
+        hidden = None if prompt_len is None else shared_prompt_forward(
+            backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len, keep_from=start)
+        if hidden is None:
+            hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state[:, start:]
+        hidden = hidden[:, : targets.shape[1]]
         head = base.get_output_embeddings()
         logp, entropy = fused_logprobs_entropy(hidden, head.weight.to(hidden.dtype), targets, bias=head.bias,
                                                temperature=temperature, compute_entropy=with_entropy)
@@ -106,7 +151,8 @@ class _ScaleGrad(torch.autograd.Function):
 
 class ValueModel(ModuleView):
     """Backbone + scalar head (an `AutoModelForSequenceClassification` with num_labels=1, peft-wrapped
-    or not) as per-token values: forward(input_ids, attention_mask, position_ids=None) -> [B, L] float32.
+    or not) as per-token values: forward(input_ids, attention_mask, position_ids=None, prompt_len=None) ->
+    [B, L] float32 (prompt_len: rows sharing a left-padded prompt run it once, `shared_prompt_forward`).
 
     The critic's value of the state before response token t is column P - 1 + t; a reward model's
     score is the value at the last real token (`rlhf.algos.reward_model.sequence_scores`). Transformers'
@@ -118,11 +164,16 @@ class ValueModel(ModuleView):
     backbone_grad: float = 1.0
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, prompt_len: int | None = None) -> torch.Tensor:
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
-        hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
-                          position_ids=position_ids, use_cache=False).last_hidden_state
+        if prompt_len is not None and attention_mask is None:
+            raise ValueError("a shared prompt forward needs a padded batch (an attention mask)")
+        hidden = None if prompt_len is None else shared_prompt_forward(
+            backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len)
+        if hidden is None:
+            hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
+                              position_ids=position_ids, use_cache=False).last_hidden_state
         if self.backbone_grad != 1.0 and torch.is_grad_enabled():
             hidden = _ScaleGrad.apply(hidden, self.backbone_grad)
         # The head runs outside autocast, in its parameters' dtype (fp32 masters at stage 0/1): under

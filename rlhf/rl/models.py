@@ -19,7 +19,7 @@ from engine.checkpoint import kill_point, published, read_meta
 from engine.ema import ParamEMA
 from rlhf.algos.rl import advantage_estimator
 from rlhf.config import ModelConfig, PPOConfig
-from rlhf.config.validate import engine_config, optim_config, score_batch_size
+from rlhf.config.validate import engine_config, optim_config, score_batch_size, shared_prompts
 from rlhf.core.errors import ConfigError
 from rlhf.modeling.export import export_hf
 from rlhf.modeling.load import (
@@ -80,6 +80,7 @@ class Models:
                 check_context(m, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
                               "data.max_prompt_len + rollout.max_new_tokens")
         self.pack_length = rl_pack_length(cfg, [m for m in (actor, critic, ref, rm) if m is not None])
+        self.shared_prompts = shared_prompts(cfg)  # rollout.shared_prompt_forward: every forward of a rollout
         self.info = info
         # the no-grad scoring forwards run on rollout.score_batch_size rows (2 x the training micro-batch by
         # default): half the forwards of the default step, each on a fuller batch
@@ -93,10 +94,11 @@ class Models:
         self.reward = rm and FrozenEngine(rm, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
         self.reward_members = [FrozenEngine(m, dataclasses.replace(ecfg, offload=cfg.reward_model.offload), info)
                                for _, m in member_models]
-        self.reward_source = reward_source or RewardModelScore(self.reward, self.score_batch_size, self.pack_length)
+        self.reward_source = reward_source or RewardModelScore(self.reward, self.score_batch_size, self.pack_length,
+                                                                        self.shared_prompts)
         if self.reward_members:  # the reward model and the ensemble's other members, combined (reward.ensemble_agg)
             self.reward_source = RewardEnsemble(
-                [self.reward_source] + [RewardModelScore(e, self.score_batch_size, self.pack_length)
+                [self.reward_source] + [RewardModelScore(e, self.score_batch_size, self.pack_length, self.shared_prompts)
                                         for e in self.reward_members], cfg.reward.ensemble_agg, cfg.reward.ensemble_lambda)
         self.best_actor: dict | None = None  # train.export_best: the best evaluation's actor (main rank), checkpointed
         self.ema = ParamEMA(self.actor.unwrapped, cfg.ppo.ema_decay) if cfg.ppo.ema_decay > 0 else None
@@ -132,7 +134,7 @@ class Models:
                                actor=None if old_from_sampler else self.actor.model, reference=self.reference.model,
                                critic=self.critic.model if self.critic else None,
                                micro_batch_size=self.score_batch_size, temperature=self.temperature,
-                               pack_length=self.pack_length)
+                               pack_length=self.pack_length, shared_prompts=self.shared_prompts)
         if old_from_sampler:
             scored["logp_old"] = rollout.logp_gen
         scored["score"] = self.reward_source.score(rollout)

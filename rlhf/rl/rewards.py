@@ -93,10 +93,13 @@ class RewardSource(Protocol):
 
 class RewardModelScore:
     """The frozen reward model's value at the last real token of prompt + response (rlhf/algos/reward_model.py),
-    its forwards packed as the other RL passes are when `pack_length` is set (data.packing=true)."""
+    its forwards packed as the other RL passes are when `pack_length` is set (data.packing=true), or each
+    prompt shared by several rows run once when `shared_prompts` is (rollout.shared_prompt_forward)."""
 
-    def __init__(self, engine: FrozenEngine, micro_batch_size: int, pack_length: int | None = None):
+    def __init__(self, engine: FrozenEngine, micro_batch_size: int, pack_length: int | None = None,
+                 shared_prompts: bool = False):
         self.engine, self.micro_batch_size, self.pack_length = engine, micro_batch_size, pack_length
+        self.shared_prompts = shared_prompts
 
     @torch.no_grad()
     def score(self, rollout: Rollout) -> torch.Tensor:
@@ -106,7 +109,9 @@ class RewardModelScore:
         for s in range(0, ids.shape[0], self.micro_batch_size):  # the same forwards on every rank
             sl = slice(s, s + self.micro_batch_size)
             values = row_values(self.engine.model, {"sequences": ids[sl], "attention_mask": mask[sl],
-                                                    "position_ids": positions[sl], "pack_length": self.pack_length})
+                                                    "position_ids": positions[sl], "pack_length": self.pack_length,
+                                                    "prompt_len": rollout.prompt_len,
+                                                    "shared_prompts": self.shared_prompts})
             parts.append(sequence_scores(values.float(), mask[sl]))
         return torch.cat(parts)
 
