@@ -410,7 +410,8 @@ def test_zero3_ppo_gradients_equal_one_process(tmp_path):
     ZeRO-3 on 2 ranks = ZeRO-3 in 1 process = plain autograd, and no forward that FSDP wraps returns
     a view (FSDP2's "returned a view tensor" warning; see tests/engine_scripts/ppo_grads.py). The
     roles' outputs through the sharded engines (Policy log-probs and entropy, ValueModel values)
-    equal the plain transformers computation."""
+    equal the plain transformers computation; with rollout.shared_prompt_forward (each micro-batch's
+    rows share prompts two by two, each run once, gradients through the gathered KV cache) as well."""
     import socket
     import sys
 
@@ -430,14 +431,15 @@ def test_zero3_ppo_gradients_equal_one_process(tmp_path):
     assert two.pop("view_warnings") == [] and one.pop("view_warnings") == []
     want = plain.pop("outputs")
     assert want["values"].shape == (8, 11) and want["logp"].shape == want["entropy"].shape == (8, 6)
-    for key in ("kernels=False", "kernels=True"):
+    keys = ("kernels=False", "kernels=True", "kernels=False shared", "kernels=True shared")
+    for key in keys:
         for label, got in (("2 ranks", two.pop(f"outputs {key}")), ("1 process", one.pop(f"outputs {key}"))):
             for name, w in want.items():
                 err = ((got[name] - w).norm() / w.norm()).item()
                 assert err < 1e-6, f"{key} {label} {name}: relative error {err:.2e}"
-    for key in ("kernels=False", "kernels=True"):
+    for key in keys:
         for role in ("actor", "critic"):
-            got, ref, want = two[key][role], one[key][role], plain[key][role]
+            got, ref, want = two[key][role], one[key][role], plain[key.removesuffix(" shared")][role]
             assert sorted(got) == sorted(ref) == sorted(want) and len(want) == 21, (key, role)
             for name, w in want.items():
                 assert w.abs().max() > 0, (key, role, name)  # every parameter takes part

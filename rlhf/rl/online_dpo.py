@@ -67,7 +67,8 @@ def update(models, rollout: Rollout, scored: dict[str, torch.Tensor], pairs: Pai
         micro.append({"sequences": rollout.sequences[rows], "attention_mask": rollout.attention_mask[rows],
                       "position_ids": scored["position_ids"][rows], "response_mask": mask[rows],
                       "ref_logps": ref_sum[rows], "pair_weight": pairs.valid[s : s + per_micro].float(),
-                      "prompt_len": rollout.prompt_len, "pack_length": models.pack_length})
+                      "prompt_len": rollout.prompt_len, "pack_length": models.pack_length,
+                      "shared_prompts": models.shared_prompts})  # a pair's two rows share its prompt
     stats = []
     for _ in range(cfg.ppo.ppo_epochs):
         stats.append(models.actor.train_step(micro, loss_fn))

@@ -7,7 +7,9 @@ For engine.kernels false and true: a tiny seeded Llama actor (causal LM as an rl
 critic (a sequence-classification Llama as an rlhf.modeling.roles.ValueModel): the roles' outputs through the
 sharded engine (log-probs, entropy, values of every row, gathered to rank 0), then one `TrainEngine.train_step` each
 (engine.stage=3, fp32) with rlhf/ppo.py's actor and critic losses on a fixed left-padded mini-batch
-of GLOBAL rows in micro-batches of MICRO. The full (unsharded) gradients are read in an optimizer
+of GLOBAL rows in micro-batches of MICRO, each row's prompt shared with one other row of its
+micro-batch (GRPO's samples of one prompt), the forwards run whole and with rollout.shared_prompt_forward
+(each shared prompt once, `mb["shared_prompts"]`). The full (unsharded) gradients are read in an optimizer
 step pre-hook (clipping off, so they are exactly what the step would apply) and saved by rank 0 to
 <out>/grads_w<world>.pt, with every "view tensor" warning that any rank's forwards raised. The
 single process also saves the plain-autograd gradients of the same global masked means.
@@ -59,11 +61,13 @@ def minibatch() -> dict:
     """GLOBAL rows: prompts LEFT-padded to P, responses right-padded to T (some cut short); old
     log-probs and values near the models' own (so some ratios clip and some do not)."""
     g = torch.Generator().manual_seed(1234)
-    prompt_len = torch.randint(2, P + 1, (GLOBAL,), generator=g)
+    prompt_len = torch.randint(2, P + 1, (GLOBAL // 2,), generator=g).repeat_interleave(2)  # rows 2k, 2k + 1 share
     response_len = torch.randint(1, T + 1, (GLOBAL,), generator=g)
     cols = torch.arange(P + T)
     attention_mask = ((cols >= P - prompt_len[:, None]) & (cols < P + response_len[:, None])).long()
-    sequences = torch.randint(1, VOCAB, (GLOBAL, P + T), generator=g) * attention_mask
+    sequences = torch.randint(1, VOCAB, (GLOBAL, P + T), generator=g)
+    sequences[:, :P] = sequences[::2, :P].repeat_interleave(2, 0)
+    sequences = sequences * attention_mask
     mb = {"sequences": sequences, "attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask),
           "response_mask": attention_mask[:, P:].float(), "prompt_len": P}
     actor, critic = models()
@@ -91,7 +95,8 @@ def engine_grads(model, loss_fn, micro: list[dict], info, kernels: bool) -> tupl
             pairs = [token_logprobs(engine.model, mb, TEMPERATURE, with_entropy=True) for mb in micro]
             outs = {"logp": torch.cat([a for a, _ in pairs]), "entropy": torch.cat([b for _, b in pairs])}
         else:
-            outs = {"values": torch.cat([engine.model(mb["sequences"], mb["attention_mask"], mb["position_ids"])
+            outs = {"values": torch.cat([engine.model(mb["sequences"], mb["attention_mask"], mb["position_ids"],
+                                                      prompt_len=P if mb.get("shared_prompts") else None)
                                          for mb in micro])}
     every = [None] * info.world_size
     dist.all_gather_object(every, outs)
@@ -144,15 +149,17 @@ def main(out_dir: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for kernels in (False, True):
-            actor, critic = models(kernels)
-            key = f"kernels={kernels}"
-            result[key], result[f"outputs {key}"] = {}, {}
-            for role, m in (("actor", actor), ("critic", critic)):
-                outs, result[key][role] = engine_grads(m, losses[role], micro, info, kernels)
-                result[f"outputs {key}"].update(outs)
+            for shared in (False, True):
+                actor, critic = models(kernels)
+                key = f"kernels={kernels}" + (" shared" if shared else "")
+                result[key], result[f"outputs {key}"] = {}, {}
+                batches = [{**mb, "shared_prompts": shared} for mb in micro]
+                for role, m in (("actor", actor), ("critic", critic)):
+                    outs, result[key][role] = engine_grads(m, losses[role], batches, info, kernels)
+                    result[f"outputs {key}"].update(outs)
             if info.world_size == 1:
                 actor, critic = models(kernels, inject=kernels)
-                plain[key] = {role: plain_grads(m, losses[role], micro) for role, m in (("actor", actor), ("critic", critic))}
+                plain[f"kernels={kernels}"] = {role: plain_grads(m, losses[role], micro) for role, m in (("actor", actor), ("critic", critic))}
     mine_warnings = [f"rank {info.rank}: {w.category.__name__}: {w.message}" for w in caught if "view tensor" in str(w.message)]
     every = [None] * info.world_size
     dist.all_gather_object(every, mine_warnings)

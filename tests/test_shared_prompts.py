@@ -1,0 +1,215 @@
+"""rollout.shared_prompt_forward: rows that share a prompt (GRPO's n samples of one prompt) run it once
+per forward, its KV cache gathered for each row (rlhf/modeling/roles.py shared_prompt_forward,
+engine/generation.py shared_prompt_cache). Every test compares with the rows run whole: the same
+values up to fp32 rounding, for the roles (log-probs, entropy, values, gradients) on three model
+families and a LoRA-wrapped model, for transformers generate, for the scoring pass and for a run.
+ZeRO-3 on 2 gloo ranks: tests/test_ppo.py::test_zero3_ppo_gradients_equal_one_process."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from conftest import SMALL_MODEL, metrics, run_stage
+from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
+from engine import generation as G
+from engine.generation import SamplingParams, prompt_groups
+from rlhf import config as C
+from rlhf.config.validate import shared_prompts, validate_ppo
+from rlhf.core.errors import ConfigError
+from rlhf.modeling.forward import position_ids_from_mask
+from rlhf.modeling.roles import Policy, ValueModel, shared_prompt_forward
+from rlhf.rl.rewards import RewardModelScore
+from rlhf.rl.rollout import generate, score_rollout
+
+VOCAB, PAD, EOS = 53, 0, 2
+
+
+def family(name: str, value: bool = False, seed: int = 0):
+    """A tiny seeded model of a family: llama (RoPE, GQA), opt (learned positions, its own mask
+    handling), qwen2 (RoPE with biases)."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1, num_labels=1)
+    if name == "llama":
+        cfg = T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, **common)
+        cls = T.LlamaForSequenceClassification if value else T.LlamaForCausalLM
+    elif name == "qwen2":
+        cfg = T.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, **common)
+        cls = T.Qwen2ForSequenceClassification if value else T.Qwen2ForCausalLM
+    else:
+        cfg = T.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                          word_embed_proj_dim=32, max_position_embeddings=64, **common)
+        cls = T.OPTForSequenceClassification if value else T.OPTForCausalLM
+    cfg._attn_implementation = "eager"
+    return cls(cfg).eval()
+
+
+def rows(U: int = 3, n: int = 4, P: int = 7, T: int = 5, seed: int = 0):
+    """U distinct left-padded prompts (of several lengths) each in n rows, shuffled, with right-padded
+    responses of several lengths: (sequences, attention_mask, position_ids, response_mask, P)."""
+    g = torch.Generator().manual_seed(seed)
+    plen = torch.tensor([P, 2, 4, 3, 6][:U])
+    cols = torch.arange(P)
+    pmask = (cols[None] >= P - plen[:, None]).long()
+    prompts = torch.randint(3, VOCAB, (U, P), generator=g) * pmask
+    order = torch.arange(U).repeat_interleave(n)[torch.randperm(U * n, generator=g)]
+    rlen = torch.randint(0, T + 1, (U * n,), generator=g)
+    rmask = (torch.arange(T)[None] < rlen[:, None]).long()
+    resp = torch.randint(3, VOCAB, (U * n, T), generator=g) * rmask
+    seqs, mask = torch.cat([prompts[order], resp], 1), torch.cat([pmask[order], rmask], 1)
+    return seqs, mask, position_ids_from_mask(mask), rmask, P
+
+
+def grads(model: torch.nn.Module, out: torch.Tensor, weight: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    (out * weight).sum().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def assert_grads_close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """Each parameter's gradient within 1e-5 of its norm (a gradient that is zero in exact arithmetic,
+    e.g. a key bias before softmax, within 1e-8 of the largest)."""
+    assert len(a) == len(b) > 0
+    scale = max(x.norm() for x in a)
+    for x, y in zip(a, b):
+        assert (x - y).norm() <= 1e-5 * max(x.norm(), 1e-3 * scale), ((x - y).norm(), x.norm(), scale)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt", "qwen2"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_policy_logprobs_and_gradients_equal_the_whole_rows(name, fused):
+    seqs, mask, pos, rmask, P = rows()
+    policy = Policy(family(name), fused=fused)
+    kw = dict(targets=seqs[:, P:], start=P - 1, temperature=0.7, with_entropy=True)
+    whole, ent_whole = policy(seqs, mask, pos, **kw)
+    shared, ent_shared = policy(seqs, mask, pos, prompt_len=P, **kw)
+    m = rmask.bool()
+    assert shared.shape == whole.shape == rmask.shape
+    assert (shared - whole)[m].abs().max() < 2e-6 and (ent_shared - ent_whole)[m].abs().max() < 2e-6
+    weight = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(1)) * rmask
+    assert_grads_close(grads(policy, whole, weight), grads(policy, shared, weight))
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_values_and_gradients_equal_the_whole_rows(name):
+    seqs, mask, pos, _, P = rows()
+    critic = ValueModel(family(name, value=True))
+    whole, shared = critic(seqs, mask, pos), critic(seqs, mask, pos, prompt_len=P)
+    assert shared.shape == whole.shape == seqs.shape
+    assert (shared - whole)[mask.bool()].abs().max() < 2e-6  # prompt positions too: every real position
+    weight = torch.randn(seqs.shape, generator=torch.Generator().manual_seed(2)) * mask
+    assert_grads_close(grads(critic, whole, weight), grads(critic, shared, weight))
+
+
+def test_a_lora_policy_trains_its_adapters_alike():
+    from peft import LoraConfig, get_peft_model
+
+    seqs, mask, pos, rmask, P = rows(seed=3)
+    lm = get_peft_model(family("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
+    policy = Policy(lm)
+    kw = dict(targets=seqs[:, P:], start=P - 1)
+    whole, _ = policy(seqs, mask, pos, **kw)
+    shared, _ = policy(seqs, mask, pos, prompt_len=P, **kw)
+    assert (shared - whole)[rmask.bool()].abs().max() < 2e-6
+    a, b = grads(policy, whole, rmask), grads(policy, shared, rmask)
+    assert len(a) == 8  # the adapters' A and B of q_proj and v_proj in 2 layers, and nothing else
+    assert_grads_close(a, b)
+
+
+def test_distinct_prompts_run_whole_and_groups_are_found():
+    seqs, mask, pos, _, P = rows(U=3, n=1)
+    assert prompt_groups(seqs, mask, P) is None
+    assert shared_prompt_forward(family("llama"), "logits", seqs, mask, pos, P) is None
+    seqs, mask, pos, _, P = rows(U=3, n=4)
+    first, inverse = prompt_groups(seqs, mask, P)
+    assert first.tolist() == sorted(first.tolist()) or len(first) == 3
+    assert len(first) == 3 and torch.equal(seqs[first[inverse], :P], seqs[:, :P])
+    # the same ids under another mask are another prompt (a pad id that is also a real token)
+    mask2 = mask.clone()
+    mask2[0, :P] = 1
+    assert len(prompt_groups(seqs, mask2, P)[0]) == 4
+    with pytest.raises(ValueError, match="attention mask"):
+        Policy(family("llama"))(seqs, None, pos, targets=seqs[:, P:], start=P - 1, prompt_len=P)
+
+
+def test_generate_prefills_each_prompt_once_with_the_same_tokens():
+    seqs, mask, _, _, P = rows(U=3, n=4, seed=5)
+    ids, pmask = seqs[:, :P], mask[:, :P]
+    lm = family("llama")
+    seen = []
+    lm.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape), with_kwargs=True)
+    for params, seeds in ((SamplingParams(max_new_tokens=6, greedy=True), None),
+                          (SamplingParams(max_new_tokens=6, temperature=1.0), torch.arange(12) * 7 + 1)):
+        seen.clear()
+        a = G.hf_generate(lm, ids, pmask, params, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True,
+                          row_seeds=seeds)
+        assert seen[0] == (3, P - 1) and seen[1] == (12, 1)  # 3 prompts' prefill, then every row's last prompt token
+        with mock.patch.object(G, "shared_prompt_cache", lambda *a: None):
+            b = G.hf_generate(lm, ids, pmask, params, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True,
+                              row_seeds=seeds)
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
+        assert (a.logprobs - b.logprobs).abs().max() < 2e-6
+
+
+def test_scoring_and_reward_scores_equal_the_whole_rows():
+    engine = TrainEngine(family("llama"), EngineConfig(stage=0, generation="hf"), OptimConfig(lr=1e-3),
+                         total_steps=1, info=init_distributed())
+    seqs, mask, _, _, P = rows(U=3, n=4, seed=7)
+    torch.manual_seed(3)
+    r = generate(engine, {"input_ids": seqs[:, :P], "attention_mask": mask[:, :P]}, torch.arange(12) // 4,
+                 SamplingParams(max_new_tokens=8, temperature=0.8), EOS, PAD)
+    models = {"actor": Policy(engine.unwrapped), "reference": Policy(family("qwen2", seed=1)),
+              "critic": ValueModel(family("llama", value=True, seed=2))}
+    kw = dict(**models, micro_batch_size=6, temperature=0.8)
+    whole = score_rollout(r.sequences, r.attention_mask, r.prompt_len, **kw)
+    shared = score_rollout(r.sequences, r.attention_mask, r.prompt_len, **kw, shared_prompts=True)
+    m = r.response_mask.bool()
+    for key in ("logp_old", "logp_ref", "values"):
+        assert (shared[key] - whole[key])[m].abs().max() < 2e-6, key
+    rm = SimpleNamespace(model=ValueModel(family("opt", value=True, seed=4)))
+    a, b = RewardModelScore(rm, 12).score(r), RewardModelScore(rm, 12, shared_prompts=True).score(r)
+    assert a.shape == (12,) and (a - b).abs().max() < 2e-6 and a.std() > 0
+
+
+def test_config_resolves_and_refuses_packing():
+    cfg = lambda *o: C.to_config(C.compose("ppo", ["algorithm=grpo", *o]), C.PPOConfig)  # noqa: E731
+    assert shared_prompts(cfg()) is True
+    assert shared_prompts(cfg("data.packing=true")) is False
+    assert shared_prompts(cfg("rollout.shared_prompt_forward=false")) is False
+    bad = cfg("data.packing=true", "rollout.shared_prompt_forward=true")
+    with pytest.raises(ConfigError, match="rollout.shared_prompt_forward=true .* data.packing=true"):
+        validate_ppo(bad, init_distributed())
+
+
+RUN = [*SMALL_MODEL, "algorithm=grpo", "reward.sources=[judge]", "rollout.prompts_per_step=4",
+       "rollout.n_samples_per_prompt=4", "rollout.mini_batch_size=8", "rollout.micro_batch_size=4",
+       "train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=4", "engine.precision=fp32",
+       "ppo.kl_loss_coef=0.05", "train.max_steps=3"]
+
+
+@pytest.mark.slow
+def test_a_grpo_run_is_the_whole_rows_run_to_rounding(tmp_path):
+    """The stage wires the option through generation, scoring and the update: the same samples and
+    the same losses (to rounding) with it on and off."""
+    sft = tmp_path / "sft"
+    run_stage("sft", f"output_dir={sft}", *SMALL_MODEL, "train.max_steps=2", "train.eval_every=0",
+              "train.save_every=0", "data.num_eval_prompts=4")
+    runs = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        run_stage("ppo", f"output_dir={out}", f"actor.model={sft / 'model'}", *RUN,
+                  f"rollout.shared_prompt_forward={flag}")
+        runs[flag] = metrics(out, "train")
+    on, off = runs["true"], runs["false"]
+    assert len(on) == len(off) == 3
+    for a, b in zip(on, off):
+        assert a["response_len"] == b["response_len"] and a["reward"] == b["reward"], (a, b)
+        for key in ("actor_loss", "kl_loss", "entropy", "approx_kl"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
