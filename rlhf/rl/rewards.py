@@ -110,8 +110,8 @@ class RewardModelScore:
             sl = slice(s, s + self.micro_batch_size)
             values = row_values(self.engine.model, {"sequences": ids[sl], "attention_mask": mask[sl],
                                                     "position_ids": positions[sl], "pack_length": self.pack_length,
-                                                    "prompt_len": rollout.prompt_len,
-                                                    "shared_prompts": self.shared_prompts})
+                                                    "shared_prompts": self.shared_prompts,
+                                                    "prompt_len": rollout.prompt_len if self.shared_prompts else None})
             parts.append(sequence_scores(values.float(), mask[sl]))
         return torch.cat(parts)
 
