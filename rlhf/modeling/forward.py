@@ -67,6 +67,12 @@ class Repacked:
         return x.reshape(-1)[self.index].masked_fill(~self.mask, 0)
 
 
+def _shared(batch: dict) -> dict:
+    """The role's keyword for batch["shared_prompts"]: {"prompt_len": P}, or none (a role that does not
+    share prompts is called as before)."""
+    return {"prompt_len": batch["prompt_len"]} if batch.get("shared_prompts") else {}
+
+
 def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False):
     """log p(response token) under a `Policy` role (logits / temperature): [B, T] (and entropy [B, T]).
     With batch["pack_length"] (data.packing) the forward runs on the packed real tokens (`Repacked`)."""
@@ -80,8 +86,7 @@ def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, wit
         entropy = None if entropy is None else rp.unpack(entropy)[:, P - 1 : P - 1 + T]
     else:
         logp, entropy = policy(seqs, batch["attention_mask"], batch["position_ids"], targets=seqs[:, P:], start=P - 1,
-                               temperature=temperature, with_entropy=with_entropy,
-                               prompt_len=P if batch.get("shared_prompts") else None)
+                               temperature=temperature, with_entropy=with_entropy, **_shared(batch))
     return (logp, entropy) if with_entropy else logp
 
 
@@ -91,8 +96,7 @@ def row_values(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     if batch.get("pack_length") is not None:
         rp = Repacked(batch["sequences"], batch["attention_mask"], batch["pack_length"])
         return rp.unpack(model(rp.input_ids, None, rp.position_ids))
-    return model(batch["sequences"], batch["attention_mask"], batch["position_ids"],
-                 prompt_len=batch["prompt_len"] if batch.get("shared_prompts") else None)
+    return model(batch["sequences"], batch["attention_mask"], batch["position_ids"], **_shared(batch))
 
 
 def token_values(critic: torch.nn.Module, batch: dict) -> torch.Tensor:
