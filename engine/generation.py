@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 # The one settings class of both paths (its docstring states the sampling convention), also
 # imported from here: this module is the generation interface.
+from .inference.generate import prompt_groups
 from .inference.sampling import SamplingParams, row_noise, sample
 
 
@@ -112,20 +113,6 @@ class RowStreamSampler:
 
 # transformers >= 5.23 names a model's KV cache argument `cache` (`past_key_values` deprecated, a warning per call)
 CACHE_KWARG = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
-
-
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int | None = None):
-    """Rows with equal prompts (the first `prompt_len` columns, default all, ids and mask): (first [U], the
-    row that stands for each distinct prompt; inverse [B], each row's), or None when no two rows share one."""
-    P = prompt_ids.shape[1] if prompt_len is None else prompt_len
-    key = torch.cat([prompt_ids[:, :P], prompt_mask[:, :P].to(prompt_ids.dtype)], 1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    U, B = int(inverse.max()) + 1, prompt_ids.shape[0]
-    if U == B:
-        return None
-    rows = torch.arange(B, device=prompt_ids.device)
-    first = torch.full((U,), B, dtype=rows.dtype, device=rows.device).scatter_reduce(0, inverse, rows, "amin")
-    return first, inverse
 
 
 def shared_prompt_cache(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):

@@ -190,6 +190,39 @@ def test_greedy_tokens_match_transformers_generate(factory):
 
 
 @pytest.mark.parametrize("factory", [llama_untied_gqa, qwen2_bias_sliding, opt_pre_ln])
+def test_rows_that_repeat_a_prompt_prefill_it_once(factory, monkeypatch):
+    """n samples of each prompt: each distinct prompt is prefilled once and its cache rows copied to
+    the rows that repeat it; greedy tokens equal, seeded samples and their log-probs equal the rows
+    prefilled one by one, and so does transformers' greedy generate."""
+    import sys
+
+    gen = sys.modules["engine.inference.generate"]  # (the package's `generate` is the function)
+    hf = hf_model(factory)
+    ids, mask = ragged_batch()
+    order = torch.tensor([2, 0, 2, 1, 3, 0, 2, 1])  # 4 prompts, repeated and shuffled
+    ids, mask = ids[order], mask[order]
+    eos = never_emitted(hf, ids, mask)
+    model = injected(hf)
+    seen = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda tokens, *a, **k: seen.append(tuple(tokens.shape)) or forward(tokens, *a, **k))
+    runs = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(gen, "prompt_groups", lambda *a, **k: None)
+        seen.clear()
+        runs[shared] = [model.generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=params,
+                                       return_logprobs=True, row_seeds=seeds)
+                        for params, seeds in ((SamplingParams(greedy=True), None),
+                                              (SamplingParams(temperature=1.0), torch.arange(8) * 11 + 3))]
+        assert seen[0] == ((4, P) if shared else (8, P)), seen[:2]
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a.sequences, b.sequences) and torch.equal(a.response_mask, b.response_mask)
+        assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+    assert torch.equal(runs[True][0].sequences, hf_greedy(hf, ids, mask, eos=eos))
+
+
+@pytest.mark.parametrize("factory", [llama_untied_gqa, qwen2_bias_sliding, opt_pre_ln])
 def test_eos_stops_rows_independently(factory):
     hf = hf_model(factory)
     ids, mask = ragged_batch()

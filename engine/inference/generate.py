@@ -1,6 +1,7 @@
 """Batched generation on an `InferenceModel`: one prefill, then a static-shape decode step per token.
 
-    prefill   forward(prompt [B, P], slots 0..P-1, per-row positions, valid = prompt mask)
+    prefill   forward(prompt [B, P], slots 0..P-1, per-row positions, valid = prompt mask); rows that
+              repeat a prompt (n samples of it) prefill it once, its cache rows then copied to theirs
               -> sample token 0 from the last column (every row ends in a real token: left padding)
     decode    `decode_step`: forward(token [B, 1], slot [1], position [B, 1]) -> sample -> pad for rows
               already finished -> done |= EOS -> advance slot and positions. All state lives in
@@ -175,6 +176,20 @@ class DecodeGraph:
         self.graph.replay()
 
 
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_len: int | None = None):
+    """Rows with equal prompts (the first `prompt_len` columns, default all, ids and mask): (first [U], the
+    row that stands for each distinct prompt; inverse [B], each row's), or None when no two rows share one."""
+    P = prompt_ids.shape[1] if prompt_len is None else prompt_len
+    key = torch.cat([prompt_ids[:, :P], prompt_mask[:, :P].to(prompt_ids.dtype)], 1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    U, B = int(inverse.max()) + 1, prompt_ids.shape[0]
+    if U == B:
+        return None
+    rows = torch.arange(B, device=prompt_ids.device)
+    first = torch.full((U,), B, dtype=rows.dtype, device=rows.device).scatter_reduce(0, inverse, rows, "amin")
+    return first, inverse
+
+
 @torch.no_grad()
 def generate(
     model: InferenceModel,
@@ -242,8 +257,19 @@ def generate(
     position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)
     if resume is not None:
         position_ids = position_ids + resume.positions.to(device)[:, None]
-    logits = model.forward(prompt_ids, torch.arange(start, start + P, device=device), position_ids, mask,
-                           kv_len=start + P, last_only=True)
+    groups = prompt_groups(prompt_ids, mask) if resume is None and B > 1 else None
+    if groups is None:
+        logits = model.forward(prompt_ids, torch.arange(start, start + P, device=device), position_ids, mask,
+                               kv_len=start + P, last_only=True)
+    else:  # rows that repeat a prompt (n samples each): each distinct prompt prefilled once, into the
+        # cache's first rows, then gathered to every row that has it (the same values: `prompt_groups`)
+        rows, inverse = groups
+        logits = model.forward(prompt_ids[rows], torch.arange(P, device=device), position_ids[rows], mask[rows],
+                               kv_len=P, last_only=True)[inverse]
+        c = model.cache
+        c.k[:, :B, :, :P] = c.k[:, inverse, :, :P]
+        c.v[:, :B, :, :P] = c.v[:, inverse, :, :P]
+        c.valid[:B, :P] = c.valid[inverse, :P]
     noise = row_noise(row_seeds.to(device), 0, logits.shape[-1]) if seeded and not sampling.greedy else None
     first, first_lp = sample(logits[:, -1], sampling, generator, noise=noise)
 
