@@ -211,6 +211,11 @@ class TrainEngine(_ShardedModule):
         par = parallelize(model, engine_cfg, info)
         self.model, self.unwrapped, self._fsdp_units = par.model, par.unwrapped, par.fsdp_units
         self._sharded = engine_cfg.stage >= 2  # gradients are shards (FSDP2) rather than replicas (DDP)
+        # transformers checkpoints a block (engine.activation_checkpointing) only while that block is in
+        # training mode; a caller that keeps the model in eval() (the RL stage: no training-only branches)
+        # would silently train without it, so train_step holds these blocks' own flag (not their children's:
+        # dropout stays as the caller set it) in training mode
+        self._checkpointed = [m for m in self.unwrapped.modules() if getattr(m, "gradient_checkpointing", False) is True]
         self._zero1 = engine_cfg.stage == 1
         self._gen_path: str | None = None  # generation(): "injected" | "hf", chosen on first use
         self._inference = None  # the injected InferenceModel, kept between generation phases
@@ -252,6 +257,18 @@ class TrainEngine(_ShardedModule):
         dev = self.info.device
         return {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
+    @contextlib.contextmanager
+    def _checkpointing(self) -> Iterator[None]:
+        """transformers' checkpointed blocks in training mode (their own flag) for a forward and backward."""
+        was = [m.training for m in self._checkpointed]
+        for m in self._checkpointed:
+            m.training = True
+        try:
+            yield
+        finally:
+            for m, t in zip(self._checkpointed, was):
+                m.training = t
+
     def train_step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict[str, Any]:
         """Forward + backward over `micro_batches` (this rank's share of one step), then one update.
 
@@ -271,7 +288,7 @@ class TrainEngine(_ShardedModule):
         metric_sums: dict[str, torch.Tensor] = {}
         normaliser = None
         for i, mb in enumerate(micro_batches):
-            with self._grad_sync(i == n - 1):
+            with self._grad_sync(i == n - 1), self._checkpointing():
                 loss_sum, weight, metrics = loss_fn(self.model, self._to_device(mb))
                 w = torch.as_tensor(weight, dtype=torch.float64, device=dev).detach()
                 if normaliser is None:

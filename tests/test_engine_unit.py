@@ -254,6 +254,39 @@ def test_accumulation_equals_one_big_batch(info, stage):
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+def test_transformers_blocks_are_recomputed_in_an_eval_mode_engine(info, stage, monkeypatch):
+    """engine.activation_checkpointing on a transformers model that the caller keeps in eval() (the RL
+    stage does): each block's forward runs twice per train_step (forward, recompute in backward), the
+    gradients are those without it, and the blocks are back in eval mode after."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0)
+    calls = []
+    mlp = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: calls.append(1) or mlp(self, x))
+    ids = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+
+    def loss(model, mb):
+        logits = model(input_ids=mb["ids"]).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), mb["ids"][:, 1:].flatten(), reduction="sum"), \
+            torch.tensor(mb["ids"][:, 1:].numel()), {}
+
+    norms = {}
+    for ac in (False, True):
+        torch.manual_seed(0)
+        engine = TrainEngine(LlamaForCausalLM(cfg), EngineConfig(stage=stage, activation_checkpointing=ac), OPTIM,
+                             total_steps=1, info=info)
+        engine.eval()
+        calls.clear()
+        norms[ac] = engine.train_step([{"ids": ids}], loss)["grad_norm"]
+        assert len(calls) == (4 if ac else 2), (ac, len(calls))  # 2 layers, recomputed with checkpointing
+        assert not any(m.training for m in engine.unwrapped.modules())
+    assert norms[True] == pytest.approx(norms[False], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
 def test_activation_checkpointing_fallback_keeps_names_clean(info, stage):
     plain = TinyNet()
     keys = sorted(plain.state_dict())

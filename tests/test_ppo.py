@@ -170,7 +170,7 @@ def test_a_step_whose_responses_are_all_empty_changes_nothing():
     cfg = PPOConfig()
     cfg.rollout = replace(cfg.rollout, prompts_per_step=B, mini_batch_size=2, micro_batch_size=2)
     run = SimpleNamespace(check=lambda *outs: None)
-    models = SimpleNamespace(actor=actor, critic=None, ema=None, info=info, pack_length=None, shared_prompts=False)
+    models = SimpleNamespace(actor=actor, critic=None, ema=None, info=info, pack_length=None, shared_prompts_update=False)
     a_stats, c_stats = update(models, exp, cfg, (make_actor_loss(0.2, 1.0, 0.0), make_critic_loss(0.2)), None, run)
     assert len(a_stats) == 2 and all(s["skipped"] and s["empty"] for s in a_stats)
     assert actor.empty_steps == 2 and actor.skipped_steps == 2

@@ -197,19 +197,22 @@ RUN = [*SMALL_MODEL, "algorithm=grpo", "reward.sources=[judge]", "rollout.prompt
 @pytest.mark.slow
 def test_a_grpo_run_is_the_whole_rows_run_to_rounding(tmp_path):
     """The stage wires the option through generation, scoring and the update: the same samples and
-    the same losses (to rounding) with it on and off."""
+    the same losses (to rounding) with it on and off, and on with activation checkpointing."""
     sft = tmp_path / "sft"
     run_stage("sft", f"output_dir={sft}", *SMALL_MODEL, "train.max_steps=2", "train.eval_every=0",
               "train.save_every=0", "data.num_eval_prompts=4")
     runs = {}
-    for flag in ("true", "false"):
-        out = tmp_path / flag
+    for name, over in (("true", []), ("false", []), ("ckpt", ["engine.activation_checkpointing=true"])):
+        out = tmp_path / name
         run_stage("ppo", f"output_dir={out}", f"actor.model={sft / 'model'}", *RUN,
-                  f"rollout.shared_prompt_forward={flag}")
-        runs[flag] = metrics(out, "train")
+                  f"rollout.shared_prompt_forward={'false' if name == 'false' else 'true'}", *over)
+        runs[name] = metrics(out, "train")
+    # activation checkpointing: the scoring shares prompts, the update runs whole rows (a checkpointed
+    # block has no KV cache), and the run is the same again
+    assert "the update's run whole rows" in (tmp_path / "ckpt" / "ppo.log").read_text()
     on, off = runs["true"], runs["false"]
-    assert len(on) == len(off) == 3
-    for a, b in zip(on, off):
+    assert len(on) == len(off) == len(runs["ckpt"]) == 3
+    for a, b in [*zip(on, off), *zip(runs["ckpt"], off)]:
         assert a["response_len"] == b["response_len"] and a["reward"] == b["reward"], (a, b)
         for key in ("actor_loss", "kl_loss", "entropy", "approx_kl"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])

@@ -9,6 +9,7 @@ reward source). Built, saved, resumed and exported together.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -31,6 +32,8 @@ from rlhf.rl.distill import is_distill, reference_path
 from rlhf.rl.rewards import RewardEnsemble, RewardModelScore, RewardSource, begin as begin_rewards
 from rlhf.rl.rollout import Rollout, score_rollout
 
+
+logger = logging.getLogger("rlhf.ppo")
 
 BEST_ACTOR = "best_actor.pt"  # in a checkpoint: train.export_best's snapshot of the best evaluation's actor
 
@@ -81,6 +84,12 @@ class Models:
                               "data.max_prompt_len + rollout.max_new_tokens")
         self.pack_length = rl_pack_length(cfg, [m for m in (actor, critic, ref, rm) if m is not None])
         self.shared_prompts = shared_prompts(cfg)  # rollout.shared_prompt_forward: every forward of a rollout
+        # ... but the update's under engine.activation_checkpointing: a checkpointed block runs without a KV
+        # cache (transformers drops it: the backward's recompute would write it twice), so those run whole rows
+        self.shared_prompts_update = self.shared_prompts and not cfg.engine.activation_checkpointing
+        if self.shared_prompts and not self.shared_prompts_update:
+            logger.info("rollout.shared_prompt_forward: the scoring forwards share prompts; the update's run whole "
+                        "rows (engine.activation_checkpointing recomputes blocks without a KV cache)")
         self.info = info
         # the no-grad scoring forwards run on rollout.score_batch_size rows (2 x the training micro-batch by
         # default): half the forwards of the default step, each on a fuller batch

@@ -68,7 +68,7 @@ def update(models, rollout: Rollout, scored: dict[str, torch.Tensor], pairs: Pai
                       "position_ids": scored["position_ids"][rows], "response_mask": mask[rows],
                       "ref_logps": ref_sum[rows], "pair_weight": pairs.valid[s : s + per_micro].float(),
                       "prompt_len": rollout.prompt_len, "pack_length": models.pack_length,
-                      "shared_prompts": models.shared_prompts})  # a pair's two rows share its prompt
+                      "shared_prompts": models.shared_prompts_update})  # a pair's two rows share its prompt
     stats = []
     for _ in range(cfg.ppo.ppo_epochs):
         stats.append(models.actor.train_step(micro, loss_fn))

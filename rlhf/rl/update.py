@@ -102,7 +102,7 @@ def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_b
             micro = [exp.rows(rows_k[i : i + r.micro_batch_size]) for i in range(0, mini_rows, r.micro_batch_size)]
             for mb in micro:
                 mb["pack_length"] = models.pack_length  # the losses' forwards pack like the scoring's
-                mb["shared_prompts"] = models.shared_prompts  # and share prompts like it
+                mb["shared_prompts"] = models.shared_prompts_update  # and share prompts (Models)
             if ptx_batches is not None:
                 for mb in micro:
                     mb["ptx"] = ptx_batches()

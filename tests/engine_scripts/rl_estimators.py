@@ -138,7 +138,7 @@ def main(out_dir: str) -> None:
                          response_mask=mine["response_mask"], group=mine["group"])
     pairs = online_dpo.pairs_of(ro, mine["score"])
     engine, grads = engine_and_grads()
-    models = SimpleNamespace(actor=engine, ema=None, pack_length=None, shared_prompts=True)
+    models = SimpleNamespace(actor=engine, ema=None, pack_length=None, shared_prompts_update=True)
     (out,) = online_dpo.update(models, ro, {k: mine[k] for k in ("logp_ref", "position_ids")}, pairs, cfg,
                                online_dpo.make_loss(cfg), SimpleNamespace(check=lambda stats: None))
     role = torch.zeros(per_rank)
