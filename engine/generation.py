@@ -123,10 +123,14 @@ def shared_prompt_cache(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask:
     groups = prompt_groups(prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 and prompt_ids.shape[0] > 1 else None
     if groups is None:
         return None
+    from .parallelize import hf_base_model
+
     first, inverse = groups
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0),
-                use_cache=True)
+    base = hf_base_model(model)
+    backbone = getattr(base, base.base_model_prefix, None)  # no LM head: the prefill's logits are not needed
+    out = (backbone or model)(input_ids=ids, attention_mask=mask,
+                              position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0), use_cache=True)
     cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
