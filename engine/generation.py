@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 # imported from here: this module is the generation interface.
 from .inference.generate import prompt_groups
 from .inference.sampling import SamplingParams, row_noise, sample
+from .parallelize import hf_base_model
 
 
 # engine.generation=auto: a written rule (docs/engine.md, "Why auto ..."). On CUDA the injected model
@@ -123,8 +124,6 @@ def shared_prompt_cache(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask:
     groups = prompt_groups(prompt_ids, prompt_mask) if prompt_ids.shape[1] > 1 and prompt_ids.shape[0] > 1 else None
     if groups is None:
         return None
-    from .parallelize import hf_base_model
-
     first, inverse = groups
     ids, mask = prompt_ids[first, :-1], prompt_mask[first, :-1]
     base = hf_base_model(model)

@@ -129,7 +129,6 @@ def test_distinct_prompts_run_whole_and_groups_are_found():
     assert shared_prompt_forward(family("llama"), "logits", seqs, mask, pos, P) is None
     seqs, mask, pos, _, P = rows(U=3, n=4)
     first, inverse = prompt_groups(seqs, mask, P)
-    assert first.tolist() == sorted(first.tolist()) or len(first) == 3
     assert len(first) == 3 and torch.equal(seqs[first[inverse], :P], seqs[:, :P])
     # the same ids under another mask are another prompt (a pad id that is also a real token)
     mask2 = mask.clone()
