@@ -48,9 +48,9 @@ from rlhf.algos.preference import (
     NEEDS_REFERENCE, dpo_loss, kto_loss, kto_means, kto_stats, kto_weight_advice, pair_stats, sequence_logps,
 )
 from rlhf.config import DPOAlgoConfig, DPOConfig
-from rlhf.config.validate import engine_config, optim_config, validate_dpo
+from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_dpo
 from rlhf.core.errors import ConfigError
-from rlhf.data import collate_pairs
+from rlhf.data import collate_pairs, collate_shared_pairs
 from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, packs
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
@@ -68,13 +68,16 @@ TABLES = "reference_logps.pt"  # in each checkpoint: {"train": [N, 2], "eval": [
 
 
 def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None,
-               pack_length: int | None = None, only_if_saves: bool = False) -> dict:
+               pack_length: int | None = None, only_if_saves: bool = False, shared: bool = False) -> dict:
     """Pairs `feats[idx]` as collate_pairs' [2B, L] batch (chosen rows first) + labels [2B, L]
     (IGNORE_INDEX on bos, prompt and padding) + with a reference table [N, 2] "ref" [2B]. With
     `pack_length` (not None) the rows are packed instead (rlhf/data/packing.py); with `only_if_saves`
-    (data.packing=auto) only where that computes fewer slots."""
+    (data.packing=auto) only where that computes fewer slots; with `shared` (data.shared_prompts)
+    collate_shared_pairs' layout, each pair's prompt run once."""
     rows = [feats[i] for i in idx]
-    if packs([len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows], pack_length, only_if_saves):
+    if shared:
+        b = collate_shared_pairs(rows, pad_id, labels=True)
+    elif packs([len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows], pack_length, only_if_saves):
         b = pack_pairs(rows, pad_id, pack_length, labels=True)
     else:
         b = collate_pairs(rows, pad_id)
@@ -95,15 +98,21 @@ def kto_pairs(feats: list[dict]) -> list[dict]:
 
 
 def kto_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None,
-              pack_length: int | None = None, only_if_saves: bool = False) -> dict:
+              pack_length: int | None = None, only_if_saves: bool = False, shared: bool = False) -> dict:
     """`pair_batch` of `kto_pairs` rows + "desirable" [B] bool (the rows' labels)."""
-    b = pair_batch(feats, idx, pad_id, table, pack_length, only_if_saves)
+    b = pair_batch(feats, idx, pad_id, table, pack_length, only_if_saves, shared)
     b["desirable"] = torch.tensor([feats[i]["label"] for i in idx], dtype=torch.bool)
     return b
 
 
 def response_logps(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of the response tokens of each row [2B] and their counts [2B]."""
+    if batch.get("shared_prompts"):  # collate_shared_pairs: the prompt part is columns :P, run once per pair
+        P = batch["prompt_len"]
+        labels = batch["labels"][:, P:]  # response token t is predicted at position P - 1 + t
+        logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch["position_ids"], targets=labels,
+                         start=P - 1, prompt_len=P)
+        return sequence_logps(logp, labels != IGNORE_INDEX)
     labels = batch["labels"][:, 1:]  # token t+1 is predicted at position t
     logp, _ = policy(batch["input_ids"], batch["attention_mask"], batch.get("position_ids"), targets=labels)
     if is_packed(batch):
@@ -118,17 +127,18 @@ def adapters_off(engine: TrainEngine | FrozenEngine, off: bool):
 
 @torch.no_grad()
 def table_of(engine: TrainEngine | FrozenEngine, feats: list[dict], pad_id: int, batch_size: int,
-             base: bool = False, rows: list[int] | None = None) -> torch.Tensor:
+             base: bool = False, rows: list[int] | None = None, shared: bool = False) -> torch.Tensor:
     """[N, 2] summed response log-probs (chosen, rejected) of the pairs `rows` (None: all; the others
     are NaN) under `engine`'s model (`base`: its adapters disabled), on the gathered model with the
-    pairs split over the ranks, all-gathered."""
+    pairs split over the ranks, all-gathered (`shared`: each pair's prompt run once)."""
     info, out = engine.info, []
     rows = list(range(len(feats))) if rows is None else rows
     mine = rows[info.rank :: info.world_size]
     with engine.gathered_parameters(), adapters_off(engine, base):
         for s in range(0, len(mine), batch_size):
             idx = mine[s : s + batch_size]
-            b = {k: v.to(info.device) for k, v in pair_batch(feats, idx, pad_id).items()}
+            b = {k: v.to(info.device) if isinstance(v, torch.Tensor) else v
+                 for k, v in pair_batch(feats, idx, pad_id, shared=shared).items()}
             c, r = response_logps(engine.unwrapped, b)[0].cpu().chunk(2)
             out += zip(idx, c.tolist(), r.tolist())
     table = torch.full((len(feats), 2), float("nan"))
@@ -196,7 +206,9 @@ def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DP
     None); the gold score of greedy generations."""
     out = {}
     if feats:
-        pol, ref = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size), ref_of(feats)
+        pol = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size,
+                       shared=pair_shared_prompts(cfg.data, cfg.engine))
+        ref = ref_of(feats)
         lens = torch.tensor([[len(f["chosen_ids"]) - f["prompt_len"], len(f["rejected_ids"]) - f["prompt_len"]]
                              for f in feats], dtype=torch.float32)
         rc, rr = (None, None) if ref is None else ref.unbind(1)
@@ -235,7 +247,10 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     check_context(model, d.max_len, "data.max_len")
     # the training batches are packed (data.packing); the reference tables and held-out figures are
     # computed on padded batches (equal to rounding: tests/test_packing.py)
-    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+    shared = pair_shared_prompts(d, cfg.engine)  # data.shared_prompts: each pair's prompt run once per forward
+    pack_len = pack_length_of(d) if not shared and use_packing(d.packing, model) else None
+    if shared:
+        logger.info(SHARED_LINE)
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=data.total,
                          info=info)
     state, lora = PolicyState(engine), cfg.model.lora.r > 0
@@ -247,13 +262,13 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
                    fused=cfg.engine.kernels), engine_config(cfg.engine, info, frozen=True), info)
     elif needs_ref and run.resume_path is None:  # the untrained policy is the reference, on the pairs the run reads
         used = sorted({i for s in range(data.total) for i in data.order.global_rows(s)})
-        state.tables = {"train": table_of(engine, data.train, pad, mb, base=lora, rows=used),
-                        "eval": table_of(engine, data.eval, pad, mb, base=lora)}
+        state.tables = {"train": table_of(engine, data.train, pad, mb, base=lora, rows=used, shared=shared),
+                        "eval": table_of(engine, data.eval, pad, mb, base=lora, shared=shared)}
         logger.info("reference log-probs precomputed for %d train + %d held-out %s", len(used), len(data.eval), unit)
 
     def ref_of(feats: list[dict]) -> torch.Tensor | None:
         if ref_engine is not None:
-            return table_of(ref_engine, feats, pad, mb, base=lora)
+            return table_of(ref_engine, feats, pad, mb, base=lora, shared=shared)
         return state.tables["eval"] if needs_ref else None
 
     run.begin(state, data.total, lambda: evaluate(engine, ref_of, data.eval, prompts, tok, cfg),
@@ -273,7 +288,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
         (KTO_KEYS, {"loss": ("loss", ".3f"), "kl": ("kl", ".3f"), "margin": ("margin", ".2f")}, kto_record) if kto else
         (("loss", "reward_chosen", "reward_rejected", "margin", "accuracy", "lr", "grad_norm"),
          {"loss": ("loss", ".3f"), "acc": ("accuracy", ".2f"), "margin": ("margin", ".2f")}, None))
-    last = run.loop(engine, data.order, accum, lambda idx: batch_of(data.train, idx, pad, table, pack_len, auto),
+    last = run.loop(engine, data.order, accum, lambda idx: batch_of(data.train, idx, pad, table, pack_len, auto, shared),
                     make_loss(p, reference if ref_engine is not None else None), keys, postfix, derive=derive)
 
     before, after = run.before, run.evaluate_after()

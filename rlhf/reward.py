@@ -13,7 +13,8 @@ A sequence's score is the head's value at its last real token, found from the at
 (rlhf/algos/reward_model.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
 regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass,
 packed end to end without padding where the model supports it (`data.packing`, rlhf/data/packing.py;
-a row's score is then the value at its own last token).
+a row's score is then the value at its own last token), or (the default, `data.shared_prompts`) with each
+pair's prompt run once and both responses on its KV cache.
 Held-out evaluation (data.eval_path, else data.eval_size of data.path): pair accuracy, mean
 chosen/rejected scores, and where a gold judge exists, agreement with it (pairs) and the AUC of scores
 separating correct from incorrect responses.
@@ -30,7 +31,7 @@ import torch
 from engine import TrainEngine
 from rlhf.algos.reward_model import pair_accuracy, pairwise_loss
 from rlhf.config import RewardConfig
-from rlhf.config.validate import engine_config, optim_config, validate_reward
+from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_reward
 from rlhf.data.packing import pack_length_of, pair_collate
 from rlhf.data.stage import stage_data
 from rlhf.evaluation.pairs import evaluate_pairs, held_out_summary
@@ -65,12 +66,16 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
 
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=r.head_init_std))
     check_context(model, d.max_len, "data.max_len")
-    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
-    collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto")
+    shared = pair_shared_prompts(d, cfg.engine)  # data.shared_prompts: each pair's prompt run once per forward
+    pack_len = pack_length_of(d) if not shared and use_packing(d.packing, model) else None
+    collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto", shared=shared)
+    if shared:
+        logger.info(SHARED_LINE)
     engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
                          info=run.info)
     run.begin(engine, data.total, lambda: evaluate_pairs(engine, data.eval, data.eval_examples, tok.pad_token_id,
-                                                   cfg.train.micro_batch_size, pack_len), _eval_line, memory=engine)
+                                                   cfg.train.micro_batch_size, pack_len, shared=shared),
+              _eval_line, memory=engine)
 
     head_only = round(r.head_only_fraction * data.total)
     if head_only:

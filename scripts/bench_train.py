@@ -1,9 +1,10 @@
-"""Training throughput with padded vs packed (padding-free) micro-batches and engine.compile off/on,
-measured in one run.
+"""Training throughput with padded vs packed (padding-free) micro-batches, pairs with their prompt run once
+(data.shared_prompts), and engine.compile off/on, measured in one run.
 
     PYTHONPATH=. python scripts/bench_train.py                       # tiny default + 25M Llama, CPU
     PYTHONPATH=. python scripts/bench_train.py --models 25m --reps 5 --device cuda
     PYTHONPATH=. python scripts/bench_train.py --models tiny --compile off   # packing only
+    PYTHONPATH=. python scripts/bench_train.py --models tiny --compile off --steps reward,dpo --pack-lengths none
 
 Precision: `--precision auto` (default) resolves as the stages do (bf16 on CUDA and on a CPU with
 native bf16, else fp32). With `--compile off,on` (default) each variant is also run with every
@@ -14,9 +15,14 @@ For each model and each kind of step, the same micro-batches run padded and pack
 (interleaved, `--reps` rounds, median reported), so machine load hits both alike:
     sft     TrainEngine.train_step with rlhf.sft.sft_loss (forward + backward + AdamW), a Policy
     reward  TrainEngine.train_step with rlhf.reward's pairwise loss (chosen + rejected rows), a ValueModel
+    dpo     TrainEngine.train_step with rlhf.dpo's loss (sigmoid, beta 0.1, the default RPO term; a fixed
+            reference table), a Policy
     score   the RL stage's scoring pass: no-grad log-probs of every row's tokens under the Policy
             (what rlhf/rl/rollout.py computes; that stage itself still runs padded batches)
-Columns: real tokens/s (`--clock cpu`: per CPU-second of this process), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
+The pair steps (reward, dpo) also run the "shared prompts" layout (rlhf/data/tokenize.py
+collate_shared_pairs, the stages' default): each pair's prompt once, both responses on its KV cache.
+Columns: real tokens/s (`--clock cpu`: per CPU-second of this process; the rows' real tokens, a pair's prompt
+counted in both rows in every layout, so the same work), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
 CPU: bytes of tensors saved for backward, deduplicated by storage, the activation memory that
 padding inflates; '-' for the no-grad pass), the ratio of tokens/s to the padded run of the first `--compile` value (off by default),
 and the compile time (torch._dynamo's, during the warm-up).
@@ -45,7 +51,9 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from engine import EngineConfig, OptimConfig, TrainEngine, compile_seconds  # noqa: E402
 from engine.config import resolve_precision  # noqa: E402
-from rlhf.data import collate_pairs, collate_sft  # noqa: E402
+from rlhf.config.schema import DPOAlgoConfig  # noqa: E402
+from rlhf.data import collate_pairs, collate_sft, collate_shared_pairs  # noqa: E402
+from rlhf.dpo import make_loss as make_dpo_loss, pair_batch  # noqa: E402
 from rlhf.data.packing import batch_tokens, pack_pairs, pack_sft  # noqa: E402
 from rlhf.data.tokenize import IGNORE_INDEX  # noqa: E402
 from rlhf.modeling.forward import sft_loss
@@ -144,6 +152,26 @@ class SavedBytes:
         self.bytes = sum(self.seen.values())
 
 
+SHARED = "shared"  # the layouts' mark for collate_shared_pairs
+
+
+def computed_slots(batch: dict) -> int:
+    """Token positions a forward computes: the padded/packed batch's, or a shared-prompt pair batch's
+    prompts once (half its rows' prompt columns) and every row's response columns."""
+    if batch.get("shared_prompts"):
+        rows, P = batch["input_ids"].shape[0], batch["prompt_len"]
+        return rows // 2 * P + batch["input_ids"][:, P:].numel()
+    return batch["input_ids"].numel()
+
+
+def real_computed(batch: dict) -> int:
+    """Real tokens among `computed_slots` (a shared prompt's once)."""
+    if batch.get("shared_prompts"):
+        rows, P, m = batch["input_ids"].shape[0], batch["prompt_len"], batch["attention_mask"]
+        return int(m[: rows // 2, :P].sum() + m[:, P:].sum())
+    return batch_tokens(batch)
+
+
 def timed(fn, device: torch.device, clock) -> tuple[float, float | None]:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -173,11 +201,15 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
     sft_mbs, pair_mbs = pick(sft), pick(pairs)
     layouts = {"padded": None}
     for L in args.pack_lengths.split(","):
+        if L == "none":
+            continue
         L = max_len if L == "max" else int(L)
         layouts["packed 1 row" if L == 0 else f"packed {L}"] = L
+    layouts["shared prompts"] = SHARED  # the pair steps only
     compiles = [c == "on" for c in args.compile.split(",")]
     optim = OptimConfig(lr=1e-5)
     reward_loss = make_loss(0.0, 0.0)
+    dpo_loss = make_dpo_loss(DPOAlgoConfig(), None)
     engines = {}  # compile flag -> (policy, critic): both alive, so their runs interleave
     for comp in compiles:
         ecfg = resolve_precision(EngineConfig(stage=0, precision=args.precision, kernels=args.kernels, compile=comp), device)
@@ -188,7 +220,13 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
         return collate_sft(rows, pad) if L is None else pack_sft(rows, pad, L)
 
     def collate_p(rows, L):
+        if L is SHARED:
+            return collate_shared_pairs(rows, pad)
         return collate_pairs(rows, pad) if L is None else pack_pairs(rows, pad, L)
+
+    def collate_d(rows, L):  # DPO's batch with a reference table of zeros (a fixed reference)
+        return pair_batch(rows, list(range(len(rows))), pad, torch.zeros(len(rows), 2), None if L is SHARED else L,
+                          shared=L is SHARED)
 
     def score(policy, batch):
         with torch.no_grad():
@@ -200,17 +238,21 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
     steps = {
         "sft": (sft_mbs, collate_s, lambda comp, b: engines[comp][0].train_step([b], sft_loss)),
         "reward": (pair_mbs, collate_p, lambda comp, b: engines[comp][1].train_step([b], reward_loss)),
+        "dpo": (pair_mbs, collate_d, lambda comp, b: engines[comp][0].train_step([b], dpo_loss)),
         "score": (sft_mbs, collate_s, lambda comp, b: score(engines[comp][0], b)),
     }
-    variants = [(comp, name) for comp in compiles for name in layouts]
     rows = []
     for step, (mbs, collate, fn) in steps.items():
-        batches = {name: [collate(mb, L) for mb in mbs] for name, L in layouts.items()}
+        if step not in args.steps.split(","):
+            continue
+        step_layouts = {n: L for n, L in layouts.items() if L is not SHARED or step in ("reward", "dpo")}
+        variants = [(comp, name) for comp in compiles for name in step_layouts]
+        batches = {name: [collate(mb, L) for mb in mbs] for name, L in step_layouts.items()}
         compile_s = {}
         for comp in compiles:
             # warm-up: every batch of every layout once (with compile: its graphs, dynamic shapes included)
             c0, t0 = compile_seconds(), time.perf_counter()
-            for name in layouts:
+            for name in step_layouts:
                 for b in batches[name]:
                     fn(comp, b)
             compile_s[comp] = (compile_seconds() - c0, time.perf_counter() - t0)
@@ -227,10 +269,10 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
         real = sum(batch_tokens(b) for b in batches["padded"])
         base = statistics.median(times[(compiles[0], "padded")])
         for comp, name in variants:
-            slots = sum(b["input_ids"].numel() for b in batches[name])
+            slots = sum(computed_slots(b) for b in batches[name])
             t = statistics.median(times[(comp, name)])
             r = dict(model=which, step=step, layout=name, compile="on" if comp else "off", tokens_s=real / t,
-                     pad=1 - real / slots, mem=mem[(comp, name)], time=t, ratio=base / t,
+                     pad=1 - sum(real_computed(b) for b in batches[name]) / slots, mem=mem[(comp, name)], time=t, ratio=base / t,
                      compile_s=compile_s[comp][0] if comp else None, warmup_s=compile_s[comp][1])
             rows.append(r)
             extra = f"  (compile {r['compile_s']:.1f} s of a {r['warmup_s']:.1f} s warm-up)" if comp else ""
@@ -247,7 +289,8 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch of the 25m model")
     ap.add_argument("--pack-lengths", default="max",
                     help="data.pack_length values to run: max (= the model's data.max_len, the stages' default), "
-                         "N >= max_len, 0 (the micro-batch in one row [1, sum(len)]); comma-separated")
+                         "N >= max_len, 0 (the micro-batch in one row [1, sum(len)]), none; comma-separated")
+    ap.add_argument("--steps", default="sft,reward,dpo,score", help="which steps to run, comma-separated")
     ap.add_argument("--compile", default="off,on",
                     help="engine.compile values to run, comma-separated (off, on): each compiled variant's graphs are "
                          "built in its warm-up, whose compile time is reported apart from the timed rounds")

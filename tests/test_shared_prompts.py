@@ -215,3 +215,133 @@ def test_a_grpo_run_is_the_whole_rows_run_to_rounding(tmp_path):
         assert a["response_len"] == b["response_len"] and a["reward"] == b["reward"], (a, b)
         for key in ("actor_loss", "kl_loss", "entropy", "approx_kl"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(b[key])), (key, a[key], b[key])
+
+
+# ----------------------------------------------------------------------------- pair stages (data.shared_prompts)
+
+
+def pair_feats(n: int = 5, seed: int = 0) -> list[dict]:
+    """Pair features as tokenize_pairs writes them: a prompt part (bos + prompt) of several lengths and two
+    responses (+ eos) of several lengths each."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, c, r = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((2, 9), (1, 6), (1, 6)))
+        prompt = [1] + torch.randint(3, VOCAB, (p - 1,), generator=g).tolist()
+        out.append({"chosen_ids": prompt + torch.randint(3, VOCAB, (c,), generator=g).tolist() + [EOS],
+                    "rejected_ids": prompt + torch.randint(3, VOCAB, (r,), generator=g).tolist() + [EOS],
+                    "prompt_len": p, "index": i})
+    return out
+
+
+def test_a_shared_pair_batch_is_laid_out_as_a_rollout():
+    from rlhf.data import collate_shared_pairs
+
+    feats = [{"chosen_ids": [1, 5, 6, 7, 2], "rejected_ids": [1, 5, 6, 8, 9, 2], "prompt_len": 3},
+             {"chosen_ids": [1, 4, 3, 2], "rejected_ids": [1, 4, 2], "prompt_len": 2}]
+    b = collate_shared_pairs(feats, PAD, labels=True)
+    X = -100
+    assert b["prompt_len"] == 3 and b["shared_prompts"] is True
+    assert b["input_ids"].tolist() == [[1, 5, 6, 7, 2, 0], [0, 1, 4, 3, 2, 0], [1, 5, 6, 8, 9, 2], [0, 1, 4, 2, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 1, 0], [1] * 6, [0, 1, 1, 1, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 2, 2]]
+    assert b["labels"].tolist() == [[X, X, X, 7, 2, X], [X, X, X, 3, 2, X], [X, X, X, 8, 9, 2], [X, X, X, 2, X, X]]
+    # the same rows as collate_pairs' right-padded whole rows, token for token
+    from rlhf.data import collate_pairs
+
+    whole = collate_pairs(feats, PAD)
+    for i in range(4):
+        assert b["input_ids"][i][b["attention_mask"][i].bool()].tolist() == \
+            whole["input_ids"][i][whole["attention_mask"][i].bool()].tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "opt", "qwen2"])
+def test_reward_scores_and_gradients_of_shared_pairs_equal_the_whole_rows(name):
+    from rlhf.data import collate_pairs, collate_shared_pairs
+    from rlhf.modeling.forward import batch_scores
+
+    feats = pair_feats(seed=1)
+    model = ValueModel(family(name, value=True))
+    seen = []
+    model.inner.base_model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape),
+                                                     with_kwargs=True)
+    whole = batch_scores(model, collate_pairs(feats, PAD))
+    b = collate_shared_pairs(feats, PAD)
+    seen.clear()
+    shared = batch_scores(model, b)
+    assert seen == [(5, b["prompt_len"]), (10, b["input_ids"].shape[1] - b["prompt_len"])]  # 5 prompts, then 10 responses
+    assert shared.shape == (10,) and (shared - whole).abs().max() < 2e-6 and whole.std() > 0
+    weight = torch.randn(10, generator=torch.Generator().manual_seed(2))
+    assert_grads_close(grads(model, whole, weight), grads(model, shared, weight))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", ["llama", "opt"])
+def test_dpo_logps_and_gradients_of_shared_pairs_equal_the_whole_rows(name, fused):
+    from rlhf.dpo import pair_batch, response_logps
+
+    feats = pair_feats(seed=3)
+    policy = Policy(family(name), fused=fused)
+    idx = list(range(len(feats)))
+    (whole, n_whole), (shared, n_shared) = (response_logps(policy, pair_batch(feats, idx, PAD, shared=s))
+                                            for s in (False, True))
+    assert torch.equal(n_whole, n_shared)
+    assert n_whole.tolist() == [len(f[k]) - f["prompt_len"] for k in ("chosen_ids", "rejected_ids") for f in feats]
+    assert (shared - whole).abs().max() < 1e-5 * whole.abs().max()
+    weight = torch.randn(10, generator=torch.Generator().manual_seed(4))
+    a = grads(policy, response_logps(policy, pair_batch(feats, idx, PAD))[0], weight)
+    b = grads(policy, response_logps(policy, pair_batch(feats, idx, PAD, shared=True))[0], weight)
+    assert_grads_close(a, b)
+
+
+def test_pair_config_resolves_and_refuses():
+    from rlhf.config.validate import pair_shared_prompts, validate_dpo, validate_reward, validate_sft
+
+    cfg = lambda app, kind, *o: C.to_config(C.compose(app, list(o)), kind)  # noqa: E731
+    rw = lambda *o: cfg("reward", C.RewardConfig, *o)  # noqa: E731
+    assert pair_shared_prompts(rw().data, rw().engine) is True
+    for over in (["data.packing=true"], ["engine.activation_checkpointing=true"], ["data.shared_prompts=false"]):
+        c = rw(*over)
+        assert pair_shared_prompts(c.data, c.engine) is False, over
+    c = rw("data.packing=false", "data.shared_prompts=true")
+    assert pair_shared_prompts(c.data, c.engine) is True
+    info = init_distributed()
+    with pytest.raises(ConfigError, match="data.shared_prompts=true .* data.packing=true"):
+        validate_reward(rw("data.packing=true", "data.shared_prompts=true"), info)
+    with pytest.raises(ConfigError, match="data.shared_prompts=true .* engine.activation_checkpointing"):
+        validate_dpo(cfg("dpo", C.DPOConfig, "engine.activation_checkpointing=true", "data.shared_prompts=true"), info)
+    with pytest.raises(ConfigError, match="data.shared_prompts=true .* an SFT row has no partner"):
+        validate_sft(cfg("sft", C.SFTConfig, "data.shared_prompts=true"), info)
+    with pytest.raises(ConfigError, match="data.shared_prompts is the pair stages'.*rollout.shared_prompt_forward"):
+        validate_ppo(cfg("ppo", C.PPOConfig, "data.shared_prompts=false"), info)
+
+
+PAIR_RUN = [*SMALL_MODEL, "model.name_or_path=null", "train.max_steps=4", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=0",
+            "train.eval_every=2", "train.save_every=0", "data.eval_size=16", "data.num_eval_prompts=4",
+            "engine.precision=fp32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,over", [("reward", []), ("dpo", []), ("dpo", ["dpo.loss_type=kto"])])
+def test_a_pair_stage_run_is_the_whole_rows_run_to_rounding(tmp_path, stage, over):
+    """The reward and DPO (and KTO) stages with data.shared_prompts on and off: the same losses and held-out
+    figures to fp32 rounding, step by step (accumulated micro-batches, the head-only phase included)."""
+    runs = {}
+    for flag in ("true", "false"):
+        out = tmp_path / flag
+        run_stage(stage, f"output_dir={out}", *PAIR_RUN, *over, f"data.shared_prompts={flag}", "data.packing=false",
+                  "reward.head_only_fraction=0.5" if stage == "reward" else "dpo.beta=0.5")
+        runs[flag] = metrics(out)
+    assert "each pair's prompt runs once" in (tmp_path / "true" / f"{stage}.log").read_text()
+    assert "each pair's prompt runs once" not in (tmp_path / "false" / f"{stage}.log").read_text()
+    on, off = runs["true"], runs["false"]
+    assert [r["kind"] for r in on] == [r["kind"] for r in off] and len([r for r in on if r["kind"] == "train"]) == 4
+    compared = 0
+    for a, b in zip(on, off):
+        for key, x in b.items():
+            if key in ("loss", "accuracy", "margin", "kl", "chosen_score", "rejected_score", "reward_chosen",
+                       "grad_norm") and isinstance(x, float):
+                assert abs(a[key] - x) <= 1e-5 * max(1.0, abs(x)), (a["kind"], key, a[key], x)
+                compared += 1
+    assert compared >= 12

@@ -109,6 +109,11 @@ class DataConfig:
     # computes the whole block-diagonal mask, so this keeps attention below the padded batch's);
     # 0 = the whole micro-batch in one row [1, sum(len)] (flash-attention varlen on GPU)
     pack_length: int | None = None
+    # Pair stages (reward, dpo and its kto rows): a pair's two rows run their common prompt once per forward,
+    # its KV cache shared by both (rlhf/data/tokenize.py collate_shared_pairs; ~35% fewer positions on the
+    # shipped pairs); null = on unless data.packing=true or engine.activation_checkpointing (a checkpointed
+    # block keeps no KV cache); true with either is a ConfigError. The RL stage's: rollout.shared_prompt_forward
+    shared_prompts: bool | None = None
     cache_dir: str | None = None  # datasets cache for hub names
 
 

@@ -262,8 +262,34 @@ def validate_stage(cfg: StageConfig, info) -> int:
 
 def validate_sft(cfg: SFTConfig, info) -> int:
     """Everything an SFT run needs, checked before any model loads; returns accumulation steps."""
+    _need(not cfg.data.shared_prompts, "data.shared_prompts=true shares a pair's prompt between its two rows "
+          "(python -m rlhf.reward, rlhf.dpo); an SFT row has no partner: leave it null")
+    return _validate_generating_stage(cfg, info)
+
+
+def _validate_generating_stage(cfg: SFTConfig, info) -> int:
     validate_generation(cfg.eval, "eval")
     return validate_stage(cfg, info)
+
+
+# the pair stages' log line when data.shared_prompts resolves on
+SHARED_LINE = ("each pair's prompt runs once per forward, its two rows on its KV cache (data.shared_prompts; "
+               "false = whole rows)")
+
+
+def pair_shared_prompts(d: DataConfig, e: EngineConfig) -> bool:
+    """data.shared_prompts resolved for a pair stage (reward, dpo): null = on unless data.packing=true
+    packs the rows or engine.activation_checkpointing recomputes blocks (which then keep no KV cache)."""
+    flag = d.shared_prompts
+    if flag and d.packing is True:
+        raise ConfigError("data.shared_prompts=true runs each pair's prompt once on a padded batch, and "
+                          "data.packing=true packs the rows without padding: set one of them false")
+    if flag and e.activation_checkpointing:
+        raise ConfigError("data.shared_prompts=true runs each pair's responses on their prompt's KV cache, which "
+                          "a block under engine.activation_checkpointing does not keep: set one of them false")
+    if flag is None:
+        return d.packing is not True and not e.activation_checkpointing
+    return bool(flag)
 
 
 def validate_reward(cfg: RewardConfig, info) -> int:
@@ -273,6 +299,7 @@ def validate_reward(cfg: RewardConfig, info) -> int:
     _need(std is None or std >= 0, f"reward.head_init_std must be >= 0 (0 = zeros) or null, got {std}")
     f = cfg.reward.head_only_fraction
     _need(0 <= f < 1, f"reward.head_only_fraction must be in [0, 1) (0 = off), got {f}")
+    pair_shared_prompts(cfg.data, cfg.engine)
     return validate_stage(cfg, info)
 
 
@@ -317,7 +344,8 @@ def validate_dpo(cfg: DPOConfig, info) -> int:
         _need(value > 0 and math.isfinite(value), f"dpo.{key} must be a finite number > 0, got {value}")
         _need(value == 1 or p.loss_type == "kto", f"dpo.{key} applies to dpo.loss_type=kto, not {p.loss_type!r}")
     _need(p.reference in ("precompute", "online"), f"dpo.reference must be 'precompute' or 'online', got {p.reference!r}")
-    return validate_sft(cfg, info)  # the keys DPO shares with SFT: model, data, eval, train, engine
+    pair_shared_prompts(cfg.data, cfg.engine)
+    return _validate_generating_stage(cfg, info)  # the keys DPO shares with SFT: model, data, eval, train, engine
 
 
 def validate_ppo(cfg: PPOConfig, info) -> None:
@@ -354,6 +382,8 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
           f"ppo.is_low and ppo.is_high must satisfy 0 <= is_low < 1 < is_high (finite): the MIS bounds around "
           f"ratio 1, got [{p.is_low}, {p.is_high}]")
     shared_prompts(cfg)  # rollout.shared_prompt_forward=true with data.packing=true: a ConfigError
+    _need(cfg.data.shared_prompts is None, "data.shared_prompts is the pair stages' (python -m rlhf.reward, "
+          "rlhf.dpo); the RL stage's rows share prompts under rollout.shared_prompt_forward")
     _need(p.old_logprobs in OLD_LOGPROBS, f"ppo.old_logprobs must be one of {OLD_LOGPROBS}, got {p.old_logprobs!r}")
     _need(math.isfinite(p.old_logprobs_max_gap) and p.old_logprobs_max_gap >= 0,
           f"ppo.old_logprobs_max_gap must be a finite number >= 0 (nats per token), got {p.old_logprobs_max_gap}")

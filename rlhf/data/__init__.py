@@ -32,6 +32,7 @@ from rlhf.data.tokenize import (
     IGNORE_INDEX,
     collate_pairs,
     collate_prompts,
+    collate_shared_pairs,
     collate_sft,
     mismatched_rows,
     tokenize_pairs,
@@ -43,7 +44,7 @@ from rlhf.data.tokenize import (
 __all__ = [
     "DataFileNotFoundError", "DataFormatError", "IGNORE_INDEX", "PAIR_SHAPES", "PROMPT_SHAPES",
     "SFT_SHAPES", "SUPPORTED_EXTENSIONS", "UNPAIRED_SHAPES", "ChatExample", "PairExample", "PromptExample", "Row",
-    "SFTExample", "UnpairedExample", "collate_pairs", "collate_prompts", "collate_sft", "load_rows",
+    "SFTExample", "UnpairedExample", "collate_pairs", "collate_prompts", "collate_sft", "collate_shared_pairs", "load_rows",
     "mismatched_rows", "parse_data_split", "parse_pairs", "parse_prompts", "parse_sft", "parse_unpaired",
     "split_indices", "take_split", "tokenize_pairs", "tokenize_prompts", "tokenize_sft", "tokenize_unpaired",
 ]

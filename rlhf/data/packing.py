@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlhf.data.tokenize import IGNORE_INDEX, collate_pairs
+from rlhf.data.tokenize import IGNORE_INDEX, collate_pairs, collate_shared_pairs
 
 
 def pack_length_of(data_cfg: Any) -> int:
@@ -189,10 +189,13 @@ def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str) -> t
     return allowed[:, None]
 
 
-def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False):
+def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False, *, shared: bool = False):
     """rows -> collate_pairs' padded batch, or with `pack_length` (not None) the packed one (with
-    `only_if_saves`, data.packing=auto: only where packing computes fewer slots)."""
+    `only_if_saves`, data.packing=auto: only where packing computes fewer slots), or with `shared`
+    (data.shared_prompts) `collate_shared_pairs`' batch, each pair's prompt run once."""
     def collate(rows: list[dict]) -> dict:
+        if shared:
+            return collate_shared_pairs(rows, pad_id)
         lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
         if packs(lengths, pack_length, only_if_saves):
             return pack_pairs(rows, pad_id, pack_length)

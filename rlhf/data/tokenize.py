@@ -40,6 +40,8 @@ on the right to max_len when longer (whatever data.overlong says: it is scored, 
 
 Collators: SFT and pairs are right-padded (pairs as one [2B, L] batch, the B chosen rows first,
 then the B rejected rows); prompts are left-padded so generation continues from the last column.
+Pairs whose two rows run their prompt once (data.shared_prompts, `collate_shared_pairs`) are laid out as
+the RL stage's rollouts: the prompt part left-padded to the batch's longest, the response right-padded.
 """
 from __future__ import annotations
 
@@ -342,6 +344,25 @@ def collate_pairs(batch: Sequence[dict[str, Any]], pad_id: int) -> dict[str, tor
     seqs = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
     input_ids, attention_mask = _pad(seqs, pad_id)
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def collate_shared_pairs(batch: Sequence[dict[str, Any]], pad_id: int, *, labels: bool = False) -> dict[str, Any]:
+    """`collate_pairs`' 2B rows (chosen first) with each row's prompt part (its first `prompt_len` tokens, bos
+    included) LEFT-padded to P, the batch's longest, and its response right-padded to R: input_ids,
+    attention_mask, position_ids (0, 1, ... over the real tokens) [2B, P + R], "prompt_len" P and
+    "shared_prompts" True. A pair's two rows hold the same first P columns, so a role given prompt_len runs
+    that prompt once and both responses on its KV cache (rlhf/modeling/roles.py shared_prompt_forward).
+    `labels`: + labels [2B, P + R], the response tokens (IGNORE_INDEX on the prompt part and padding)."""
+    rows = [*batch, *batch]
+    seqs = [b["chosen_ids"] for b in batch] + [b["rejected_ids"] for b in batch]
+    p_ids, p_mask = _pad([s[: r["prompt_len"]] for r, s in zip(rows, seqs)], pad_id, left=True)
+    r_ids, r_mask = _pad([s[r["prompt_len"] :] for r, s in zip(rows, seqs)], pad_id)
+    mask = torch.cat([p_mask, r_mask], 1)
+    out = {"input_ids": torch.cat([p_ids, r_ids], 1), "attention_mask": mask,
+           "position_ids": (mask.cumsum(-1) - 1).clamp(min=0), "prompt_len": p_ids.shape[1], "shared_prompts": True}
+    if labels:
+        out["labels"] = torch.cat([torch.full_like(p_ids, IGNORE_INDEX), r_ids.masked_fill(r_mask == 0, IGNORE_INDEX)], 1)
+    return out
 
 
 def collate_prompts(batch: Sequence[dict[str, Any]], pad_id: int, width: int | None = None) -> dict[str, torch.Tensor]:

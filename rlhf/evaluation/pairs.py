@@ -21,12 +21,12 @@ from rlhf.modeling.forward import batch_scores
 
 @torch.no_grad()
 def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size: int,
-                pack_length: int | None = None) -> list[tuple[int, float, float]]:
+                pack_length: int | None = None, *, shared: bool = False) -> list[tuple[int, float, float]]:
     """(index, chosen score, rejected score) of every feature, computed on the gathered model with
     the rows split over the ranks, then all-gathered (in feature order); packed when `pack_length`
-    is not None (rlhf/data/packing.py)."""
+    is not None (rlhf/data/packing.py); each pair's prompt run once with `shared` (data.shared_prompts)."""
     info = engine.info
-    collate = pair_collate(pad_id, pack_length)
+    collate = pair_collate(pad_id, pack_length, shared=shared)
     mine = feats[info.rank :: info.world_size]
     out = []
     with engine.gathered_parameters():
@@ -43,11 +43,11 @@ def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size:
 
 
 def evaluate_pairs(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int, batch_size: int,
-             pack_length: int | None = None) -> dict[str, Any]:
+             pack_length: int | None = None, *, shared: bool = False) -> dict[str, Any]:
     """Held-out accuracy and mean scores; agreement with / AUC against the gold judge where it applies."""
     if not feats:
         return {}
-    return pair_metrics(score_pairs(engine, feats, pad_id, batch_size, pack_length), examples)
+    return pair_metrics(score_pairs(engine, feats, pad_id, batch_size, pack_length, shared=shared), examples)
 
 
 def pair_metrics(scored: list[tuple[int, float, float]], examples: list) -> dict[str, Any]:

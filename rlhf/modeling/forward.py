@@ -116,8 +116,12 @@ def sft_loss(policy: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.
 
 
 def batch_scores(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """[rows] scores of a `ValueModel` on a padded batch (value at the last real token) or a packed one
-    (rlhf/data/packing.py: value at each row's last token, in row order)."""
+    """[rows] scores of a `ValueModel` on a padded batch (value at the last real token), a packed one
+    (rlhf/data/packing.py: value at each row's last token, in row order) or a shared-prompt one
+    (rlhf/data/tokenize.py collate_shared_pairs: the value at the last real token, the prompt run once)."""
     if is_packed(batch):
         return packed_scores(model(batch["input_ids"], None, batch["position_ids"]), batch)
+    if batch.get("shared_prompts"):  # collate_shared_pairs: each pair's prompt runs once
+        values = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"], prompt_len=batch["prompt_len"])
+        return sequence_scores(values, batch["attention_mask"])
     return sequence_scores(model(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])

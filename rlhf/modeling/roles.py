@@ -61,7 +61,8 @@ def shared_prompt_forward(model: nn.Module, field: str, input_ids: torch.Tensor,
     cache = getattr(head, "cache", None) or getattr(head, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         raise ValueError(f"{type(hf_base_model(model)).__name__} returned no KV cache to share a prompt's forward "
-                         "between its samples: set rollout.shared_prompt_forward=false")
+                         "between its rows: set rollout.shared_prompt_forward=false (RL) or data.shared_prompts=false "
+                         "(reward, dpo)")
     cache.batch_select_indices(inverse)
     tail = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
                  use_cache=True, **{CACHE_KWARG: cache})
