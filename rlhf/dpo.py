@@ -51,7 +51,7 @@ from rlhf.config import DPOAlgoConfig, DPOConfig
 from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_dpo
 from rlhf.core.errors import ConfigError
 from rlhf.data import collate_pairs, collate_shared_pairs
-from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, packs
+from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, pair_layout
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
@@ -68,16 +68,17 @@ TABLES = "reference_logps.pt"  # in each checkpoint: {"train": [N, 2], "eval": [
 
 
 def pair_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None,
-               pack_length: int | None = None, only_if_saves: bool = False, shared: bool = False) -> dict:
+               pack_length: int | None = None, only_if_saves: bool = False, shared: bool | None = False) -> dict:
     """Pairs `feats[idx]` as collate_pairs' [2B, L] batch (chosen rows first) + labels [2B, L]
     (IGNORE_INDEX on bos, prompt and padding) + with a reference table [N, 2] "ref" [2B]. With
-    `pack_length` (not None) the rows are packed instead (rlhf/data/packing.py); with `only_if_saves`
-    (data.packing=auto) only where that computes fewer slots; with `shared` (data.shared_prompts)
-    collate_shared_pairs' layout, each pair's prompt run once."""
+    `pack_length` (not None) the rows may be packed instead (rlhf/data/packing.py; with `only_if_saves`,
+    data.packing=auto, only where that computes fewer slots), with `shared` (data.shared_prompts resolved)
+    laid out by collate_shared_pairs, each pair's prompt run once: `pair_layout` chooses."""
     rows = [feats[i] for i in idx]
-    if shared:
+    layout = pair_layout(rows, pack_length, only_if_saves, shared)
+    if layout == "shared":
         b = collate_shared_pairs(rows, pad_id, labels=True)
-    elif packs([len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows], pack_length, only_if_saves):
+    elif layout == "packed":
         b = pack_pairs(rows, pad_id, pack_length, labels=True)
     else:
         b = collate_pairs(rows, pad_id)
@@ -98,7 +99,7 @@ def kto_pairs(feats: list[dict]) -> list[dict]:
 
 
 def kto_batch(feats: list[dict], idx: list[int], pad_id: int, table: torch.Tensor | None = None,
-              pack_length: int | None = None, only_if_saves: bool = False, shared: bool = False) -> dict:
+              pack_length: int | None = None, only_if_saves: bool = False, shared: bool | None = False) -> dict:
     """`pair_batch` of `kto_pairs` rows + "desirable" [B] bool (the rows' labels)."""
     b = pair_batch(feats, idx, pad_id, table, pack_length, only_if_saves, shared)
     b["desirable"] = torch.tensor([feats[i]["label"] for i in idx], dtype=torch.bool)
@@ -127,7 +128,7 @@ def adapters_off(engine: TrainEngine | FrozenEngine, off: bool):
 
 @torch.no_grad()
 def table_of(engine: TrainEngine | FrozenEngine, feats: list[dict], pad_id: int, batch_size: int,
-             base: bool = False, rows: list[int] | None = None, shared: bool = False) -> torch.Tensor:
+             base: bool = False, rows: list[int] | None = None, shared: bool | None = False) -> torch.Tensor:
     """[N, 2] summed response log-probs (chosen, rejected) of the pairs `rows` (None: all; the others
     are NaN) under `engine`'s model (`base`: its adapters disabled), on the gathered model with the
     pairs split over the ranks, all-gathered (`shared`: each pair's prompt run once)."""
@@ -248,9 +249,9 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     # the training batches are packed (data.packing); the reference tables and held-out figures are
     # computed on padded batches (equal to rounding: tests/test_packing.py)
     shared = pair_shared_prompts(d, cfg.engine)  # data.shared_prompts: each pair's prompt run once per forward
-    pack_len = pack_length_of(d) if not shared and use_packing(d.packing, model) else None
-    if shared:
-        logger.info(SHARED_LINE)
+    pack_len = pack_length_of(d) if shared is not True and use_packing(d.packing, model) else None
+    if shared is not False:
+        logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=data.total,
                          info=info)
     state, lora = PolicyState(engine), cfg.model.lora.r > 0

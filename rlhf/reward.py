@@ -13,8 +13,9 @@ A sequence's score is the head's value at its last real token, found from the at
 (rlhf/algos/reward_model.py). Loss: -log sigmoid(r_chosen - r_rejected - margin) (+ optional score
 regularisation), mean over pairs; chosen and rejected are scored in one concatenated forward pass,
 packed end to end without padding where the model supports it (`data.packing`, rlhf/data/packing.py;
-a row's score is then the value at its own last token), or (the default, `data.shared_prompts`) with each
-pair's prompt run once and both responses on its KV cache.
+a row's score is then the value at its own last token), or with each pair's prompt run once and both
+responses on its KV cache (`data.shared_prompts`; by default wherever that computes the fewest positions,
+which on the shipped pairs is every micro-batch).
 Held-out evaluation (data.eval_path, else data.eval_size of data.path): pair accuracy, mean
 chosen/rejected scores, and where a gold judge exists, agreement with it (pairs) and the AUC of scores
 separating correct from incorrect responses.
@@ -67,10 +68,10 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=r.head_init_std))
     check_context(model, d.max_len, "data.max_len")
     shared = pair_shared_prompts(d, cfg.engine)  # data.shared_prompts: each pair's prompt run once per forward
-    pack_len = pack_length_of(d) if not shared and use_packing(d.packing, model) else None
+    pack_len = pack_length_of(d) if shared is not True and use_packing(d.packing, model) else None
     collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto", shared=shared)
-    if shared:
-        logger.info(SHARED_LINE)
+    if shared is not False:
+        logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
                          info=run.info)
     run.begin(engine, data.total, lambda: evaluate_pairs(engine, data.eval, data.eval_examples, tok.pad_token_id,

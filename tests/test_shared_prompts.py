@@ -299,7 +299,7 @@ def test_pair_config_resolves_and_refuses():
 
     cfg = lambda app, kind, *o: C.to_config(C.compose(app, list(o)), kind)  # noqa: E731
     rw = lambda *o: cfg("reward", C.RewardConfig, *o)  # noqa: E731
-    assert pair_shared_prompts(rw().data, rw().engine) is True
+    assert pair_shared_prompts(rw().data, rw().engine) is None  # auto: pair_layout per micro-batch
     for over in (["data.packing=true"], ["engine.activation_checkpointing=true"], ["data.shared_prompts=false"]):
         c = rw(*over)
         assert pair_shared_prompts(c.data, c.engine) is False, over
@@ -314,6 +314,25 @@ def test_pair_config_resolves_and_refuses():
         validate_sft(cfg("sft", C.SFTConfig, "data.shared_prompts=true"), info)
     with pytest.raises(ConfigError, match="data.shared_prompts is the pair stages'.*rollout.shared_prompt_forward"):
         validate_ppo(cfg("ppo", C.PPOConfig, "data.shared_prompts=false"), info)
+
+
+def test_auto_takes_the_layout_that_computes_the_fewest_positions():
+    """data.shared_prompts=null with data.packing=auto: the shipped pairs' shape (long prompts, short responses of
+    close lengths) runs shared, a long-tailed mix packs, and pairs whose long prompt meets another's long
+    response stay padded (shared would compute more); true and data.packing=true force their layout."""
+    from rlhf.data.packing import pair_layout
+
+    def pair(p, c, r):
+        return {"chosen_ids": [5] * (p + c), "rejected_ids": [6] * p + [7] * r, "prompt_len": p}
+
+    shipped = [pair(p, 7, 6) for p in (35, 31, 38, 40)]  # padded 8 x 47 = 376 slots, shared 4 x 40 + 8 x 7 = 216
+    tail = [pair(4, c, r) for c, r in ((60, 4), (5, 6), (4, 8), (7, 5))]  # padded 8 x 64, shared 4 x 4 + 8 x 60,
+    crossed = [pair(10, 1, 1), pair(1, 10, 10)]  # packed 3 x 64: padded 4 x 11 = 44, shared 2 x 10 + 4 x 10 = 60
+    assert pair_layout(shipped, 64, True, None) == "shared" and pair_layout(shipped, None, False, None) == "shared"
+    assert pair_layout(tail, 64, True, None) == "packed" and pair_layout(tail, None, False, None) == "shared"
+    assert pair_layout(crossed, 11, True, None) == "padded" and pair_layout(crossed, None, False, None) == "padded"
+    assert pair_layout(shipped, 64, True, False) == "padded" and pair_layout(crossed, 11, True, True) == "shared"
+    assert pair_layout(shipped, 64, False, None) == "packed"  # data.packing=true packs every batch
 
 
 PAIR_RUN = [*SMALL_MODEL, "model.name_or_path=null", "train.max_steps=4", "train.micro_batch_size=4",

@@ -111,8 +111,10 @@ class DataConfig:
     pack_length: int | None = None
     # Pair stages (reward, dpo and its kto rows): a pair's two rows run their common prompt once per forward,
     # its KV cache shared by both (rlhf/data/tokenize.py collate_shared_pairs; ~35% fewer positions on the
-    # shipped pairs); null = on unless data.packing=true or engine.activation_checkpointing (a checkpointed
-    # block keeps no KV cache); true with either is a ConfigError. The RL stage's: rollout.shared_prompt_forward
+    # shipped pairs). null = per micro-batch, where that computes the fewest token slots of padded, packed
+    # (data.packing=auto) and shared (rlhf/data/packing.py pair_layout), and off under data.packing=true or
+    # engine.activation_checkpointing (a checkpointed block keeps no KV cache); true = every micro-batch
+    # (a ConfigError with either); false = never. The RL stage's: rollout.shared_prompt_forward
     shared_prompts: bool | None = None
     cache_dir: str | None = None  # datasets cache for hub names
 

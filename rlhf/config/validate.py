@@ -272,14 +272,17 @@ def _validate_generating_stage(cfg: SFTConfig, info) -> int:
     return validate_stage(cfg, info)
 
 
-# the pair stages' log line when data.shared_prompts resolves on
-SHARED_LINE = ("each pair's prompt runs once per forward, its two rows on its KV cache (data.shared_prompts; "
-               "false = whole rows)")
+# the pair stages' log line when data.shared_prompts resolves to on or auto
+SHARED_LINE = {True: "each pair's prompt runs once per forward, its two rows on its KV cache (data.shared_prompts=true)",
+               None: "each pair's prompt runs once per forward, its two rows on its KV cache, in the micro-batches where "
+                     "that computes the fewest token positions (data.shared_prompts=null; false = never)"}
 
 
-def pair_shared_prompts(d: DataConfig, e: EngineConfig) -> bool:
-    """data.shared_prompts resolved for a pair stage (reward, dpo): null = on unless data.packing=true
-    packs the rows or engine.activation_checkpointing recomputes blocks (which then keep no KV cache)."""
+def pair_shared_prompts(d: DataConfig, e: EngineConfig) -> bool | None:
+    """data.shared_prompts resolved for a pair stage (reward, dpo): True (every micro-batch), False (none), or
+    None (auto: the micro-batches where it computes the fewest token slots, rlhf/data/packing.py pair_layout).
+    null is auto unless data.packing=true packs every batch or engine.activation_checkpointing recomputes
+    blocks (which then keep no KV cache): then off; true with either is a ConfigError."""
     flag = d.shared_prompts
     if flag and d.packing is True:
         raise ConfigError("data.shared_prompts=true runs each pair's prompt once on a padded batch, and "
@@ -288,7 +291,7 @@ def pair_shared_prompts(d: DataConfig, e: EngineConfig) -> bool:
         raise ConfigError("data.shared_prompts=true runs each pair's responses on their prompt's KV cache, which "
                           "a block under engine.activation_checkpointing does not keep: set one of them false")
     if flag is None:
-        return d.packing is not True and not e.activation_checkpointing
+        return False if d.packing is True or e.activation_checkpointing else None
     return bool(flag)
 
 

@@ -189,15 +189,36 @@ def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str) -> t
     return allowed[:, None]
 
 
-def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False, *, shared: bool = False):
-    """rows -> collate_pairs' padded batch, or with `pack_length` (not None) the packed one (with
-    `only_if_saves`, data.packing=auto: only where packing computes fewer slots), or with `shared`
-    (data.shared_prompts) `collate_shared_pairs`' batch, each pair's prompt run once."""
+def pair_layout(rows: Sequence[dict], pack_length: int | None, only_if_saves: bool, shared: bool | None) -> str:
+    """How a micro-batch of pairs is laid out: "packed" (`pack_length` not None; with `only_if_saves`,
+    data.packing=auto, only where it computes fewer token slots than padding), "shared" (each pair's prompt
+    run once, `collate_shared_pairs`; `shared` True: always, None: data.shared_prompts=auto) or "padded".
+    With both automatic, the layout that computes the fewest token slots: the shipped pairs (prompts ~65% of
+    a row, lengths close) run shared, a long-tailed mix packs (its padding is most of a padded batch)."""
+    if shared is True:
+        return "shared"
+    lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
+    slots = {"padded": len(lengths) * max(lengths)}
+    if pack_length is not None:
+        if not only_if_saves:
+            return "packed"
+        bins = pack_bins(lengths, pack_length)
+        slots["packed"] = len(bins) * max(sum(lengths[i] for i in b) for b in bins)
+    if shared is None:
+        P = max(r["prompt_len"] for r in rows)
+        R = max(len(r[k]) - r["prompt_len"] for r in rows for k in ("chosen_ids", "rejected_ids"))
+        slots["shared"] = len(rows) * P + len(lengths) * R
+    return min(slots, key=lambda k: (slots[k], k != "padded"))  # a tie stays padded
+
+
+def pair_collate(pad_id: int, pack_length: int | None, only_if_saves: bool = False, *, shared: bool | None = False):
+    """rows -> collate_pairs' padded batch, packed (`pack_length` not None) or shared-prompt one
+    (`shared`, data.shared_prompts resolved): `pair_layout` chooses per micro-batch."""
     def collate(rows: list[dict]) -> dict:
-        if shared:
+        layout = pair_layout(rows, pack_length, only_if_saves, shared)
+        if layout == "shared":
             return collate_shared_pairs(rows, pad_id)
-        lengths = [len(r["chosen_ids"]) for r in rows] + [len(r["rejected_ids"]) for r in rows]
-        if packs(lengths, pack_length, only_if_saves):
+        if layout == "packed":
             return pack_pairs(rows, pad_id, pack_length)
         return collate_pairs(rows, pad_id)
 
