@@ -17,9 +17,14 @@ from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
 from engine import generation as G
 from engine.generation import SamplingParams, prompt_groups
 from rlhf import config as C
-from rlhf.config.validate import shared_prompts, validate_ppo
+from rlhf.config.validate import (
+    pair_shared_prompts, shared_prompts, validate_dpo, validate_ppo, validate_reward, validate_sft,
+)
 from rlhf.core.errors import ConfigError
-from rlhf.modeling.forward import position_ids_from_mask
+from rlhf.data import collate_pairs, collate_shared_pairs
+from rlhf.data.packing import pair_layout
+from rlhf.dpo import pair_batch, response_logps
+from rlhf.modeling.forward import batch_scores, position_ids_from_mask
 from rlhf.modeling.roles import Policy, ValueModel, shared_prompt_forward
 from rlhf.rl.rewards import RewardModelScore
 from rlhf.rl.rollout import generate, score_rollout
@@ -235,8 +240,6 @@ def pair_feats(n: int = 5, seed: int = 0) -> list[dict]:
 
 
 def test_a_shared_pair_batch_is_laid_out_as_a_rollout():
-    from rlhf.data import collate_shared_pairs
-
     feats = [{"chosen_ids": [1, 5, 6, 7, 2], "rejected_ids": [1, 5, 6, 8, 9, 2], "prompt_len": 3},
              {"chosen_ids": [1, 4, 3, 2], "rejected_ids": [1, 4, 2], "prompt_len": 2}]
     b = collate_shared_pairs(feats, PAD, labels=True)
@@ -247,8 +250,6 @@ def test_a_shared_pair_batch_is_laid_out_as_a_rollout():
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 4, 5], [0, 0, 1, 2, 2, 2]]
     assert b["labels"].tolist() == [[X, X, X, 7, 2, X], [X, X, X, 3, 2, X], [X, X, X, 8, 9, 2], [X, X, X, 2, X, X]]
     # the same rows as collate_pairs' right-padded whole rows, token for token
-    from rlhf.data import collate_pairs
-
     whole = collate_pairs(feats, PAD)
     for i in range(4):
         assert b["input_ids"][i][b["attention_mask"][i].bool()].tolist() == \
@@ -257,9 +258,6 @@ def test_a_shared_pair_batch_is_laid_out_as_a_rollout():
 
 @pytest.mark.parametrize("name", ["llama", "opt", "qwen2"])
 def test_reward_scores_and_gradients_of_shared_pairs_equal_the_whole_rows(name):
-    from rlhf.data import collate_pairs, collate_shared_pairs
-    from rlhf.modeling.forward import batch_scores
-
     feats = pair_feats(seed=1)
     model = ValueModel(family(name, value=True))
     seen = []
@@ -269,7 +267,8 @@ def test_reward_scores_and_gradients_of_shared_pairs_equal_the_whole_rows(name):
     b = collate_shared_pairs(feats, PAD)
     seen.clear()
     shared = batch_scores(model, b)
-    assert seen == [(5, b["prompt_len"]), (10, b["input_ids"].shape[1] - b["prompt_len"])]  # 5 prompts, then 10 responses
+    # 5 prompts, then 10 responses
+    assert seen == [(5, b["prompt_len"]), (10, b["input_ids"].shape[1] - b["prompt_len"])]
     assert shared.shape == (10,) and (shared - whole).abs().max() < 2e-6 and whole.std() > 0
     weight = torch.randn(10, generator=torch.Generator().manual_seed(2))
     assert_grads_close(grads(model, whole, weight), grads(model, shared, weight))
@@ -278,8 +277,6 @@ def test_reward_scores_and_gradients_of_shared_pairs_equal_the_whole_rows(name):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("name", ["llama", "opt"])
 def test_dpo_logps_and_gradients_of_shared_pairs_equal_the_whole_rows(name, fused):
-    from rlhf.dpo import pair_batch, response_logps
-
     feats = pair_feats(seed=3)
     policy = Policy(family(name), fused=fused)
     idx = list(range(len(feats)))
@@ -295,8 +292,6 @@ def test_dpo_logps_and_gradients_of_shared_pairs_equal_the_whole_rows(name, fuse
 
 
 def test_pair_config_resolves_and_refuses():
-    from rlhf.config.validate import pair_shared_prompts, validate_dpo, validate_reward, validate_sft
-
     cfg = lambda app, kind, *o: C.to_config(C.compose(app, list(o)), kind)  # noqa: E731
     rw = lambda *o: cfg("reward", C.RewardConfig, *o)  # noqa: E731
     assert pair_shared_prompts(rw().data, rw().engine) is None  # auto: pair_layout per micro-batch
@@ -320,8 +315,6 @@ def test_auto_takes_the_layout_that_computes_the_fewest_positions():
     """data.shared_prompts=null with data.packing=auto: the shipped pairs' shape (long prompts, short responses of
     close lengths) runs shared, a long-tailed mix packs, and pairs whose long prompt meets another's long
     response stay padded (shared would compute more); true and data.packing=true force their layout."""
-    from rlhf.data.packing import pair_layout
-
     def pair(p, c, r):
         return {"chosen_ids": [5] * (p + c), "rejected_ids": [6] * p + [7] * r, "prompt_len": p}
 
