@@ -202,14 +202,13 @@ class PolicyState:
         return read_meta(path)["extra_state"]
 
 
-def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DPOConfig) -> dict[str, Any]:
+def evaluate(engine, ref_of, feats: list[dict], prompts: list, tok: Any, cfg: DPOConfig,
+             shared: bool | None = False) -> dict[str, Any]:
     """Held-out loss, implicit rewards, margin and accuracy (`ref_of(feats)`: their reference table or
     None); the gold score of greedy generations."""
     out = {}
     if feats:
-        pol = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size,
-                       shared=pair_shared_prompts(cfg.data, cfg.engine))
-        ref = ref_of(feats)
+        pol, ref = table_of(engine, feats, tok.pad_token_id, cfg.train.micro_batch_size, shared=shared), ref_of(feats)
         lens = torch.tensor([[len(f["chosen_ids"]) - f["prompt_len"], len(f["rejected_ids"]) - f["prompt_len"]]
                              for f in feats], dtype=torch.float32)
         rc, rr = (None, None) if ref is None else ref.unbind(1)
@@ -272,7 +271,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
             return table_of(ref_engine, feats, pad, mb, base=lora, shared=shared)
         return state.tables["eval"] if needs_ref else None
 
-    run.begin(state, data.total, lambda: evaluate(engine, ref_of, data.eval, prompts, tok, cfg),
+    run.begin(state, data.total, lambda: evaluate(engine, ref_of, data.eval, prompts, tok, cfg, shared),
               _kto_eval_line if kto else _eval_line, memory=engine)
     if needs_ref and not online and "train" not in state.tables:
         raise ConfigError(f"{run.resume_path} holds no precomputed reference log-probs (written with "

@@ -20,7 +20,8 @@ For each model and each kind of step, the same micro-batches run padded and pack
     score   the RL stage's scoring pass: no-grad log-probs of every row's tokens under the Policy
             (what rlhf/rl/rollout.py computes; that stage itself still runs padded batches)
 The pair steps (reward, dpo) also run the "shared prompts" layout (rlhf/data/tokenize.py
-collate_shared_pairs, the stages' default): each pair's prompt once, both responses on its KV cache.
+collate_shared_pairs; the stages take it where it computes the fewest positions): each pair's prompt once,
+both responses on its KV cache.
 Columns: real tokens/s (`--clock cpu`: per CPU-second of this process; the rows' real tokens, a pair's prompt
 counted in both rows in every layout, so the same work), padding fraction (pad slots / computed slots), memory (CUDA: peak allocated;
 CPU: bytes of tensors saved for backward, deduplicated by storage, the activation memory that

@@ -21,10 +21,11 @@ from rlhf.modeling.forward import batch_scores
 
 @torch.no_grad()
 def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size: int,
-                pack_length: int | None = None, *, shared: bool = False) -> list[tuple[int, float, float]]:
+                pack_length: int | None = None, *, shared: bool | None = False) -> list[tuple[int, float, float]]:
     """(index, chosen score, rejected score) of every feature, computed on the gathered model with
     the rows split over the ranks, then all-gathered (in feature order); packed when `pack_length`
-    is not None (rlhf/data/packing.py); each pair's prompt run once with `shared` (data.shared_prompts)."""
+    is not None (rlhf/data/packing.py); each pair's prompt run once with `shared` (data.shared_prompts resolved: True, or None = where
+    that computes the fewest positions)."""
     info = engine.info
     collate = pair_collate(pad_id, pack_length, shared=shared)
     mine = feats[info.rank :: info.world_size]
@@ -43,7 +44,7 @@ def score_pairs(engine: TrainEngine, feats: list[dict], pad_id: int, batch_size:
 
 
 def evaluate_pairs(engine: TrainEngine, feats: list[dict], examples: list, pad_id: int, batch_size: int,
-             pack_length: int | None = None, *, shared: bool = False) -> dict[str, Any]:
+             pack_length: int | None = None, *, shared: bool | None = False) -> dict[str, Any]:
     """Held-out accuracy and mean scores; agreement with / AUC against the gold judge where it applies."""
     if not feats:
         return {}
