@@ -288,7 +288,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     models = Models(cfg, tok, info, n_updates, reward_source=source)
     if needs_rm:  # the reward model's source, alone or inside a weighted sum
         models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
-    kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon)
+    kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon, p.kl_coef_min)
     monitor = alarms.Monitor(cfg.alarms)
     old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 

@@ -387,6 +387,16 @@ def test_a_registered_critic_free_estimator_runs_without_a_critic(stages, tmp_pa
     assert [r["actor_loss"] for r in metrics(out, "train")] == [r["actor_loss"] for r in train]
 
 
+def test_the_adaptive_kl_floor_reaches_the_run(stages, tmp_path):
+    """ppo.kl_coef_min = ppo.kl_coef: a KL far under the target leaves the coefficient at its start on
+    every step, where Ziegler's rule alone would take 20% off it per step (16 rows / horizon 16)."""
+    out = tmp_path / "floor"
+    ppo(stages, out, "train.max_steps=3", "ppo.kl_coef=0.5", "ppo.adaptive_kl=true", "ppo.kl_target=100",
+        "ppo.kl_horizon=16", "ppo.kl_coef_min=0.5")
+    assert [r["kl_coef"] for r in metrics(out, "train")] == [0.5, 0.5, 0.5]
+    assert summary(out)["kl_coef_final"] == 0.5
+
+
 def test_unknown_advantage_estimator_names_the_registered_ones(tmp_path):
     proc = run_stage("ppo", f"output_dir={tmp_path}", f"actor.model={tmp_path}", f"critic.model={tmp_path}",
                      "ppo.advantage_estimator=nope", check=False)

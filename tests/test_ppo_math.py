@@ -313,6 +313,60 @@ def test_adaptive_kl_controller_two_updates_and_round_trip():
         assert ctl.value == other.value
 
 
+def test_adaptive_kl_floor_holds_the_coefficient_while_the_kl_is_under_the_target():
+    """ppo.kl_coef_min: with the floor at the start value, a KL under the target leaves the coefficient
+    where it is (Ziegler's rule alone would lower it), and a KL over it raises it by the same rule."""
+    plain = AdaptiveKLController(init_kl_coef=0.8, target=0.4, horizon=100)
+    floor = AdaptiveKLController(init_kl_coef=0.8, target=0.4, horizon=100, min_value=0.8)
+    for kl in (0.0, 0.1, 0.3):  # under the target: plain x (1 - 0.2 x 64 / 100) = 0.872, then ...
+        plain.update(kl, 64)
+        floor.update(kl, 64)
+    # errors clip(-1) = -0.2, clip(-0.75) = -0.2, -0.25 -> -0.2: three x 0.872
+    assert plain.value == pytest.approx(0.8 * 0.872**3, rel=1e-12)
+    assert floor.value == 0.8
+    floor.update(0.5, 64)  # over: error 0.25 -> 0.2, x 1.128
+    assert floor.value == pytest.approx(0.8 * 1.128, rel=1e-12)
+    floor.update(0.44, 32)  # error 0.1 -> x 1.032
+    assert floor.value == pytest.approx(0.8 * 1.128 * 1.032, rel=1e-12)
+    for _ in range(10):  # back under: down by the rule, never under the floor
+        floor.update(0.2, 64)
+        assert floor.value >= 0.8
+    assert floor.value == 0.8
+    part = AdaptiveKLController(init_kl_coef=0.8, target=0.4, horizon=100, min_value=0.5)
+    for _ in range(5):
+        part.update(0.0, 64)
+    assert part.value == 0.5  # 0.8 x 0.872^4 = 0.46 < 0.5
+    assert "min_value=0.5" in repr(part)
+    for bad in (-0.1, 0.9):
+        with pytest.raises(ValueError, match="min_value"):
+            AdaptiveKLController(init_kl_coef=0.8, target=0.4, horizon=100, min_value=bad)
+    with pytest.raises(ValueError, match="adaptive"):
+        make_kl_controller(0.8, False, min_value=0.8)
+    assert make_kl_controller(0.8, True, 0.4, 100, 0.8).min_value == 0.8
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"kl_coef_min": 0.5}, "needs ppo.adaptive_kl=true"),
+    ({"adaptive_kl": True, "kl_target": 0.4, "kl_coef_min": 0.9}, "between 0 and ppo.kl_coef=0.8"),
+    ({"adaptive_kl": True, "kl_target": 0.4, "kl_coef_min": -0.1}, "ppo.kl_coef_min"),
+])
+def test_kl_coef_min_is_checked_against_the_config(overrides, message):
+    import dataclasses
+    from types import SimpleNamespace
+
+    from rlhf.config import ConfigError, PPOConfig
+    from rlhf.config.validate import validate_ppo
+
+    cfg = PPOConfig(data=dataclasses.replace(PPOConfig().data, path="prompts.jsonl"))
+    for key in ("actor", "critic"):  # ${model.lora} is resolved by to_config; built in Python, set it
+        setattr(cfg, key, dataclasses.replace(getattr(cfg, key), lora=cfg.model.lora))
+    cfg.ppo = dataclasses.replace(cfg.ppo, kl_coef=0.8, **overrides)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
+    cfg.ppo = dataclasses.replace(cfg.ppo, adaptive_kl=True, kl_target=0.4, kl_coef_min=0.8)
+    validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))  # the budget form passes
+
+
 def test_fixed_kl_controller_and_factory():
     ctl = make_kl_controller(0.1, adaptive=False)
     assert isinstance(ctl, FixedKLController)

@@ -829,19 +829,29 @@ class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019, "Fine-Tuning LMs from Human Preferences").
 
         proportional_error = clip(current_kl / target - 1, -0.2, 0.2)
-        value *= 1 + proportional_error * n_steps / horizon
+        value = max(min_value, value * (1 + proportional_error * n_steps / horizon))
     `n_steps` is the number of samples (episodes) the KL was measured over.
+
+    `min_value` (ppo.kl_coef_min) is a floor. Ziegler's controller also lowers the coefficient while
+    the KL is under the target, which it is at the start of every run (the actor is the reference):
+    on the embedded default (seed 1234, target 0.4) the coefficient fell from 0.8 to 0.31 by step 24, so
+    that the KL then overshot to 0.55 before the controller caught up. With min_value = init_kl_coef
+    the controller only adds to the penalty while the KL is over the target: a KL budget, the dual
+    ascent of the constraint KL <= target on a multiplier kept >= min_value.
     """
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+    def __init__(self, init_kl_coef: float, target: float, horizon: float, min_value: float = 0.0):
         if not init_kl_coef >= 0:
             raise ValueError(f"init_kl_coef must be >= 0, got {init_kl_coef!r}")
         if not (target > 0 and horizon > 0):
             raise ValueError(f"target and horizon must be > 0, got target={target!r}, "
                              f"horizon={horizon!r}")
+        if not 0 <= min_value <= init_kl_coef:
+            raise ValueError(f"min_value must be in [0, init_kl_coef={init_kl_coef!r}], got {min_value!r}")
         self.value = float(init_kl_coef)
         self.target = float(target)
         self.horizon = float(horizon)
+        self.min_value = float(min_value)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Move `value` toward keeping `current_kl` (a float or 0-d tensor) at `target`; a non-finite
@@ -850,11 +860,11 @@ class AdaptiveKLController:
         if not math.isfinite(current_kl):
             return
         proportional_error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + proportional_error * n_steps / self.horizon
+        self.value = max(self.min_value, self.value * (1.0 + proportional_error * n_steps / self.horizon))
 
     def __repr__(self) -> str:
         return (f"AdaptiveKLController(value={self.value}, target={self.target}, "
-                f"horizon={self.horizon})")
+                f"horizon={self.horizon}, min_value={self.min_value})")
 
     def state_dict(self) -> dict:
         return {"value": self.value, "target": self.target, "horizon": self.horizon}
@@ -866,12 +876,14 @@ class AdaptiveKLController:
 
 
 def make_kl_controller(kl_coef: float, adaptive: bool, target: float | None = None,
-                       horizon: float | None = None) -> FixedKLController | AdaptiveKLController:
-    """FixedKLController(kl_coef), or AdaptiveKLController(kl_coef, target, horizon) if adaptive."""
+                       horizon: float | None = None, min_value: float = 0.0) -> FixedKLController | AdaptiveKLController:
+    """FixedKLController(kl_coef), or AdaptiveKLController(kl_coef, target, horizon, min_value) if adaptive."""
     if adaptive:
         if target is None or horizon is None:
             raise ValueError("adaptive KL control needs both target and horizon")
-        return AdaptiveKLController(kl_coef, target, horizon)
+        return AdaptiveKLController(kl_coef, target, horizon, min_value)
+    if min_value:
+        raise ValueError("a KL coefficient floor (min_value) applies to adaptive KL control only")
     return FixedKLController(kl_coef)
 
 
