@@ -288,7 +288,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     models = Models(cfg, tok, info, n_updates, reward_source=source)
     if needs_rm:  # the reward model's source, alone or inside a weighted sum
         models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
-    kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon, p.kl_coef_min)
+    floor = p.kl_coef if p.kl_coef_min is None else p.kl_coef_min  # ppo.kl_coef_min=null: a KL budget
+    kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon,
+                                        floor if p.adaptive_kl else 0.0)
     monitor = alarms.Monitor(cfg.alarms)
     old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 

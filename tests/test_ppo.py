@@ -388,11 +388,11 @@ def test_a_registered_critic_free_estimator_runs_without_a_critic(stages, tmp_pa
 
 
 def test_the_adaptive_kl_floor_reaches_the_run(stages, tmp_path):
-    """ppo.kl_coef_min = ppo.kl_coef: a KL far under the target leaves the coefficient at its start on
-    every step, where Ziegler's rule alone would take 20% off it per step (16 rows / horizon 16)."""
+    """ppo.kl_coef_min=null (= ppo.kl_coef): a KL far under the target leaves the coefficient at its start
+    on every step, where Ziegler's rule alone would take 20% off it per step (16 rows / horizon 16)."""
     out = tmp_path / "floor"
     ppo(stages, out, "train.max_steps=3", "ppo.kl_coef=0.5", "ppo.adaptive_kl=true", "ppo.kl_target=100",
-        "ppo.kl_horizon=16", "ppo.kl_coef_min=0.5")
+        "ppo.kl_horizon=16", "ppo.kl_coef_min=null")
     assert [r["kl_coef"] for r in metrics(out, "train")] == [0.5, 0.5, 0.5]
     assert summary(out)["kl_coef_final"] == 0.5
 

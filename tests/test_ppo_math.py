@@ -363,8 +363,10 @@ def test_kl_coef_min_is_checked_against_the_config(overrides, message):
     cfg.ppo = dataclasses.replace(cfg.ppo, kl_coef=0.8, **overrides)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
-    cfg.ppo = dataclasses.replace(cfg.ppo, adaptive_kl=True, kl_target=0.4, kl_coef_min=0.8)
-    validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))  # the budget form passes
+    for ok in (dict(adaptive_kl=True, kl_target=0.4, kl_coef_min=0.8), dict(adaptive_kl=True, kl_target=0.4,
+               kl_coef_min=None), dict(adaptive_kl=False, kl_coef_min=None)):  # null = kl_coef, with either
+        cfg.ppo = dataclasses.replace(cfg.ppo, **ok)
+        validate_ppo(cfg, SimpleNamespace(world_size=1, device=torch.device("cpu")))
 
 
 def test_fixed_kl_controller_and_factory():

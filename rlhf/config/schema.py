@@ -319,9 +319,9 @@ class PPOAlgoConfig:
     adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al.)
     kl_target: float = 6.0  # adaptive_kl: the KL aimed at
     kl_horizon: float = 10000.0  # adaptive_kl: how slowly kl_coef adapts (rollout rows)
-    # adaptive_kl: the coefficient never falls below this (0 = no floor; = kl_coef: the controller only adds
-    # to the penalty while the KL is over kl_target, a KL budget; rlhf/algos/rl.py AdaptiveKLController)
-    kl_coef_min: float = 0.0
+    # adaptive_kl: the coefficient never falls below this (0 = no floor; null = kl_coef, a KL budget: the
+    # controller only adds to the penalty while the KL is over kl_target; rlhf/algos/rl.py AdaptiveKLController)
+    kl_coef_min: float | None = 0.0
     clip_reward_value: float = 5.0  # reward model scores clipped to +-this
     # A name registered in rlhf/algos/rl.py: gae (PPO, needs the critic), grpo, rloo, reinforce_pp
     advantage_estimator: str = "gae"

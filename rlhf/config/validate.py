@@ -372,11 +372,12 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(p.kl_estimator in KL_ESTIMATORS, f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {p.kl_estimator!r}")
     if p.adaptive_kl:
         _need(p.kl_target > 0 and p.kl_horizon > 0, "ppo.kl_target and ppo.kl_horizon must be > 0 with ppo.adaptive_kl")
-        _need(0 <= p.kl_coef_min <= p.kl_coef, f"ppo.kl_coef_min (the adaptive coefficient's floor) must be between 0 "
-              f"and ppo.kl_coef={p.kl_coef} (where the controller starts), got {p.kl_coef_min}")
+        _need(p.kl_coef_min is None or 0 <= p.kl_coef_min <= p.kl_coef, "ppo.kl_coef_min (the adaptive coefficient's "
+              f"floor) must be between 0 and ppo.kl_coef={p.kl_coef} (where the controller starts), or null (= "
+              f"ppo.kl_coef), got {p.kl_coef_min}")
     else:
-        _need(p.kl_coef_min == 0, f"ppo.kl_coef_min={p.kl_coef_min} is the floor of the adaptive KL coefficient: it "
-              "needs ppo.adaptive_kl=true (with a fixed coefficient, set ppo.kl_coef)")
+        _need(p.kl_coef_min in (0, None), f"ppo.kl_coef_min={p.kl_coef_min} is the floor of the adaptive KL coefficient: "
+              "it needs ppo.adaptive_kl=true (with a fixed coefficient, set ppo.kl_coef)")
     _need(p.advantage_estimator in ADVANTAGE_ESTIMATORS, f"ppo.advantage_estimator must be one of "
           f"{tuple(ADVANTAGE_ESTIMATORS)} (registered in rlhf/algos/rl.py), got {p.advantage_estimator!r}")
     est = ADVANTAGE_ESTIMATORS[p.advantage_estimator]
