@@ -59,7 +59,12 @@ case "$PIPELINE" in
 esac
 SFT=() RM=() PPO=() DPO=()
 case "${TASK:-default}" in
-  default) ;;
+  default)
+    # 8 passes over the demonstrations instead of the stage's 5 (SFT -> reward -> RL only): at 5 the SFT model
+    # still miscopies digits in 16-18 of 44 held-out sort answers on some seeds, which PPO does not repair
+    # (it removes the demonstrator's order habit, not a missing skill); on seed 2 8 passes took that to 0,
+    # and the reward model trained from it reached held-out accuracy 0.985 (0.940 from the 5-pass one)
+    if [ "$PIPELINE" = ppo ]; then SFT+=(train.epochs=8); fi ;;
   tools)  # SFT -> RL with the calculator tool; no reward model (the judge scores the final answer)
     PIPELINE=tools
     TOOL_DATA=(data.eval_prompts_path=data/tools/eval_tools.jsonl)
@@ -90,9 +95,13 @@ fi
 # +25.5 / +16.0 / +26.0 (seed 1 peaked at +18.5 on step 10, then the policy hacked the reward model: training reward up, gold down, KL 1.37); with 0.8, +28.0 / +22.0 / +25.0
 # at KL 0.21 / 0.63 / 0.50 (0.5: seed 1 +21.0). Any ppo:ppo.kl_coef=... argument overrides it. ALGO picks the RL stage's
 # algorithm (python -m rlhf.ppo algorithm=$ALGO); the critic-free ones keep their own KL settings.
+# The PPO stage holds a KL budget (issue #37): the coefficient starts at 0.8 and the controller only raises it
+# while the KL is over 0.3 (ppo.kl_coef_min=null: never below 0.8; Ziegler's rule alone had taken it from 0.8
+# to 0.31 before the KL rose). On the 5-epoch SFT outputs of seeds 2 / 1 the fixed 0.8 ended at gold 85.5 /
+# 96.0 at KL 0.52 / 0.55, this at 87.5 / 97.0 at KL 0.48 / 0.46 (docs/stages.md).
 ALGO="${ALGO:-ppo}"
 case "$ALGO" in
-  ppo) PPO+=(ppo.kl_coef=0.8) ;;
+  ppo) PPO+=(ppo.kl_coef=0.8 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=150 ppo.kl_coef_min=null) ;;
   grpo|rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
   *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
 esac

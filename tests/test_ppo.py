@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from torch import nn
 
 import forkserver
@@ -478,6 +479,12 @@ def test_run_all_smoke(tmp_path):
     assert "after PPO" in report and "Reward model" in report
     assert "ppo.kl_estimator=k1" in report and "sampled estimate" in report and "gold score (%)" in report
     assert summary(root / "ppo")["gold_score_before"] == pytest.approx(summary(root / "sft")["gold_score_after"])
+    # the demo's schedule (run_all.sh): 8 SFT passes (capped by the preset's max_steps) and the KL budget
+    sft_cfg, ppo_cfg = (yaml.safe_load((root / st / "config.yaml").read_text()) for st in ("sft", "ppo"))
+    assert sft_cfg["train"]["epochs"] == 8
+    assert {k: ppo_cfg["ppo"][k] for k in ("kl_coef", "adaptive_kl", "kl_target", "kl_horizon", "kl_coef_min")} == {
+        "kl_coef": 0.8, "adaptive_kl": True, "kl_target": 0.3, "kl_horizon": 150, "kl_coef_min": None}
+    assert all(r["kl_coef"] >= 0.8 for r in metrics(root / "ppo", "train"))  # the floor held in the run
     # the run explorer beside report.md: every stage a run of its page, with its samples
     page = (root / "report.html").read_text()
     assert all(f'"name": "{stage}"' in page for stage in ("sft", "reward", "ppo")) and '"sampled_response": ' in page
