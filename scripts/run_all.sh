@@ -62,8 +62,8 @@ case "${TASK:-default}" in
   default)
     # 8 passes over the demonstrations instead of the stage's 5 (SFT -> reward -> RL only): at 5 the SFT model
     # still miscopies digits in 16-18 of 44 held-out sort answers on some seeds, which PPO does not repair
-    # (it removes the demonstrator's order habit, not a missing skill); on seed 2 8 passes took that to 0,
-    # and the reward model trained from it reached held-out accuracy 0.985 (0.940 from the 5-pass one)
+    # (it removes the demonstrator's order habit, not a missing skill); 8 passes took that to 0 on seeds 2
+    # and 1234 (PPO gold 85.5 -> 94.5, 93.5 -> 95.5), not on seed 3 (22; PPO 85.5): docs/stages.md
     if [ "$PIPELINE" = ppo ]; then SFT+=(train.epochs=8); fi ;;
   tools)  # SFT -> RL with the calculator tool; no reward model (the judge scores the final answer)
     PIPELINE=tools
