@@ -529,6 +529,7 @@ def test_run_all_seed_sweep(tmp_path):
             assert f"\nseed: {seed}\n" in (root / f"seed_{seed}" / stage / "config.yaml").read_text(), (seed, stage)
         assert row == json.loads((root / f"seed_{seed}" / "report.json").read_text())
         assert row["rm_accuracy"] == summary(root / f"seed_{seed}" / "reward")["eval_accuracy"]
+        assert row["sft_loss"] == summary(root / f"seed_{seed}" / "sft")["eval_loss_after"] > 0  # the SFT model's held-out loss
     table = [line for line in (root / "sweep.md").read_text().splitlines() if line.startswith("| ")]
     # the worst seed first: the lower PPO gold (then the higher KL)
     worst = sorted(zip((3, 4), sweep["runs"]), key=lambda p: (p[1]["ppo_gold"], -p[1]["kl"], p[0]))

@@ -25,7 +25,7 @@ def load_report():
 def write_run(root, kl: float, estimator: str = "k1") -> None:
     """The files report.py reads: three summaries, metrics.jsonl per stage, ppo/config.yaml."""
     stages = {
-        "sft": ({"stage": "sft", "time_s": 10.0, "gold_score_before": 0.0, "gold_score_after": 40.0},
+        "sft": ({"stage": "sft", "time_s": 10.0, "gold_score_before": 0.0, "gold_score_after": 40.0, "eval_loss_after": 1.6},
                 [{"step": s, "kind": "train", "loss": 3.0 - s / 10} for s in (5, 10, 15)]
                 + [{"step": s, "kind": "eval", "loss": 3.1 - s / 10, "gold_score": 2.0 * s} for s in (0, 15)]),
         "reward": ({"stage": "reward", "time_s": 5.0, "eval_accuracy": 0.8},
@@ -115,9 +115,9 @@ def test_dpo_pipeline_report(tmp_path):
     assert "gold" in axes[2].get_ylabel()
 
 
-def summaries(sft_gold: float, acc: float, ppo_gold: float, kl: float, times=(10.0, 5.0, 7.0)) -> dict:
+def summaries(sft_gold: float, acc: float, ppo_gold: float, kl: float, times=(10.0, 5.0, 7.0), sft_loss=None) -> dict:
     """The three summaries `report.figures` reads, with the given figures."""
-    return {"sft": {"time_s": times[0], "gold_score_after": sft_gold},
+    return {"sft": {"time_s": times[0], "gold_score_after": sft_gold, "eval_loss_after": sft_loss},
             "reward": {"time_s": times[1], "eval_accuracy": acc, "gold_auc": None},
             "ppo": {"time_s": times[2], "gold_score_after": ppo_gold, "kl": kl}}
 
@@ -128,8 +128,8 @@ def test_report_json_holds_the_headline_figures(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     got = json.loads((tmp_path / "report.json").read_text())
-    assert got == {"sft_gold": 40.0, "rm_accuracy": 0.8, "rm_gold_auc": None, "ppo_gold": 42.5, "gold_gain": 2.5,
-                   "kl": 0.05, "sft_s": 10.0, "reward_s": 5.0, "ppo_s": 7.0, "total_s": 30.0}
+    assert got == {"sft_gold": 40.0, "sft_loss": 1.6, "rm_accuracy": 0.8, "rm_gold_auc": None, "ppo_gold": 42.5,
+                   "gold_gain": 2.5, "kl": 0.05, "sft_s": 10.0, "reward_s": 5.0, "ppo_s": 7.0, "total_s": 30.0}
 
 
 def test_aggregate_by_hand():
@@ -142,9 +142,9 @@ def test_aggregate_by_hand():
 
 def test_seed_sweep_table(tmp_path):
     report = load_report()
-    runs = {1: summaries(60.0, 0.90, 85.0, 0.5, (100.0, 200.0, 300.0)),
-            2: summaries(70.0, 0.94, 95.0, 0.7, (110.0, 210.0, 310.0)),
-            3: summaries(65.0, 0.95, 91.0, 0.6, (120.0, 220.0, 320.0))}
+    runs = {1: summaries(60.0, 0.90, 85.0, 0.5, (100.0, 200.0, 300.0), 0.138),
+            2: summaries(70.0, 0.94, 95.0, 0.7, (110.0, 210.0, 310.0), 0.094),
+            3: summaries(65.0, 0.95, 91.0, 0.6, (120.0, 220.0, 320.0), 0.101)}
     for seed, s in runs.items():
         (tmp_path / f"seed_{seed}").mkdir()
         total = sum(st["time_s"] for st in s.values()) + 10
@@ -154,17 +154,17 @@ def test_seed_sweep_table(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     table = [line for line in (tmp_path / "sweep.md").read_text().splitlines() if line.startswith("| ")]
-    assert table[0].split(" | ")[:7] == ["| seed", "SFT gold (%)", "RM held-out accuracy", "RM gold AUC", "PPO gold (%)",
+    assert table[0].split(" | ")[:8] == ["| seed", "SFT gold (%)", "SFT held-out loss", "RM held-out accuracy", "RM gold AUC", "PPO gold (%)",
                                          "PPO gain (points)", "KL (nats)"]
     # gains 25, 25, 26: mean 25.333, std sqrt(((-1/3)^2 + (-1/3)^2 + (2/3)^2) / 2) = 0.577
     # rows worst PPO gold first: seed 1 (85), seed 3 (91), seed 2 (95)
     assert [line.split(" | ")[0] for line in table[1:4]] == ["| 1", "| 3", "| 2"]
-    assert table[1] == "| 1 | 60.0 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
-    assert table[2] == "| 3 | 65.0 | 0.950 | – | 91.0 | +26.0 | 0.600 | 120 | 220 | 320 | 670 |"
-    assert table[4] == ("| mean ± std | 65.0 ± 5.0 | 0.930 ± 0.026 | – | 90.3 ± 5.0 | +25.3 ± 0.6 | 0.600 ± 0.100 "
+    assert table[1] == "| 1 | 60.0 | 0.138 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
+    assert table[2] == "| 3 | 65.0 | 0.101 | 0.950 | – | 91.0 | +26.0 | 0.600 | 120 | 220 | 320 | 670 |"
+    assert table[4] == ("| mean ± std | 65.0 ± 5.0 | 0.111 ± 0.024 | 0.930 ± 0.026 | – | 90.3 ± 5.0 | +25.3 ± 0.6 | 0.600 ± 0.100 "
                         "| 110 ± 10 | 210 ± 10 | 310 ± 10 | 640 ± 30 |")
-    assert table[5] == "| min | 60.0 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
-    assert table[6] == "| max | 70.0 | 0.950 | – | 95.0 | +26.0 | 0.700 | 120 | 220 | 320 | 670 |"
+    assert table[5] == "| min | 60.0 | 0.094 | 0.900 | – | 85.0 | +25.0 | 0.500 | 100 | 200 | 300 | 610 |"
+    assert table[6] == "| max | 70.0 | 0.138 | 0.950 | – | 95.0 | +26.0 | 0.700 | 120 | 220 | 320 | 670 |"
     assert len(table) == 7
     text = (tmp_path / "sweep.md").read_text()
     assert "accuracy 0.930 ± 0.026 (min 0.900)" in text and "gain +25.3 ± 0.6 (min +25.0) points" in text
