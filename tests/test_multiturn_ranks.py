@@ -22,7 +22,8 @@ ARGS = ["algorithm=grpo", "reward.sources=[judge]", "rollout.env=env_faults:Tall
         "rollout.max_new_tokens=6", "rollout.max_episode_tokens=64", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4",
         "rollout.mini_batch_size=8", "rollout.micro_batch_size=4", "train.eval_every=0", "data.num_eval_prompts=4",
         "eval.max_new_tokens=6", "actor.lr=1e-2",
-        "engine.deterministic=true"]  # per-row sampling streams: a row's tokens do not depend on its rank
+        "engine.deterministic=true",  # per-row sampling streams: a row's tokens do not depend on its rank
+        "engine.precision=fp32"]  # on every host (auto runs bf16 on a CPU with native bf16): the equalities are fp32's
 # figures that count episodes, turns and tokens: equal, not close
 COUNTS = ("turns", "tool_calls", "obs_tokens", "episodes", "env_errors", "env_timeouts", "template_checked",
           "template_mismatch", "response_len", "dropped_groups", "step")

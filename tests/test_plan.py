@@ -128,7 +128,8 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert tools["models"]["actor"]["seq"] == 48 + 64 and tools["kv_cache_bytes"] == 2 * 7 * 64 * 224 * 256 * 2
     hf, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
                       "rollout.env=rlhf.rl.environments.calculator:Calculator", "rollout.max_turns=3",
-                      "rollout.max_new_tokens=16", "rollout.max_episode_tokens=64"])
+                      "rollout.max_new_tokens=16", "rollout.max_episode_tokens=64",
+                      "engine.precision=fp32"])  # on every host: auto is bf16 on a CPU with native bf16
     assert hf["generation_path"] == "hf" and hf["kv_cache_bytes"] == 2 * 7 * 64 * (48 + 64) * 256 * 4  # re-prefilled, fp32
 
 

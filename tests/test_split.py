@@ -116,7 +116,8 @@ def test_split_is_refused_by_the_other_stages():
 
 ARGS = ["train.max_steps=2", "train.save_every=0", "train.eval_every=0", "rollout.prompts_per_step=8",
         "rollout.mini_batch_size=8", "rollout.micro_batch_size=4", "data.num_eval_prompts=8", "actor.lr=1e-2",
-        "engine.deterministic=true"]  # per-row sampling streams: the same tokens on whichever rank samples them
+        "engine.deterministic=true",  # per-row sampling streams: the same tokens on whichever rank samples them
+        "engine.precision=fp32"]  # on every host (auto runs bf16 on a CPU with native bf16): the equalities are fp32's
 SPLIT_ONLY = ("policy_version", "staleness", "weights_", "sampler_s")
 # the sampler's own log-probs (a separate module copy on the generation rank) agree to float rounding only
 ROUNDING = ("gen_logprob_gap", "alarm_gen_gap", "gen_kl", "alarm_gen_kl")
