@@ -175,7 +175,8 @@ def figures(s: dict[str, dict], total_s: float) -> dict[str, float | None]:
     """One run's headline figures (a row of the sweep table) from its three summaries."""
     sft, ppo = s["sft"].get("gold_score_after"), s["ppo"].get("gold_score_after")
     return {
-        "sft_gold": sft, "sft_loss": s["sft"].get("eval_loss_after"), "rm_accuracy": s["reward"].get("eval_accuracy"), "rm_gold_auc": s["reward"].get("gold_auc"),
+        "sft_gold": sft, "sft_loss": s["sft"].get("eval_loss_after"), "rm_accuracy": s["reward"].get("eval_accuracy"),
+        "rm_gold_auc": s["reward"].get("gold_auc"),
         "ppo_gold": ppo, "gold_gain": None if sft is None or ppo is None else ppo - sft, "kl": s["ppo"].get("kl"),
         "sft_s": s["sft"]["time_s"], "reward_s": s["reward"]["time_s"], "ppo_s": s["ppo"]["time_s"], "total_s": total_s,
     }

@@ -24,8 +24,8 @@ SMALL_MODEL = ["model.config.hidden_size=32", "model.config.intermediate_size=64
                "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2"]
 # engine.precision=fp32 on every host: the equalities the tests assert are fp32's (auto would run bf16 on a CPU
 # with native bf16, whose rounding differs with the partition across ranks)
-COMMON = ["engine.deterministic=true", "engine.precision=fp32", "train.max_steps=2", "train.eval_every=0", "train.save_every=0",
-          "data.num_eval_prompts=4", "data.eval_size=8"]
+COMMON = ["engine.deterministic=true", "engine.precision=fp32", "train.max_steps=2", "train.eval_every=0",
+          "train.save_every=0", "data.num_eval_prompts=4", "data.eval_size=8"]
 RL = ["rollout.prompts_per_step=4", "rollout.mini_batch_size=4", "rollout.micro_batch_size=2",
       "rollout.max_new_tokens=6", "engine.deterministic_rows=8", "eval.max_new_tokens=6"]
 
