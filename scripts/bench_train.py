@@ -19,6 +19,9 @@ For each model and each kind of step, the same micro-batches run padded and pack
             reference table), a Policy
     score   the RL stage's scoring pass: no-grad log-probs of every row's tokens under the Policy
             (what rlhf/rl/rollout.py computes; that stage itself still runs padded batches)
+    head    (only with --steps head) the reward step of reward.head_only_fraction's phase, padded pairs: the
+            backbone in the graph with a zero-scaled gradient (DDP / FSDP2 ranks) vs run without a graph
+            (one process: the backbone gets zero gradients, the same update bit for bit)
 The pair steps (reward, dpo) also run the "shared prompts" layout (rlhf/data/tokenize.py
 collate_shared_pairs; the stages take it where it computes the fewest positions): each pair's prompt once,
 both responses on its KV cache.
@@ -58,6 +61,7 @@ from rlhf.dpo import make_loss as make_dpo_loss, pair_batch  # noqa: E402
 from rlhf.data.packing import batch_tokens, pack_pairs, pack_sft  # noqa: E402
 from rlhf.data.tokenize import IGNORE_INDEX  # noqa: E402
 from rlhf.modeling.forward import sft_loss
+from rlhf.modeling import roles  # noqa: E402
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.reward import make_loss  # noqa: E402
 
@@ -236,7 +240,19 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
                          None if batch.get("position_ids") is None else batch["position_ids"].to(device),
                          targets=batch["labels"][:, 1:].to(device))
 
+    local = roles._local_params
+
+    def head_step(comp, b):  # the reward stage's head-only phase, its backbone without (fast) or in the graph
+        engine = engines[comp][1]
+        engine.unwrapped.backbone_grad = 0.0
+        roles._local_params = local if b["no_graph"] else (lambda module: False)
+        try:
+            engine.train_step([b], reward_loss)
+        finally:
+            engine.unwrapped.backbone_grad, roles._local_params = 1.0, local
+
     steps = {
+        "head": (pair_mbs, lambda rows, L: {**collate_pairs(rows, pad), "no_graph": L}, head_step),
         "sft": (sft_mbs, collate_s, lambda comp, b: engines[comp][0].train_step([b], sft_loss)),
         "reward": (pair_mbs, collate_p, lambda comp, b: engines[comp][1].train_step([b], reward_loss)),
         "dpo": (pair_mbs, collate_d, lambda comp, b: engines[comp][0].train_step([b], dpo_loss)),
@@ -247,6 +263,8 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
         if step not in args.steps.split(","):
             continue
         step_layouts = {n: L for n, L in layouts.items() if L is not SHARED or step in ("reward", "dpo")}
+        if step == "head":  # padded pairs, the backbone in the graph (zero-scaled gradient) vs run without one
+            step_layouts = {"padded": False, "padded, no graph": True}
         variants = [(comp, name) for comp in compiles for name in step_layouts]
         batches = {name: [collate(mb, L) for mb in mbs] for name, L in step_layouts.items()}
         compile_s = {}
@@ -291,7 +309,8 @@ def main() -> None:
     ap.add_argument("--pack-lengths", default="max",
                     help="data.pack_length values to run: max (= the model's data.max_len, the stages' default), "
                          "N >= max_len, 0 (the micro-batch in one row [1, sum(len)]), none; comma-separated")
-    ap.add_argument("--steps", default="sft,reward,dpo,score", help="which steps to run, comma-separated")
+    ap.add_argument("--steps", default="sft,reward,dpo,score",
+                    help="which steps to run, comma-separated (also: head, the reward stage's head-only step)")
     ap.add_argument("--compile", default="off,on",
                     help="engine.compile values to run, comma-separated (off, on): each compiled variant's graphs are "
                          "built in its warm-up, whose compile time is reported apart from the timed rounds")

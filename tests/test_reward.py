@@ -152,6 +152,59 @@ def test_head_only_phase_leaves_the_backbone_unchanged():
     assert any(not torch.equal(after[k], v) for k, v in named().items() if "score" not in k)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_head_only_fast_path_equals_the_scaled_backward(monkeypatch, precision):
+    """One process, head alone: the backbone runs without a graph and its weights get zero gradients. Every
+    weight, the AdamW state and each step's loss and gradient norm equal, bit for bit, those of the path that
+    keeps the backbone in the graph with a zero-scaled gradient (what DDP / FSDP2 ranks run), through head-only
+    steps, two micro-batches a step, weight decay, then full steps; and the fast path builds no backbone graph."""
+    from engine import EngineConfig, OptimConfig, TrainEngine, hf_base_model
+    from rlhf.modeling import roles
+    from rlhf.reward import make_loss
+
+    tok = _value_model()[1]
+    rows = [tok(t)["input_ids"] for t in ("Human: Sort 3 1 2. Assistant: 1 2 3", "Human: Upper ab. Assistant: AB",
+                                         "Human: Sort 3 1 2. Assistant: 3 1 2", "Human: Upper ab. Assistant: ab")]
+    L = max(map(len, rows))
+    batch = {"input_ids": torch.tensor([r + [tok.pad_token_id] * (L - len(r)) for r in rows]),
+             "attention_mask": torch.tensor([[1] * len(r) + [0] * (L - len(r)) for r in rows])}
+
+    def train(fast: bool):
+        monkeypatch.setattr(roles, "_local_params", lambda module: fast)
+        model = _value_model(seed=3)[0]
+        model.train()
+        with torch.no_grad():
+            hf_base_model(model).score.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+        engine = TrainEngine(model, EngineConfig(stage=0, precision=precision),
+                             OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=2), total_steps=8)
+        outs = []
+        for step in range(6):
+            model.backbone_grad = 0.0 if step < 4 else 1.0
+            out = engine.train_step([batch, batch], make_loss(0.0, 0.0))
+            outs.append((out["loss"], out["grad_norm"], out["accuracy"]))
+        state = {k: v.detach().clone() for k, v in model.named_parameters()}
+        adam = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                for s in engine.optimizer.state.values()]
+        return outs, state, adam
+
+    slow, fast = train(False), train(True)
+    assert fast[0] == slow[0]
+    assert all(torch.equal(fast[1][k], slow[1][k]) for k in slow[1])
+    assert len(fast[2]) == len(slow[2]) and all(
+        f.keys() == s.keys() and all(torch.equal(torch.as_tensor(f[k]), torch.as_tensor(s[k])) for k in s)
+        for f, s in zip(fast[2], slow[2]))
+    # the fast path: no gradient reaches the backbone's output (nothing to backpropagate through)
+    model = _value_model()[0]
+    model.backbone_grad = 0.0
+    monkeypatch.setattr(roles, "_local_params", lambda module: True)
+    seen = []
+    backbone = hf_base_model(model).model
+    backbone.register_forward_hook(lambda m, i, o: seen.append(o.last_hidden_state.requires_grad))
+    model(batch["input_ids"], batch["attention_mask"]).sum().backward()
+    assert seen == [False]
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) == 0 for p in backbone.parameters())
+
+
 def test_head_init_std_sets_a_fresh_head_and_keeps_a_trained_one(tmp_path):
     """reward.head_init_std: 0 = a zero head (every score 0, so the first steps train the head alone:
     the backbone's gradient is zero), > 0 = normal(0, std) drawn from the seed; a head that a

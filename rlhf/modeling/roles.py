@@ -15,6 +15,8 @@ wrapped or not) as `inner`; state-dict names, exports and generation see that mo
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,6 +138,16 @@ class Policy(ModuleView):
         return logp.clone(), None if entropy is None else entropy.detach().clone()
 
 
+def _local_params(module: nn.Module) -> bool:
+    """Whether `module`'s gradients stay in this process: one rank, plain tensors. DDP waits for every
+    parameter's gradient and FSDP2 reduce-scatters them, so there the graph keeps every parameter."""
+    from torch.distributed.tensor import DTensor
+
+    multi = torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1
+    return not multi and not any(isinstance(p, DTensor) for p in module.parameters())
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by `scale`. Every parameter keeps its
     place in the graph (DDP and FSDP2 see all their gradients, zeros included)."""
@@ -170,12 +182,23 @@ class ValueModel(ModuleView):
         backbone = getattr(base, base.base_model_prefix)
         if prompt_len is not None and attention_mask is None:
             raise ValueError("a shared prompt forward needs a padded batch (an attention mask)")
-        hidden = None if prompt_len is None else shared_prompt_forward(
-            backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len)
-        if hidden is None:
-            hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
-                              position_ids=position_ids, use_cache=False).last_hidden_state
-        if self.backbone_grad != 1.0 and torch.is_grad_enabled():
+        frozen = (self.backbone_grad == 0.0 and torch.is_grad_enabled() and _local_params(backbone)
+                  and any(p.requires_grad for p in base.score.parameters()))
+        with torch.no_grad() if frozen else contextlib.nullcontext():
+            hidden = None if prompt_len is None else shared_prompt_forward(
+                backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len)
+            if hidden is None:
+                hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
+                                  position_ids=position_ids, use_cache=False).last_hidden_state
+        if frozen:
+            # The head alone, one process: the backbone runs without a graph (no backward through it,
+            # ~1/3 of a step's compute) and its trainable weights get the exact-zero gradients the
+            # scaled backward would have given, so AdamW's state and step count, the gradient norm and
+            # every weight are bit for bit what _ScaleGrad(0) gives (tests/test_reward.py).
+            for p in backbone.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        elif self.backbone_grad != 1.0 and torch.is_grad_enabled():
             hidden = _ScaleGrad.apply(hidden, self.backbone_grad)
         # The head runs outside autocast, in its parameters' dtype (fp32 masters at stage 0/1): under
         # bf16 autocast a score has ~3 significant digits, chosen/rejected scores of similar rows
