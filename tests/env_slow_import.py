@@ -1,4 +1,4 @@
-"""An environment whose module takes 1.2 s to import (tests/test_env_pool.py: a worker's start does not
+"""An environment whose module takes 4 s to import (tests/test_env_pool.py: a worker's start does not
 count against the first call's timeout)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 from env_faults import Faulty
 
-time.sleep(1.2)
+time.sleep(4.0)
 
 
 class SlowStart(Faulty):
