@@ -61,7 +61,6 @@ from rlhf.dpo import make_loss as make_dpo_loss, pair_batch  # noqa: E402
 from rlhf.data.packing import batch_tokens, pack_pairs, pack_sft  # noqa: E402
 from rlhf.data.tokenize import IGNORE_INDEX  # noqa: E402
 from rlhf.modeling.forward import sft_loss
-from rlhf.modeling import roles  # noqa: E402
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.reward import make_loss  # noqa: E402
 
@@ -240,16 +239,13 @@ def bench_model(which: str, args, device: torch.device) -> list[dict]:
                          None if batch.get("position_ids") is None else batch["position_ids"].to(device),
                          targets=batch["labels"][:, 1:].to(device))
 
-    local = roles._local_params
-
     def head_step(comp, b):  # the reward stage's head-only phase, its backbone without (fast) or in the graph
         engine = engines[comp][1]
-        engine.unwrapped.backbone_grad = 0.0
-        roles._local_params = local if b["no_graph"] else (lambda module: False)
+        engine.unwrapped.backbone_grad, engine.unwrapped.head_only_without_graph = 0.0, b["no_graph"]
         try:
             engine.train_step([b], reward_loss)
         finally:
-            engine.unwrapped.backbone_grad, roles._local_params = 1.0, local
+            engine.unwrapped.backbone_grad, engine.unwrapped.head_only_without_graph = 1.0, True
 
     steps = {
         "head": (pair_mbs, lambda rows, L: {**collate_pairs(rows, pad), "no_graph": L}, head_step),
