@@ -22,10 +22,11 @@ from typing import Any
 
 from engine import TrainEngine
 from rlhf.config import SFTConfig
+from rlhf.core.errors import ConfigError
 from rlhf.config.validate import engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft
 from rlhf.data.packing import pack_length_of, pack_sft, packs
-from rlhf.data.stage import stage_data
+from rlhf.data.stage import StepOrder, stage_data
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.export import export_model
@@ -56,12 +57,15 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
     prompts, gold = gold_set(d, tok, cfg.eval)
 
-    model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels)
-    check_context(model, d.max_len, "data.max_len")
-    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
-    engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
-                         info=run.info)
-    run.begin(engine, data.total, lambda: evaluate(engine, cfg, tok, data.eval, prompts), _eval_line, memory=engine)
+    pack_len = None
+
+    def build(seed: int) -> TrainEngine:
+        nonlocal pack_len
+        model = Policy(load_causal_lm(cfg.model, tok, seed=seed), fused=cfg.engine.kernels)
+        check_context(model, d.max_len, "data.max_len")
+        pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+        return TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
+                           info=run.info)
 
     def batch(idx: list[int]) -> dict:
         rows = [data.train[i] for i in idx]
@@ -69,9 +73,21 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
             return pack_sft(rows, tok.pad_token_id, pack_len)
         return collate_sft(rows, tok.pad_token_id)
 
-    last = run.loop(engine, data.order, accum, batch, sft_loss, ("loss", "lr", "grad_norm", "loss_scale"),
-                    {"loss": ("loss", ".3f"), "lr": ("lr", ".2e"), "tok_s": ("tokens_per_s", ",.0f")},
-                    extra=lambda step: {"epoch": step / data.order.steps_per_epoch})
+    def order_of(seed: int) -> StepOrder:  # the rows' order: the run's own, or a start's (starts.n > 1)
+        return data.order if seed == cfg.seed else StepOrder(len(data.train), cfg.train.global_batch_size, seed)
+
+    if cfg.starts.n > 1 and not data.eval:
+        raise ConfigError(f"starts.n={cfg.starts.n} compares the starts by their held-out loss: this run has no held-out "
+                          "rows (set data.eval_path, or data.eval_size > 0)")
+    keys = ("loss", "lr", "grad_norm", "loss_scale")
+    epoch = {"extra": lambda step: {"epoch": step / data.order.steps_per_epoch}}
+    seed = run.best_start(cfg.starts, data.total, build, order_of, lambda e: evaluate(e, cfg, tok, data.eval, prompts),
+                          accum, batch, sft_loss, keys, **epoch)
+    engine = build(seed)
+    run.begin(engine, data.total, lambda: evaluate(engine, cfg, tok, data.eval, prompts), _eval_line, memory=engine,
+              state_fn=lambda: {"start_seed": seed})
+    last = run.loop(engine, order_of(seed), accum, batch, sft_loss, keys,
+                    {"loss": ("loss", ".3f"), "lr": ("lr", ".2e"), "tok_s": ("tokens_per_s", ",.0f")}, **epoch)
 
     before, after = run.before, run.evaluate_after()
     return run.finish({
@@ -84,6 +100,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         "perplexity_after": after.get("perplexity"),
         **gold_summary(before, after),
         "skipped_steps": engine.skipped_steps,
+        **run.starts_summary(),
     }, export_model(engine, tok, cfg.output_dir, cfg.model, add_bos=d.add_bos), PLOT, after.get("samples", []))
 
 

@@ -179,6 +179,8 @@ def figures(s: dict[str, dict], total_s: float) -> dict[str, float | None]:
         "rm_gold_auc": s["reward"].get("gold_auc"),
         "ppo_gold": ppo, "gold_gain": None if sft is None or ppo is None else ppo - sft, "kl": s["ppo"].get("kl"),
         "sft_s": s["sft"]["time_s"], "reward_s": s["reward"]["time_s"], "ppo_s": s["ppo"]["time_s"], "total_s": total_s,
+        # the SFT start continued (sft:starts.n > 1: the seed of the start with the lowest held-out loss): a label
+        **({"sft_start": str(s["sft"]["start_seed"])} if "start_seed" in s["sft"] else {}),
     }
 
 
@@ -248,16 +250,20 @@ def sweep_table(seeds: list[int], rows: list[dict], agg: dict) -> list[str]:
         return "–" if v is None else fmt_.format(v)
 
     columns = SWEEP_COLUMNS
+    if any("sft_start" in r for r in rows):  # several SFT starts: which one each seed continued
+        columns = [("sft_start", "SFT start (seed)", "{}"), *columns]
     if rows and rows[0].get("task") == "tools":  # the control arm (tool off) has no figures with the tool
         columns = [c for c in TOOL_SWEEP_COLUMNS if rows[0].get("tool") == "on" or c[0] in TOOL_OFF_COLUMNS]
     lines = ["| seed | " + " | ".join(h for _, h, _ in columns) + " |", "|---|" + "---|" * len(columns)]
     lines += [f"| {seed} | " + " | ".join(cell(f, r.get(k)) for k, _, f in columns) + " |"
               for seed, r in worst_first(seeds, rows)]
+    none = {"mean": None, "std": None, "min": None, "max": None}  # a label column (not aggregated)
     lines.append("| mean ± std | " + " | ".join(
-        cell(f, agg[k]["mean"]) + ("" if agg[k]["std"] is None else " ± " + cell(f, agg[k]["std"]).lstrip("+"))
+        cell(f, agg.get(k, none)["mean"]) + ("" if agg.get(k, none)["std"] is None
+                                              else " ± " + cell(f, agg[k]["std"]).lstrip("+"))
         for k, _, f in columns) + " |")
     for stat in ("min", "max"):
-        lines.append(f"| {stat} | " + " | ".join(cell(f, agg[k][stat]) for k, _, f in columns) + " |")
+        lines.append(f"| {stat} | " + " | ".join(cell(f, agg.get(k, none)[stat]) for k, _, f in columns) + " |")
     return lines
 
 

@@ -208,3 +208,20 @@ def test_tool_task_seed_sweep_ranks_by_the_gold_with_the_tool(tmp_path):
             assert table[1] == "| 2 | 0.0 | 0.5 | 290 | 100 | 400 |"
             assert "Worst seed: 2 (the control arm, no tool: SFT gold 0, RL gold 0.5)." in text
             assert "(lowest RL gold without the tool," in text and "after RL 1.5 ± 1.4 (min 0.5)" in text
+
+
+def test_seed_sweep_names_the_sft_start_each_seed_continued(tmp_path):
+    # sft:starts.n > 1: summary.json's start_seed becomes the table's first column (a label: not aggregated)
+    report = load_report()
+    runs = {1: summaries(60.0, 0.90, 85.0, 0.5), 2: summaries(70.0, 0.94, 95.0, 0.7)}
+    runs[1]["sft"]["start_seed"], runs[2]["sft"]["start_seed"] = 1001, 2
+    for seed, s in runs.items():
+        (tmp_path / f"seed_{seed}").mkdir()
+        (tmp_path / f"seed_{seed}" / "report.json").write_text(json.dumps(report.figures(s, 30.0)))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path), "--sweep", "1", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in (tmp_path / "sweep.md").read_text().splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| seed | SFT start (seed) | SFT gold (%) |")
+    assert table[1].startswith("| 1 | 1001 | 60.0 |") and table[2].startswith("| 2 | 2 | 70.0 |")
+    assert table[3].startswith("| mean ± std | – | 65.0 ± 7.1 |") and table[4].startswith("| min | – | 60.0 |")

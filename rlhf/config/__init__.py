@@ -8,7 +8,7 @@ from rlhf.config.schema import (
     DTYPES, PRECISIONS, REWARD_SOURCES, SCHEMAS, AlarmsConfig, CadenceConfig, DataConfig, DPOAlgoConfig, DPOConfig,
     EvaluateConfig, FrozenModelConfig, GenerationConfig, LoggerConfig, LoraConfig, ModelConfig, OptimGroupConfig,
     PPOAlgoConfig, PPOConfig, PPOTrainConfig, RewardConfig, RewardLossConfig, RewardSourcesConfig, RolloutConfig,
-    SERVED_REWARDS, ServeConfig, ServedRewardConfig, ServerConfig, SFTConfig, StageConfig, TrainConfig,
+    SERVED_REWARDS, ServeConfig, ServedRewardConfig, ServerConfig, SFTConfig, StageConfig, StartsConfig, TrainConfig,
     TrainedModelConfig, stage_engine,
 )
 from rlhf.core.errors import ConfigError
@@ -18,6 +18,6 @@ __all__ = [
     "DPOAlgoConfig", "DPOConfig", "DataConfig", "EvaluateConfig", "FrozenModelConfig", "GenerationConfig",
     "LoggerConfig", "LoraConfig", "ModelConfig", "OptimGroupConfig", "PPOAlgoConfig", "PPOConfig", "PPOTrainConfig",
     "RewardConfig", "RewardLossConfig", "RewardSourcesConfig", "RolloutConfig", "SERVED_REWARDS", "SFTConfig",
-    "ServeConfig", "ServedRewardConfig", "ServerConfig", "StageConfig",
+    "ServeConfig", "ServedRewardConfig", "ServerConfig", "StageConfig", "StartsConfig",
     "TrainConfig", "TrainedModelConfig", "as_yaml", "compose", "register_schemas", "stage_engine", "to_config",
 ]

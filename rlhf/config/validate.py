@@ -264,6 +264,10 @@ def validate_sft(cfg: SFTConfig, info) -> int:
     """Everything an SFT run needs, checked before any model loads; returns accumulation steps."""
     _need(not cfg.data.shared_prompts, "data.shared_prompts=true shares a pair's prompt between its two rows "
           "(python -m rlhf.reward, rlhf.dpo); an SFT row has no partner: leave it null")
+    _need(cfg.starts.n >= 1, f"starts.n is the number of starts compared (1 = the one start of `seed`), got {cfg.starts.n}")
+    _need(cfg.starts.n == 1 or cfg.starts.steps >= 1,
+          f"starts.steps is how many steps each of the starts.n={cfg.starts.n} starts trains before they are "
+          f"compared (>= 1), got {cfg.starts.steps}")
     return _validate_generating_stage(cfg, info)
 
 

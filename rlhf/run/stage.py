@@ -33,8 +33,11 @@ every stage gets the same way:
 from __future__ import annotations
 
 import copy
+import gc
+import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,8 +46,8 @@ from typing import Any, Protocol
 import torch
 
 from engine import compile_seconds, format_memory_report, init_distributed, prune_checkpoints, set_deterministic
-from engine.checkpoint import remove_leftovers
-from engine.distributed import all_gather_object, all_reduce_sum
+from engine.checkpoint import read_meta, remove_leftovers
+from engine.distributed import all_gather_object, all_reduce_sum, barrier
 from rlhf.config import as_yaml
 from rlhf.core.errors import ConfigError, TrainingError
 from rlhf.data import Row
@@ -60,6 +63,7 @@ logger = logging.getLogger("rlhf")
 
 Plot = Sequence[tuple[str, Sequence[tuple[str, str, str]]]]  # [(panel ylabel, [(label, kind, key), ...]), ...]
 EVAL_ROWS = "eval_rows.jsonl"  # in output_dir: the held-out rows a stage evaluated on
+STARTS = "starts.json"  # in output_dir: the starts compared (starts.n > 1) and the one continued
 
 
 class Checkpointable(Protocol):
@@ -163,6 +167,7 @@ class Run:
         self.resume_path: str | None = None
         self.stop_reason: str | None = None  # set by `stop`
         self._last_eval: tuple[int, dict] | None = None
+        self._prelude: tuple[list[tuple[int, str, dict]], dict[int, list]] | None = None  # the chosen start's log
 
     @classmethod
     def open(cls, name: str, title: str, cfg: Any, train: Any, validate: Callable[[Any, Any], Any]) -> tuple[Run, Any]:
@@ -208,12 +213,11 @@ class Run:
         self.state, self.total, self.evaluate, self.eval_line = state, total, evaluate, eval_line
         self.memory, self.state_fn = memory, state_fn or dict
         path = self.resume_path
-        self.record = {"world_size": self.info.world_size, "config_hash": config_hash(self.cfg),
-                       "config": flat_config(self.cfg)}
         if path:
             self.extra_state = state.load_checkpoint(path)
             self.start = int(self.extra_state["step"])
-            logger.info("resumed from %s at step %d", path, self.start)
+            if self._prelude is None:
+                logger.info("resumed from %s at step %d", path, self.start)
             if changes := resume_changes(self.extra_state.get("run", {}), self.record):
                 logger.warning("resuming %s with another setup than the run that saved it (the data position is "
                                "a step count: changed batch sizes re-cut the rows):\n  %s", path, "\n  ".join(changes))
@@ -223,11 +227,107 @@ class Run:
                           resume_step=self.start if path else None, final=self.start == total)
         if self.info.is_main:
             save_config(self.out_dir, self.as_given)
+        if self._prelude is not None:  # the chosen start's steps, as a run of its seed alone would have logged them
+            records, samples = self._prelude
+            for step, kind, values in records:
+                self.log.log(step, kind, **values)
+                if kind == "eval":
+                    self.log.samples(step, samples.get(step, []))
         if path:
             self.before = self.extra_state["before"]
         else:
             self.before = without_samples(self._evaluate(0))
             logger.info("before training: %s", self.eval_line(self.before))
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """What each checkpoint keeps of the setup that wrote it (compared on resume)."""
+        return {"world_size": self.info.world_size, "config_hash": config_hash(self.cfg), "config": flat_config(self.cfg)}
+
+    # ------------------------------------------------------------------ several starts
+
+    def best_start(self, starts: Any, total: int, build: Callable[[int], Any], order_of: Callable[[int], Any],
+                   evaluate: Callable[[Any], dict], accum: int, batch: Callable[[list[int]], dict], loss: Callable,
+                   keys: Sequence[str], extra: Callable[[int], dict] | None = None) -> int:
+        """The seed the run continues with (config `starts`: n, steps; rlhf/config/schema.py StartsConfig).
+        With starts.n > 1 on a fresh run: start k (seed + 1000 x (k - 1)) is `build(seed_k)` (a new engine,
+        after seed_everything(seed_k)), evaluated (`evaluate(engine)`: step 0), trained starts.steps steps on
+        `order_of(seed_k)` as `loop` trains, and evaluated again; the best held-out `loss` so far is kept as
+        a checkpoint at that step (one engine in memory at a time), the others are dropped. The chosen one's
+        checkpoint becomes the run's (checkpoints/step_<steps>), `begin` continues it and logs its first
+        steps, so the run equals the run `seed=<its seed>`; output_dir/starts.json lists every start.
+        Resuming (train.resume), the seed the checkpoint was trained with."""
+        seed, main = self.cfg.seed, self.info.is_main
+        if self.resume_path is not None:
+            return int(read_meta(self.resume_path)["extra_state"].get("start_seed", seed))
+        if starts.n == 1:
+            return seed
+        if not starts.steps < total:
+            raise ConfigError(f"starts.steps={starts.steps}: each start trains that many steps before the comparison, "
+                              f"so it must be fewer than the run's {total} steps")
+        self.total = total
+        scratch = os.path.join(self.out_dir, "starts")  # the best start so far; gone after the choice
+        if main:
+            shutil.rmtree(scratch, ignore_errors=True)
+        found: list[dict[str, Any]] = []
+        best: dict[str, Any] | None = None
+        for k in range(starts.n):
+            s = seed + 1000 * k
+            seed_everything(s)
+            engine, self._skips = build(s), 0
+            before = evaluate(engine)
+            if "loss" not in before:
+                raise ConfigError(f"starts.n={starts.n} compares the starts by their held-out loss: this run has no "
+                                  "held-out rows (set data.eval_path, or data.eval_size > 0)")
+            records, order, meter = [(0, "eval", without_samples(before))], order_of(s), Throughput()
+            bar = progress(starts.steps, 0, f"start {k + 1}/{starts.n} (seed {s})", main)
+            for step in range(starts.steps):
+                record = self._step(engine, order, step, accum, batch, loss, keys, meter, extra)
+                if record is not None:
+                    records.append((step + 1, "train", record))
+                    bar.set_postfix(loss=format(record.get("loss", float("nan")), ".3f"))
+                bar.update(1)
+            bar.close()
+            after = evaluate(engine)
+            records.append((starts.steps, "eval", without_samples(after)))
+            found.append({"seed": s, "eval_loss": after["loss"], "eval_loss_before": before["loss"],
+                          **({"gold_score": after["gold_score"]} if "gold_score" in after else {})})
+            logger.info("start %d/%d (seed %d): held-out loss %.4f after %d steps (%s)", k + 1, starts.n, s, after["loss"],
+                        starts.steps, "the best so far" if best is None or after["loss"] < best["loss"] else
+                        f"not better than seed {best['seed']}'s {best['loss']:.4f}")
+            if best is None or after["loss"] < best["loss"]:
+                path = os.path.join(scratch, f"seed_{s}")
+                engine.save_checkpoint(path, {"step": starts.steps, "before": without_samples(before), "run": self.record,
+                                              "start_seed": s})
+                if best is not None and main:
+                    shutil.rmtree(best["path"])
+                best = {"seed": s, "loss": after["loss"], "path": path, "records": records,
+                        "samples": {0: before.get("samples", []), starts.steps: after.get("samples", [])}}
+            del engine
+            gc.collect()
+        self.resume_path = os.path.join(checkpoint_root(self.out_dir), f"step_{starts.steps:07d}")
+        if main:
+            os.makedirs(checkpoint_root(self.out_dir), exist_ok=True)
+            os.replace(best["path"], self.resume_path)
+            shutil.rmtree(scratch)
+            with open(os.path.join(self.out_dir, STARTS + ".tmp"), "w") as f:
+                json.dump({"steps": starts.steps, "chosen_seed": best["seed"], "starts": found}, f, indent=1)
+            os.replace(os.path.join(self.out_dir, STARTS + ".tmp"), os.path.join(self.out_dir, STARTS))
+        barrier()
+        self._prelude = (best["records"], best["samples"])
+        logger.info("starts: seed %d continues (held-out loss %.4f after %d steps; %s)", best["seed"], best["loss"],
+                    starts.steps, ", ".join(f"seed {f['seed']}: {f['eval_loss']:.4f}" for f in found))
+        return best["seed"]
+
+    def starts_summary(self) -> dict[str, Any]:
+        """summary.json's fields for several starts (output_dir/starts.json): the seed continued and every
+        start's held-out loss at the comparison; {} for a run of one start."""
+        path = os.path.join(self.out_dir, STARTS)
+        if not os.path.exists(path):
+            return {}
+        with open(path) as f:
+            found = json.load(f)
+        return {"start_seed": found["chosen_seed"], "starts": found["starts"]}
 
     # ------------------------------------------------------------------ the loop
 
@@ -271,16 +371,25 @@ class Run:
         for step in self.steps():
             if before_step is not None:
                 before_step(step)
-            batches = [batch(rows) for rows in order.rank_rows(step, self.info.rank, self.info.world_size, accum)]
-            meter.add(sum(batch_tokens(b) for b in batches))
-            out = engine.train_step(batches, loss)
-            self.check(out)
-            if self.logs(step):
-                out = derive(out) if derive is not None else out
-                last = {**{k: out[k] for k in keys}, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps,
-                        **(extra(step) if extra else {})}
+            record = self._step(engine, order, step, accum, batch, loss, keys, meter, extra, derive)
+            if record is not None:
+                last = record
                 self.log_train(step, last, {name: format(last[k], spec) for name, (k, spec) in postfix.items()})
         return last
+
+    def _step(self, engine: Any, order: Any, step: int, accum: int, batch: Callable[[list[int]], dict], loss: Callable,
+              keys: Sequence[str], meter: Throughput, extra: Callable[[int], dict] | None = None,
+              derive: Callable[[dict], dict] | None = None) -> dict[str, Any] | None:
+        """One step of `loop`; the train record when the step logs one."""
+        batches = [batch(rows) for rows in order.rank_rows(step, self.info.rank, self.info.world_size, accum)]
+        meter.add(sum(batch_tokens(b) for b in batches))
+        out = engine.train_step(batches, loss)
+        self.check(out)
+        if not self.logs(step):
+            return None
+        out = derive(out) if derive is not None else out
+        return {**{k: out[k] for k in keys}, "tokens_per_s": meter.rate(), "skipped_steps": engine.skipped_steps,
+                **(extra(step) if extra else {})}
 
     def save(self, done: int) -> str:
         """A checkpoint of the state after `done` steps (collective), the oldest pruned; returns its path. The
