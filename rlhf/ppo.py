@@ -288,9 +288,13 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     models = Models(cfg, tok, info, n_updates, reward_source=source)
     if needs_rm:  # the reward model's source, alone or inside a weighted sum
         models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
-    floor = p.kl_coef if p.kl_coef_min is None else p.kl_coef_min  # ppo.kl_coef_min=null: a KL budget
-    kl_ctl = rl_math.make_kl_controller(p.kl_coef, p.adaptive_kl, p.kl_target, p.kl_horizon,
-                                        floor if p.adaptive_kl else 0.0)
+    # ppo.adaptive_kl moves the coefficient of the KL's placement: the reward penalty (ppo.kl_coef), or the loss
+    # term (ppo.kl_loss_coef) when the reward has none (GRPO's placement)
+    in_loss = p.adaptive_kl and not p.kl_coef and p.kl_loss_coef > 0
+    init = p.kl_loss_coef if in_loss else p.kl_coef
+    floor = init if p.kl_coef_min is None else p.kl_coef_min  # ppo.kl_coef_min=null: a KL budget
+    kl_ctl = rl_math.make_kl_controller(init, p.adaptive_kl, p.kl_target, p.kl_horizon, floor if p.adaptive_kl else 0.0)
+    reward_kl_coef = (lambda: 0.0) if in_loss else (lambda: kl_ctl.value)
     monitor = alarms.Monitor(cfg.alarms)
     old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
 
@@ -326,7 +330,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
     dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
-    losses = (online_dpo.make_loss(cfg) if dpo else actor_loss(cfg)), make_critic_loss(p.cliprange_value)
+    losses = ((online_dpo.make_loss(cfg) if dpo else actor_loss(cfg, (lambda: kl_ctl.value) if in_loss else None)),
+              make_critic_loss(p.cliprange_value))
     eos, pad = tok.eos_token_id, tok.pad_token_id
     micro_per_step = p.ppo_epochs * minis * (r.mini_batch_size // info.world_size // r.micro_batch_size)
     times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
@@ -362,7 +367,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
-                               scored, kl_coef=kl_ctl.value, kl_estimator=p.kl_estimator,
+                               scored, kl_coef=reward_kl_coef(), kl_estimator=p.kl_estimator,
                                clip_reward_value=p.clip_reward_value, gamma=p.gamma, lam=p.lam,
                                estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages,
                                norm_by_std=p.norm_by_std, max_len=r.max_new_tokens,
@@ -377,7 +382,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         if side is not None:  # the new version on its way to the generators while this step's metrics are made
             side.after_step(step)
         t3 = time.time()
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, kl_ctl.value, (t0, t1, t2, t3), dropped, from_sampler)
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, reward_kl_coef(), (t0, t1, t2, t3), dropped, from_sampler)
+        if in_loss:  # the coefficient this step's loss used
+            rec["kl_loss_coef"] = kl_ctl.value
         old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
         rec.update(meta)  # split: policy_version, staleness, the weight transfer's bytes / s / GB/s
         if dpo:
@@ -432,7 +439,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),
         "reward_after": after.get("reward"),
-        "kl_coef_final": kl_ctl.value,
+        ("kl_loss_coef_final" if in_loss else "kl_coef_final"): kl_ctl.value,
         "advantage_estimator": p.advantage_estimator,
         "objective": p.objective,
         **({"teacher": cfg.teacher.model} if distilling else {}),

@@ -388,6 +388,24 @@ def test_a_registered_critic_free_estimator_runs_without_a_critic(stages, tmp_pa
     assert [r["actor_loss"] for r in metrics(out, "train")] == [r["actor_loss"] for r in train]
 
 
+def test_adaptive_kl_moves_the_kl_loss_coefficient_when_the_kl_is_in_the_loss(stages, tmp_path):
+    """GRPO's placement (ppo.kl_coef=0, ppo.kl_loss_coef > 0): the controller moves ppo.kl_loss_coef by Ziegler's
+    rule on each step's KL (4 prompts x 8 samples = 32 rows, horizon 32: up to 20% a step), never under its start
+    (kl_coef_min=null),
+    and the reward carries no KL penalty."""
+    out = tmp_path / "loss_kl"
+    ppo(stages, out, "train.max_steps=4", "algorithm=grpo", "rollout.prompts_per_step=4", "ppo.kl_loss_coef=0.5",
+        "ppo.adaptive_kl=true", "ppo.kl_target=0.001", "ppo.kl_horizon=32", "ppo.kl_coef_min=null")
+    rows = metrics(out, "train")
+    assert all(r["kl_coef"] == 0.0 for r in rows)
+    value = 0.5
+    for r in rows:  # each step's loss used the value the steps before it left
+        assert r["kl_loss_coef"] == pytest.approx(value, rel=1e-12)
+        value = max(0.5, value * (1 + min(max(r["kl"] / 0.001 - 1, -0.2), 0.2) * 32 / 32))
+    assert summary(out)["kl_loss_coef_final"] == pytest.approx(value, rel=1e-12) and value > 0.5
+    assert "kl_coef_final" not in summary(out)
+
+
 def test_the_adaptive_kl_floor_reaches_the_run(stages, tmp_path):
     """ppo.kl_coef_min=null (= ppo.kl_coef): a KL far under the target leaves the coefficient at its start
     on every step, where Ziegler's rule alone would take 20% off it per step (16 rows / horizon 16)."""

@@ -190,6 +190,13 @@ def test_actor_loss_with_kl_loss_term_and_aggregation():
         assert float(n) == weight, agg
         close(total / n, pg + 0.25 * kl_sum / kl_n)
         close(stats["kl_loss"], kl_sum / kl_n)
+    # a callable coefficient (ppo.adaptive_kl with the KL in the loss) is read at each call
+    coef = [0.25]
+    loss_fn = make_actor_loss(0.2, 1.0, 0.0, kl_loss_coef=lambda: coef[0])
+    for value in (0.25, 1.5):
+        coef[0] = value
+        total, n, stats = loss_fn(StubPolicy(logp), mb)
+        close(total, make_actor_loss(0.2, 1.0, 0.0, kl_loss_coef=value)(StubPolicy(logp), mb)[0])
     # without the KL term the loss is the plain surrogate, and no kl_loss stat is reported
     total, n, stats = make_actor_loss(0.2, 1.0, 0.0)(StubPolicy(logp), mb)
     close(total / n, policy_loss(logp, mb["logp_old"], mb["advantages"], mask, 0.2)[0])

@@ -332,7 +332,9 @@ class PPOAlgoConfig:
     # score -= kl_coef x the response's summed KL)
     kl_coef: float = 0.1
     kl_estimator: str = "k1"  # k1 | k2 | k3
-    adaptive_kl: bool = False  # adapt kl_coef towards kl_target (Ziegler et al.)
+    # adapt kl_coef towards kl_target (Ziegler et al.); with kl_coef = 0 and kl_loss_coef > 0 (the KL in the loss
+    # alone, GRPO's placement) it adapts kl_loss_coef instead, logged per step as kl_loss_coef
+    adaptive_kl: bool = False
     kl_target: float = 6.0  # adaptive_kl: the KL aimed at
     kl_horizon: float = 10000.0  # adaptive_kl: how slowly kl_coef adapts (rollout rows)
     # adaptive_kl: the coefficient never falls below this (0 = no floor; null = kl_coef, a KL budget: the

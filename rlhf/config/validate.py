@@ -374,11 +374,12 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     p, r = cfg.ppo, cfg.rollout
     _need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}")
     _need(p.kl_estimator in KL_ESTIMATORS, f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {p.kl_estimator!r}")
-    if p.adaptive_kl:
+    if p.adaptive_kl:  # it moves ppo.kl_coef, or ppo.kl_loss_coef when the KL is in the loss alone
+        key, start = ("kl_loss_coef", p.kl_loss_coef) if not p.kl_coef and p.kl_loss_coef > 0 else ("kl_coef", p.kl_coef)
         _need(p.kl_target > 0 and p.kl_horizon > 0, "ppo.kl_target and ppo.kl_horizon must be > 0 with ppo.adaptive_kl")
-        _need(p.kl_coef_min is None or 0 <= p.kl_coef_min <= p.kl_coef, "ppo.kl_coef_min (the adaptive coefficient's "
-              f"floor) must be between 0 and ppo.kl_coef={p.kl_coef} (where the controller starts), or null (= "
-              f"ppo.kl_coef), got {p.kl_coef_min}")
+        _need(p.kl_coef_min is None or 0 <= p.kl_coef_min <= start, "ppo.kl_coef_min (the adaptive coefficient's "
+              f"floor) must be between 0 and ppo.{key}={start} (where the controller starts), or null (= "
+              f"ppo.{key}), got {p.kl_coef_min}")
     else:
         _need(p.kl_coef_min in (0, None), f"ppo.kl_coef_min={p.kl_coef_min} is the floor of the adaptive KL coefficient: "
               "it needs ppo.adaptive_kl=true (with a fixed coefficient, set ppo.kl_coef)")

@@ -21,14 +21,15 @@ from rlhf.rl.models import Models
 
 def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cliprange_low: float | None = None,
                     cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
-                    kl_loss_coef: float = 0.0, kl_loss_estimator: str = "k3", policy_loss: str = "clip",
+                    kl_loss_coef: float | Callable[[], float] = 0.0, kl_loss_estimator: str = "k3", policy_loss: str = "clip",
                     is_correction: str = "none", is_cap: float = 2.0, is_low: float = 0.5, is_high: float = 2.0,
                     is_level: str = "token"):
     """The actor's loss: the registered `policy_loss` (rl_math.POLICY_LOSSES: clip, the clipped
     surrogate, ratio clipped to [1 - low, 1 + high], low/high defaulting to cliprange; gspo; cispo),
     aggregated by `loss_agg` (rl_math.aggregate_loss: sum over its weight units, so micro-batches and
     ranks combine into the whole mini-batch's aggregate; a per-sequence loss weighs rows), +
-    kl_loss_coef x KL to the reference (aggregated alike), + ptx_coef x the SFT loss (weighted like
+    kl_loss_coef x KL to the reference (aggregated alike; a callable: its value at each call, what
+    ppo.adaptive_kl moves when the KL is in the loss), + ptx_coef x the SFT loss (weighted like
     the rest). `is_correction` tis|mis: the policy loss's per-token terms are weighted by
     rl_math.is_weights(logp_old vs the sampler's logp_gen), detached (rl_math.is_weighted_advantages)."""
     low = cliprange if cliprange_low is None else cliprange_low
@@ -50,11 +51,12 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
             advantages = rl_math.is_weighted_advantages(advantages, w)
         loss, stats = pl.fn(logp, mb["logp_old"], advantages, mask, **options)
         n = rl_math.loss_weight(mask, weight_agg)  # tokens (token_mean) or rows
-        if kl_loss_coef:
+        coef = kl_loss_coef() if callable(kl_loss_coef) else kl_loss_coef
+        if coef:
             kl_sum, kl_n = rl_math.aggregate_loss(rl_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
                                                    mask, loss_agg, horizon)
             kl = kl_sum / kl_n.clamp(min=1)
-            loss = loss + kl_loss_coef * kl
+            loss = loss + coef * kl
             stats["kl_loss"] = kl.detach()
         total = loss * n
         stats["entropy"] = rl_math.masked_mean(entropy, mask)
@@ -78,12 +80,14 @@ def make_critic_loss(cliprange_value: float):
     return critic_loss
 
 
-def actor_loss(cfg: PPOConfig):
-    """The actor loss of `cfg`'s algorithm (make_actor_loss with the ppo.* keys)."""
+def actor_loss(cfg: PPOConfig, kl_loss_coef: Callable[[], float] | None = None):
+    """The actor loss of `cfg`'s algorithm (make_actor_loss with the ppo.* keys; `kl_loss_coef`: the adaptive
+    KL-loss coefficient instead of ppo.kl_loss_coef)."""
     p, r = cfg.ppo, cfg.rollout
     return make_actor_loss(p.cliprange, r.temperature, p.ptx_coef, cliprange_low=p.cliprange_low,
                            cliprange_high=p.cliprange_high, loss_agg=p.loss_agg, horizon=r.max_new_tokens,
-                           kl_loss_coef=p.kl_loss_coef, kl_loss_estimator=p.kl_loss_estimator,
+                           kl_loss_coef=p.kl_loss_coef if kl_loss_coef is None else kl_loss_coef,
+                           kl_loss_estimator=p.kl_loss_estimator,
                            policy_loss=p.policy_loss, is_correction=p.is_correction, is_cap=p.is_cap,
                            is_low=p.is_low, is_high=p.is_high, is_level=p.is_level)
 
