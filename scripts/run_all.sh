@@ -64,7 +64,10 @@ case "${TASK:-default}" in
     # still miscopies digits in 16-18 of 44 held-out sort answers on some seeds, which PPO does not repair
     # (it removes the demonstrator's order habit, not a missing skill); 8 passes took that to 0 on seeds 2
     # and 1234 (PPO gold 85.5 -> 94.5, 93.5 -> 95.5), not on seed 3 (22; PPO 85.5): docs/stages.md
-    if [ "$PIPELINE" = ppo ]; then SFT+=(train.epochs=8); fi ;;
+    # And 3 starts (starts.n=3: seeds s, s + 1000, s + 2000, the one with the lowest held-out loss after 250 steps
+    # continued; Dodge et al. 2020): which starts learn to copy shows early, so seeds 2 / 3 / 4 miscopied 1 / 4 / 0
+    # instead of 6 / 14 / 12 and PPO read 96.0 / 94.0 / 91.0 instead of 90.0 / 85.5 / 85.5, for ~55 s (docs/stages.md)
+    if [ "$PIPELINE" = ppo ]; then SFT+=(train.epochs=8 starts.n=3); fi ;;
   tools)  # SFT -> RL with the calculator tool; no reward model (the judge scores the final answer)
     PIPELINE=tools
     TOOL_DATA=(data.eval_prompts_path=data/tools/eval_tools.jsonl)
@@ -99,10 +102,19 @@ fi
 # while the KL is over 0.3 (ppo.kl_coef_min=null: never below 0.8; Ziegler's rule alone had taken it from 0.8
 # to 0.31 before the KL rose). On the 5-epoch SFT outputs of seeds 2 / 1 the fixed 0.8 ended at gold 85.5 /
 # 96.0 at KL 0.52 / 0.55, this at 87.5 / 97.0 at KL 0.48 / 0.46 (docs/stages.md).
+# GRPO on the embedded default's reward model holds a KL budget of its own (issue #37): its KL is a loss term (k3 per
+# token, ppo.kl_loss_coef), which the controller moves when the reward carries none; the coefficient starts at 0.4
+# instead of the algorithm's 0.01 and is only raised while the KL is over 0.3. With 0.01 it over-optimised the reward
+# model on 3 of 5 seeds (KL 1.6-3.9, gold down to 64.5); docs/stages.md. (The tool task, rewarded by the judge, keeps
+# the algorithm's own settings.)
 ALGO="${ALGO:-ppo}"
 case "$ALGO" in
   ppo) PPO+=(ppo.kl_coef=0.8 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=150 ppo.kl_coef_min=null) ;;
-  grpo|rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
+  grpo) PPO+=(algorithm=grpo)
+        if [ "$PIPELINE" = ppo ]; then
+          PPO+=(ppo.kl_loss_coef=0.4 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=64 ppo.kl_coef_min=null)
+        fi ;;
+  rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
   *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
 esac
 
@@ -114,7 +126,7 @@ esac
 case "${PRESET:-}" in
   "") ;;
   smoke)
-    SFT+=(train.max_steps=30 train.eval_every=0 data.num_eval_prompts=40 train.lr=3e-3)
+    SFT+=(train.max_steps=30 train.eval_every=0 data.num_eval_prompts=40 train.lr=3e-3 starts.steps=5)
     RM+=(train.max_steps=20 train.eval_every=0)
     PPO+=(train.max_steps=2 train.eval_every=0 data.num_eval_prompts=40)
     # 32 sampled responses per step, whatever the algorithm's samples per prompt
