@@ -88,3 +88,19 @@ def test_two_ranks_under_zero3_choose_and_train_as_one_process(starts_run, tmp_p
         assert one["seed"] == two["seed"] and abs(one["eval_loss"] - two["eval_loss"]) <= 1e-5 * one["eval_loss"]
     one, two = [r["loss"] for r in metrics(starts_run, "train")], [r["loss"] for r in metrics(out, "train")]
     assert len(two) == 12 and max(abs(a - b) / abs(a) for a, b in zip(one, two)) <= 1e-5
+
+
+def test_a_run_over_a_previous_one_keeps_nothing_of_it(starts_run, tmp_path):
+    # train.overwrite=true into a directory a run with starts left: the same starts again log exactly their own
+    # records (not the previous run's too), and a run of one start reports no starts
+    import shutil
+
+    out = tmp_path / "o"
+    shutil.copytree(starts_run, out)
+    run_stage("sft", f"output_dir={out}", *BASE, *STARTS, "train.overwrite=true")
+    assert comparable(metrics(out)) == comparable(metrics(starts_run))
+    with open(out / "samples.jsonl") as a, open(starts_run / "samples.jsonl") as b:
+        assert a.read() == b.read()
+    run_stage("sft", f"output_dir={out}", *BASE, "train.overwrite=true")
+    assert "start_seed" not in summary(out) and not os.path.exists(out / "starts.json")
+    assert [r["step"] for r in metrics(out, "eval")] == [0, 6, 12]

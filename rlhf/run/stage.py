@@ -57,7 +57,9 @@ from rlhf.data.stage import held_out_line
 from rlhf.run.app import (
     checkpoint_root, progress, replace_previous_run, resolve_resume, save_config, seed_everything, setup_logging,
 )
-from rlhf.run.runlog import RunLog, format_summary, plot_series, read_metrics, series, write_summary
+from rlhf.run.runlog import (
+    METRICS, SAMPLES, RunLog, format_summary, plot_series, read_metrics, series, write_summary,
+)
 
 logger = logging.getLogger("rlhf")
 
@@ -260,6 +262,11 @@ class Run:
         seed, main = self.cfg.seed, self.info.is_main
         if self.resume_path is not None:
             return int(read_meta(self.resume_path)["extra_state"].get("start_seed", seed))
+        # a fresh run: what a previous run left in output_dir (train.overwrite=true) is not this run's; with
+        # several starts `begin` opens the log as a resume at the chosen start's step, which would keep it
+        for name in (STARTS, METRICS, SAMPLES) if starts.n > 1 else (STARTS,):
+            if main and os.path.exists(os.path.join(self.out_dir, name)):
+                os.remove(os.path.join(self.out_dir, name))
         if starts.n == 1:
             return seed
         if not starts.steps < total:
