@@ -104,3 +104,37 @@ def test_a_run_over_a_previous_one_keeps_nothing_of_it(starts_run, tmp_path):
     run_stage("sft", f"output_dir={out}", *BASE, "train.overwrite=true")
     assert "start_seed" not in summary(out) and not os.path.exists(out / "starts.json")
     assert [r["step"] for r in metrics(out, "eval")] == [0, 6, 12]
+
+
+def test_starts_on_a_users_own_model_data_and_adapter(tmp_path):
+    # a user's OPT with its own byte-pair tokenizer and chat template, their own message rows (system turn
+    # included) with their own held-out rows, LoRA: the starts differ (the adapter's initialisation and the
+    # data order), the lowest held-out loss is continued, and the result is the plain run of its seed
+    import random
+    from glob import glob
+
+    from safetensors.torch import load_file
+    from test_user_model import LORA, user_model_dir, vocab
+
+    user = user_model_dir(tmp_path)
+    rng, words = random.Random(0), ["cat", "dog", "sun", "tree", "moon", "fish", "bird", "rain"]
+    with open(tmp_path / "mine.jsonl", "w") as f:
+        for _ in range(64):
+            w = rng.choice(words) + str(rng.randrange(100))
+            f.write(json.dumps({"messages": [{"role": "system", "content": "Answer tersely."},
+                                             {"role": "user", "content": f"Say {w} twice."},
+                                             {"role": "assistant", "content": f"{w} {w}"}]}) + "\n")
+    common = [f"model.name_or_path={user}", f"data.path={tmp_path / 'mine.jsonl'}", "data.eval_size=16",
+              "train.max_steps=6", "train.save_every=0", "train.eval_every=3", "train.lr=1e-2",
+              "train.micro_batch_size=8", "train.global_batch_size=8", "engine.precision=fp32", *LORA]
+    run_stage("sft", f"output_dir={tmp_path / 's'}", *common, "starts.n=3", "starts.steps=3")
+    found = summary(tmp_path / "s")
+    losses = [s["eval_loss"] for s in found["starts"]]
+    assert len(set(losses)) == 3 and found["start_seed"] == found["starts"][losses.index(min(losses))]["seed"]
+    assert "gold_score" not in found["starts"][0]  # no gold judge for the user's rows: judged by loss alone
+    run_stage("sft", f"output_dir={tmp_path / 'p'}", *common, f"seed={found['start_seed']}")
+    adapter = {d: load_file(glob(str(tmp_path / d / "model" / "adapter_model.safetensors"))[0]) for d in "sp"}
+    assert adapter["s"].keys() == adapter["p"].keys() and all(torch.equal(adapter["s"][k], adapter["p"][k])
+                                                                for k in adapter["s"])
+    assert vocab(tmp_path / "s" / "model") == vocab(user)
+    assert comparable(metrics(tmp_path / "s")) == comparable(metrics(tmp_path / "p"))
