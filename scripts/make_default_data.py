@@ -38,6 +38,7 @@ SIZES = {  # rows per file; every prompt is unique across all files
 }
 DEMO_ERROR_RATE = {"reverse": 0.10, "sort": 0.60, "upper": 0.60, "shift": 0.10}
 PAIR_OFF_TASK = 0.2  # share of preference pairs whose rejected answer is off-task
+SORT_DIGIT_SLIP = 0.75  # share of a sort pair's other slips that keep the order but not the digits
 
 
 def random_instruction(rng: random.Random, task: str) -> str:
@@ -67,10 +68,11 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
             if chars[i] != chars[i + 1]:
                 chars[i], chars[i + 1] = chars[i + 1], chars[i]
                 return " ".join(chars)
-    if task == "sort" and rng.random() < 0.5:  # a miscopied digit: still in order, wrong multiset
-        for _ in range(20):
-            i = rng.randrange(len(chars))
-            cand = sorted(chars[:i] + [rng.choice("0123456789")] + chars[i + 1 :])
+    if task == "sort" and rng.random() < SORT_DIGIT_SLIP:  # in order, wrong digits: the slips
+        for _ in range(20):  # of a policy that sorts but miscopies (one digit changed, dropped, doubled)
+            i, how = rng.randrange(len(chars)), rng.choice(("change", "drop", "double"))
+            new = {"change": [rng.choice("0123456789")], "drop": [], "double": [chars[i]] * 2}[how]
+            cand = sorted(chars[:i] + new + chars[i + 1 :])
             if cand != chars:
                 return " ".join(cand)
     for _ in range(20):

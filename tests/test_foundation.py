@@ -231,7 +231,7 @@ def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correc
     import sys
 
     sys.path.insert(0, sys_path)
-    from make_default_data import DEMO_ERROR_RATE, PAIR_OFF_TASK
+    from make_default_data import DEMO_ERROR_RATE, PAIR_OFF_TASK, SORT_DIGIT_SLIP
 
     rows = read_jsonl("sft_train.jsonl")
     by_task: dict[str, list[float]] = {}
@@ -247,6 +247,14 @@ def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correc
     srt = [r for r in read_jsonl("pairs_train.jsonl") if _task(r["prompt"]) == "sort"]
     off = [r for r in srt if not r["rejected"].strip().replace(" ", "").isdigit()]
     assert abs(len(off) / len(srt) - PAIR_OFF_TASK) < 0.05, (len(off), len(srt))
+    # the other slips of a sort mostly keep the order but not the digits (changed, dropped or doubled),
+    # the mistakes of a policy that learnt to sort but miscopies
+    digits = [r for r in srt if r not in off and sorted(r["rejected"].split()) == r["rejected"].split()
+              and sorted(r["rejected"].split()) != sorted(r["chosen"].split())]
+    expected = (1 - PAIR_OFF_TASK) / 2 * SORT_DIGIT_SLIP  # half the on-task rejections are the habit
+    assert abs(len(digits) / len(srt) - expected) < 0.05, (len(digits), len(srt))
+    lengths = {len(r["rejected"].split()) - len(r["chosen"].split()) for r in digits}
+    assert lengths == {-1, 0, 1}
     for r in read_jsonl("eval_prompts.jsonl"):
         assert r["answer"] == gold_answer(r["prompt"])
 
