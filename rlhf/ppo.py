@@ -305,9 +305,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         ev = monitor.after_eval(step, evaluate(models, eval_prompts, tok, cfg, len(table),
                                                gold=bool(gold["eval_prompts_source"]), tools=env))
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
-        if best.after_eval(step, ev) and cfg.train.export_best:
+        if best.after_eval(step, ev) and best.keeps_actor:
             models.snapshot_actor()  # collective
-        if best.exhausted() and step < total:  # (the final evaluation ends the run anyway)
+        if best.over is not None and step < total:  # (the final evaluation ends the run anyway)
+            run.stop(f"train.kl_budget: held-out KL {best.over['kl']:.4g} at step {step} is over the budget "
+                     f"{cfg.train.kl_budget:g}; the actor of step {best.step} (KL {best.eval.get('kl', 0.0):.4g}) is exported")
+        elif best.exhausted() and step < total:
             run.stop(f"train.early_stop_patience: {best.since} evaluations without a better held-out {best.metric} "
                      f"than step {best.step}'s {best.score:.4g}")
         return ev
@@ -418,10 +421,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     after = exported["eval"]
     out_dir = cfg.output_dir
     model_dir = models.export(tok, cfg, models.best_actor if exported["step"] != run.total else None)
-    if cfg.train.export_best:
-        logger.info("train.export_best: exported the actor of step %d (held-out %s %.4g; the last step %d's: %.4g) "
-                    "as %s", exported["step"], best.metric, after.get(best.metric, float("nan")), run.total,
-                    last.get(best.metric, float("nan")), model_dir)
+    if cfg.train.export_best or best.over is not None:
+        logger.info("%s: exported the actor of step %d (held-out %s %.4g, KL %.4g; the last step %d's: %.4g, KL %.4g) "
+                    "as %s", best.exported_by(), exported["step"], best.metric, after.get(best.metric, float("nan")),
+                    after.get("kl", float("nan")), run.total, last.get(best.metric, float("nan")),
+                    last.get("kl", float("nan")), model_dir)
     before, n = run.before, max(len(times["generation_s"]), 1)
     return run.finish({
         **held_out,
@@ -433,8 +437,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                                                                                   "template_mismatch")},
             } if env else {}),
         "exported_step": exported["step"],  # the step whose actor is model/ (train.export_best: the best evaluation's)
-        **({"exported_by": f"best held-out {best.metric}", "last_step_eval": without_samples(last)}
-           if cfg.train.export_best else {}),
+        **({"exported_by": best.exported_by(), "last_step_eval": without_samples(last)}
+           if cfg.train.export_best or cfg.train.kl_budget is not None else {}),
+        **({"kl_budget": cfg.train.kl_budget, "kl_budget_exceeded": best.over} if cfg.train.kl_budget is not None else {}),
         **({"reward_disagreement": after.get("reward_disagreement")} if "reward_disagreement" in after else {}),
         "kl": after.get("kl"),
         "reward_before": before.get("reward"),
@@ -461,18 +466,42 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 class BestEval:
     """The best held-out evaluation so far (`metric`: gold_score where a judge applies, else the sampled
     reward; higher is better, the earliest of equals kept), for train.export_best and
-    train.early_stop_patience: `since` counts the evaluations after it that did not beat it. Its state
-    (checkpointed) makes a resumed run choose as the uninterrupted one does."""
+    train.early_stop_patience: `since` counts the evaluations after it that did not beat it. With
+    train.kl_budget only evaluations whose held-out KL is within the budget count, the first one over it
+    is `over` ({step, kl}: the run stops there), and without export_best the latest within the budget is
+    the one kept. Its state (checkpointed) makes a resumed run choose as the uninterrupted one does."""
 
     def __init__(self, train: Any, metric: str):
         self.metric, self.patience, self.use_best = metric, train.early_stop_patience, train.export_best
+        self.kl_budget: float | None = train.kl_budget
+        self.keeps_actor = self.use_best or self.kl_budget is not None  # snapshots the actor it keeps
         self.step: int | None = None
         self.score = float("-inf")
         self.since = 0
         self.eval: dict[str, Any] = {}
+        self.over: dict[str, Any] | None = None
+
+    def exported_by(self) -> str:
+        if self.kl_budget is None:
+            return f"best held-out {self.metric}"
+        within = f"within train.kl_budget={self.kl_budget:g} (held-out KL to the reference)"
+        return f"best held-out {self.metric} {within}" if self.use_best else f"the last evaluation {within}"
 
     def after_eval(self, step: int, ev: dict[str, Any]) -> bool:
-        """Record the evaluation after `step` steps; True when it is the new best."""
+        """Record the evaluation after `step` steps; True when it is the new best (the one to keep)."""
+        if self.kl_budget is not None:
+            kl = ev.get("kl")
+            if kl is None:
+                raise ConfigError("train.kl_budget is checked on the held-out KL, and this run's evaluations have none "
+                                  "(no held-out prompts: set data.eval_prompts_path / data.num_eval_prompts)")
+            if self.over is not None or not kl <= self.kl_budget:  # NaN is over
+                self.over = self.over or {"step": step, "kl": float(kl)}
+                return False
+            if not self.use_best:  # the latest evaluation within the budget
+                value = ev.get(self.metric)
+                self.step, self.since, self.eval = step, 0, without_samples(ev)
+                self.score = float(value) if value is not None else float("nan")
+                return True
         value = ev.get(self.metric)
         if value is None or not math.isfinite(value):
             return False
@@ -488,16 +517,16 @@ class BestEval:
     def exported(self, last_step: int, last: dict[str, Any]) -> dict[str, Any]:
         """{step, eval} of the actor to export: the best evaluation's with train.export_best (when it is not
         the last step's), else the last step's."""
-        if self.step is None or self.step == last_step or not self.use_best:
+        if self.step is None or self.step == last_step or not self.keeps_actor:
             return {"step": last_step, "eval": last}
         return {"step": self.step, "eval": self.eval}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "score": self.score, "since": self.since, "eval": self.eval}
+        return {"step": self.step, "score": self.score, "since": self.since, "eval": self.eval, "over": self.over}
 
     def load_state_dict(self, state: dict) -> None:
         self.step, self.score, self.since = state["step"], float(state["score"]), int(state["since"])
-        self.eval = dict(state["eval"])
+        self.eval, self.over = dict(state["eval"]), state.get("over")
 
 
 def _eval_line(ev: dict) -> str:

@@ -11,7 +11,9 @@ copies the habits (greedy decoding picks the demonstrator's most frequent answer
 data (correct answer chosen; a plausible wrong one rejected: the habit, another slip, or an off-task
 answer) teaches a reward model to catch them: a lower-case letter or an out-of-order pair is visible
 in the response itself, so judging is easier than doing, which is the situation in which RLHF beats
-imitation. PPO must remove the habits. All four kinds (rlhf.core.task.DEFAULT_TASKS) are judged by
+imitation. PPO must remove the habits. A sort's other slips are mostly the mistakes of a policy that has
+learnt to sort but miscopies (SORT_DIGIT_SLIP: one digit changed, dropped or doubled, still in order), so
+the reward model does not pay for a sorted list whatever its digits. All four kinds (rlhf.core.task.DEFAULT_TASKS) are judged by
 matching characters of the response against the prompt; addition and counting are not shipped,
 because a reward model of this size does not learn to verify them on a CPU in minutes (rlhf/core/task.py).
 """
@@ -68,9 +70,9 @@ def wrong_answer(rng: random.Random, prompt: str, task: str, systematic: bool) -
             if chars[i] != chars[i + 1]:
                 chars[i], chars[i + 1] = chars[i + 1], chars[i]
                 return " ".join(chars)
-    if task == "sort" and rng.random() < SORT_DIGIT_SLIP:  # in order, wrong digits: the slips
-        for _ in range(20):  # of a policy that sorts but miscopies (one digit changed, dropped, doubled)
-            i, how = rng.randrange(len(chars)), rng.choice(("change", "drop", "double"))
+    if task == "sort" and rng.random() < SORT_DIGIT_SLIP:  # in order, wrong digits: the slips of a policy
+        for _ in range(20):  # that sorts but miscopies (one digit changed: half of them; dropped; doubled)
+            i, how = rng.randrange(len(chars)), rng.choice(("change", "change", "drop", "double"))
             new = {"change": [rng.choice("0123456789")], "drop": [], "double": [chars[i]] * 2}[how]
             cand = sorted(chars[:i] + new + chars[i + 1 :])
             if cand != chars:

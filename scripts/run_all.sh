@@ -111,12 +111,18 @@ fi
 # instead of the algorithm's 0.01 and is only raised while the KL is over 0.3. With 0.01 it over-optimised the reward
 # model on 3 of 5 seeds (KL 1.6-3.9, gold down to 64.5); docs/stages.md. (The tool task, rewarded by the judge, keeps
 # the algorithm's own settings.)
+# Both end within a KL budget of 0.5 nats (train.kl_budget=0.5): the controllers aim at 0.3 on the sampled
+# responses, but the held-out (greedy) KL reported can end over 0.5 (seed 2: 0.29 at step 20, 0.82 at step 31); an
+# evaluation over the budget ends the stage and the actor of the last evaluation within it is exported
+# (summary.json: exported_step, kl_budget_exceeded; docs/stages.md).
 ALGO="${ALGO:-ppo}"
 case "$ALGO" in
-  ppo) PPO+=(ppo.kl_coef=0.8 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=150 ppo.kl_coef_min=null) ;;
+  ppo) PPO+=(ppo.kl_coef=0.8 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=150 ppo.kl_coef_min=null
+             train.kl_budget=0.5) ;;
   grpo) PPO+=(algorithm=grpo)
         if [ "$PIPELINE" = ppo ]; then
-          PPO+=(ppo.kl_loss_coef=0.4 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=64 ppo.kl_coef_min=null)
+          PPO+=(ppo.kl_loss_coef=0.4 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=64 ppo.kl_coef_min=null
+                train.kl_budget=0.5)
         fi ;;
   rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
   *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
@@ -132,7 +138,7 @@ case "${PRESET:-}" in
   smoke)
     SFT+=(train.max_steps=30 train.eval_every=0 data.num_eval_prompts=40 train.lr=3e-3)
     RM+=(train.max_steps=20 train.eval_every=0)
-    PPO+=(train.max_steps=2 train.eval_every=0 data.num_eval_prompts=40)
+    PPO+=(train.max_steps=2 train.eval_every=0 train.kl_budget=null data.num_eval_prompts=40)  # no evaluations to budget
     # 32 sampled responses per step, whatever the algorithm's samples per prompt
     if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=4); else PPO+=(rollout.prompts_per_step=32); fi
     DPO+=(train.max_steps=10 train.eval_every=0 data.num_eval_prompts=40)

@@ -99,6 +99,84 @@ def test_best_eval_picks_the_earliest_best_and_counts_patience():
     assert not b.after_eval(40, {"gold_score": math.nan})  # a NaN evaluation is never the best
 
 
+def test_a_kl_budget_keeps_the_last_evaluation_within_it_and_marks_the_first_over():
+    seq = [(0, 50.0, 0.0), (10, 80.0, 0.2), (20, 75.0, 0.45), (30, 90.0, 0.6), (31, 95.0, 0.4)]
+    b = BestEval(PPOTrainConfig(kl_budget=0.5), "gold_score")
+    new = [b.after_eval(s, {"gold_score": g, "kl": k, "samples": [1]}) for s, g, k in seq]
+    # the latest within the budget is kept whatever its gold; once over, a later evaluation back under it
+    # does not count (the run stops at the first one over)
+    assert new == [True, True, True, False, False] and b.keeps_actor
+    assert b.over == {"step": 30, "kl": 0.6} and b.step == 20
+    assert b.exported(31, {"gold_score": 95.0, "kl": 0.4}) == {"step": 20, "eval": {"gold_score": 75.0, "kl": 0.45}}
+    assert b.exported_by() == "the last evaluation within train.kl_budget=0.5 (held-out KL to the reference)"
+    again = BestEval(PPOTrainConfig(kl_budget=0.5), "gold_score")
+    again.load_state_dict(json.loads(json.dumps(b.state_dict())))  # as a checkpoint keeps it
+    assert again.state_dict() == b.state_dict() and again.over == {"step": 30, "kl": 0.6}
+    # with export_best: the best gold among the evaluations within the budget (step 10's 80 beats step 20's 75)
+    best = BestEval(PPOTrainConfig(kl_budget=0.5, export_best=True), "gold_score")
+    for s, g, k in seq:
+        best.after_eval(s, {"gold_score": g, "kl": k})
+    assert best.exported(31, {})["step"] == 10 and best.exported_by().startswith("best held-out gold_score within")
+    # a budget never reached: the last step's actor, nothing over
+    wide = BestEval(PPOTrainConfig(kl_budget=5.0), "gold_score")
+    for s, g, k in seq:
+        wide.after_eval(s, {"gold_score": g, "kl": k})
+    assert wide.over is None and wide.exported(31, {"kl": 0.4})["step"] == 31
+    nan = BestEval(PPOTrainConfig(kl_budget=0.5), "gold_score")
+    assert nan.after_eval(0, {"gold_score": 1.0, "kl": 0.0}) and not nan.after_eval(10, {"gold_score": 2.0, "kl": math.nan})
+    assert nan.over["step"] == 10  # a NaN KL is over the budget
+    with pytest.raises(ConfigError, match="train.kl_budget is checked on the held-out KL"):
+        BestEval(PPOTrainConfig(kl_budget=0.5), "reward").after_eval(0, {"reward": 1.0})
+
+
+@pytest.mark.parametrize("kwargs,objective,match", [
+    ({"kl_budget": 0.0}, "rl", "train.kl_budget is the held-out KL"),
+    ({"kl_budget": -1.0}, "rl", "train.kl_budget is the held-out KL"),
+    ({"kl_budget": math.inf}, "rl", "train.kl_budget is the held-out KL"),
+    ({"kl_budget": "half"}, "rl", "train.kl_budget is the held-out KL"),
+    ({"kl_budget": 0.5, "eval_every": 0}, "rl", "set train.eval_every > 0, got 0"),
+    ({"kl_budget": 0.5}, "distill", "algorithm=distill has none"),
+])
+def test_bad_kl_budgets_are_config_errors(kwargs, objective, match):
+    with pytest.raises(ConfigError, match=match):
+        validate_best(PPOTrainConfig(**kwargs), objective)
+    validate_best(PPOTrainConfig(kl_budget=0.5, eval_every=10), "online_dpo")  # fine
+
+
+def test_a_run_over_its_kl_budget_stops_and_exports_the_last_actor_within_it(tiny_stages, tmp_path):
+    from safetensors.torch import load_file
+
+    args = [f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}", "train.max_steps=4",
+            "train.eval_every=1", "train.save_every=1", "rollout.prompts_per_step=8", "rollout.mini_batch_size=8",
+            "rollout.micro_batch_size=8", "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.num_eval_prompts=8",
+            "actor.lr=3e-2", "ppo.kl_coef=0"]
+    run_stage("ppo", f"output_dir={tmp_path / 'free'}", *args, timeout=600)
+    kls = [r["kl"] for r in metrics(tmp_path / "free", "eval")]
+    # the steps whose held-out KL is above every earlier one: a budget between the two is first exceeded
+    # there; the first such step and the last (when another) are run, so a stop before the last step and an
+    # evaluation over the budget at the last step are both seen whatever this machine's rounding gives
+    rises = [i for i in range(1, len(kls)) if kls[i] > max(kls[:i])]
+    assert rises, kls  # a step at lr 3e-2 with no KL penalty moves the actor off the reference
+    for s in sorted({rises[0], rises[-1]}):
+        budget = (max(kls[:s]) + kls[s]) / 2
+        out = tmp_path / f"budget_{s}"
+        run_stage("ppo", f"output_dir={out}", *args, f"train.kl_budget={budget}", timeout=600)
+        got, ev = summary(out), metrics(out, "eval")
+        assert [r["step"] for r in ev] == list(range(s + 1)) and got["steps"] == s, (kls, s)
+        assert comparable(ev) == comparable(metrics(tmp_path / "free", "eval")[: s + 1])  # the same run up to there
+        if s < 4:  # an evaluation before the last step: the run stops there
+            assert got["stopped_early"].startswith(f"train.kl_budget: held-out KL {kls[s]:.4g} at step {s} is over")
+        else:  # the last one: nothing left to stop, the export all the same
+            assert got["stopped_early"] is None
+        assert got["kl_budget_exceeded"] == {"step": s, "kl": kls[s]} and got["kl_budget"] == budget
+        assert got["exported_step"] == s - 1 and got["kl"] == kls[s - 1] and got["last_step_eval"]["kl"] == kls[s]
+        assert got["exported_by"].startswith("the last evaluation within train.kl_budget=")
+        model = load_file(out / "model" / "model.safetensors")
+        want = (load_file(tiny_stages / "sft" / "model" / "model.safetensors") if s == 1 else  # step 0: the SFT model
+                torch.load(out / "checkpoints" / f"step_{s:07d}" / "best_actor.pt", weights_only=True))
+        assert all(torch.equal(model[k], want[k].to(model[k].dtype)) for k in model)
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("ensemble_agg", "median", "reward.ensemble_agg must be one of"),
     ("ensemble_lambda", -1.0, "reward.ensemble_lambda must be a finite number >= 0"),

@@ -447,6 +447,9 @@ class PPOTrainConfig(CadenceConfig):
     # (sampled) reward; an evaluation every train.eval_every steps and after the last
     export_best: bool = False  # export the actor of the best held-out evaluation as model/ (not the last step's); summary says which
     early_stop_patience: int = 0  # stop after this many evaluations in a row without a better held-out score (0 = never)
+    # A KL budget (nats; null = none): an evaluation whose held-out KL to the reference is over it ends the run,
+    # and the actor of the last evaluation within it is exported (with export_best: the best within it)
+    kl_budget: float | None = None
 
 
 @dataclass(kw_only=True)

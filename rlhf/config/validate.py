@@ -456,7 +456,7 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     _need(rows % r.mini_batch_size == 0,
           f"{what} must be a multiple of rollout.mini_batch_size ({r.mini_batch_size}, rows)")
     validate_cadence(cfg.train)
-    validate_best(cfg.train)
+    validate_best(cfg.train, cfg.ppo.objective)
     validate_reward_sources(cfg.reward)
     validate_alarms(cfg.alarms)
     validate_objective(cfg)
@@ -465,8 +465,19 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     engine_config(cfg.engine, info)
 
 
-def validate_best(t: PPOTrainConfig) -> None:
-    """train.export_best / train.early_stop_patience: a count >= 0, and evaluations to choose by."""
+def validate_best(t: PPOTrainConfig, objective: str = "rl") -> None:
+    """train.export_best / train.early_stop_patience / train.kl_budget: a count >= 0, a budget > 0, and
+    evaluations to choose by."""
+    _need(t.kl_budget is None or (isinstance(t.kl_budget, (int, float)) and not isinstance(t.kl_budget, bool)
+                                  and math.isfinite(t.kl_budget) and t.kl_budget > 0),
+          f"train.kl_budget is the held-out KL to the reference a run may reach (nats, > 0; null = no budget), "
+          f"got {t.kl_budget!r}")
+    _need(t.kl_budget is None or objective != "distill",
+          "train.kl_budget bounds the KL to the reference; algorithm=distill has none (its held-out kl is the "
+          "student's KL to the teacher, which it minimises): drop train.kl_budget")
+    _need(t.kl_budget is None or t.eval_every > 0,
+          f"train.kl_budget is checked at the held-out evaluations every train.eval_every steps: set "
+          f"train.eval_every > 0, got {t.eval_every}")
     _need(isinstance(t.early_stop_patience, int) and not isinstance(t.early_stop_patience, bool)
           and t.early_stop_patience >= 0, f"train.early_stop_patience must be an integer >= 0 (evaluations without "
           f"a better held-out score; 0 = never stop early), got {t.early_stop_patience!r}")
