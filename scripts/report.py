@@ -168,6 +168,15 @@ def alarm_lines(rows: list[dict], summary: dict) -> list[str]:
         lines.append(f"No alarm fired ({', '.join(sorted(checked)) or 'none computed'}).")
     if summary.get("stopped_early"):
         lines.append(f"\nThe run stopped early after step {summary['steps']}: {summary['stopped_early']}.")
+    last = summary.get("last_step_eval")
+    if last is not None and summary.get("exported_step") not in (None, summary.get("steps")):
+        # train.export_best / train.kl_budget: model/ is not the last step's actor, and the figures above are its
+        def num(v, spec):
+            return "–" if v is None else format(v, spec)
+        lines.append(f"\nThe exported actor is step {summary['exported_step']}'s ({summary.get('exported_by')}): gold "
+                     f"{num(summary.get('gold_score_after'), '.1f')} at KL {num(summary.get('kl'), '.3f')}; the last "
+                     f"step's (step {summary['steps']}): gold {num(last.get('gold_score'), '.1f')} at KL "
+                     f"{num(last.get('kl'), '.3f')}.")
     return lines
 
 

@@ -88,6 +88,25 @@ def test_report_names_the_kl_estimator_and_explains_a_negative_kl(tmp_path, kl, 
     assert (tmp_path / "pipeline.png").is_file()
 
 
+def test_report_says_which_step_a_kl_budget_exported(tmp_path):
+    write_run(tmp_path, kl=0.29)
+    summ = json.loads((tmp_path / "ppo" / "summary.json").read_text())
+    summ.update(steps=31, exported_step=20, exported_by="the last evaluation within train.kl_budget=0.5 (held-out KL "
+                "to the reference)", gold_score_after=96.0, kl=0.2856, last_step_eval={"gold_score": 97.0, "kl": 0.8192},
+                kl_budget=0.5, kl_budget_exceeded={"step": 30, "kl": 0.76})
+    (tmp_path / "ppo" / "summary.json").write_text(json.dumps(summ))
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "report.md").read_text()
+    assert ("The exported actor is step 20's (the last evaluation within train.kl_budget=0.5 (held-out KL to the "
+            "reference)): gold 96.0 at KL 0.286; the last step's (step 31): gold 97.0 at KL 0.819.") in text, text
+    write_run(tmp_path / "plain", kl=0.29)  # the last step's actor exported: no such line
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "report.py"), str(tmp_path / "plain")], cwd=ROOT, check=True,
+                   capture_output=True, timeout=120)
+    assert "The exported actor" not in (tmp_path / "plain" / "report.md").read_text()
+
+
 def test_dpo_pipeline_report(tmp_path):
     """PIPELINE=dpo: sft/ and dpo/ only; the gold score SFT -> DPO, the DPO section and its panels."""
     sft = {"stage": "sft", "time_s": 10.0, "gold_score_before": 0.0, "gold_score_after": 40.0}
