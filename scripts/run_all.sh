@@ -68,7 +68,8 @@ case "${TASK:-default}" in
     # inherit it from the SFT output): seeds 2 / 3 / 4 miscopied 0 / 1 / 2 instead of 6 / 14 / 12, and PPO read
     # 96.5 / 96.0 / 94.5 instead of 90.0 / 85.5 / 85.5; three SFT starts (sft:starts.n=3) did less (96.0 / 94.0 / 91.0)
     # for a quarter more SFT steps. The cost: its reward models rank held-out pairs worse (0.877-0.957 over five seeds,
-    # three under 0.90; 6 heads: 0.913-0.960), yet train the better policies (docs/stages.md)
+    # three under 0.90; 6 heads: 0.913-0.960), yet train the better policies (docs/stages.md). With the pairs shipped
+    # since 2026-11-28 (a sort's slips mostly wrong digits): 0.887-0.923, and PPO 95.0-97.5 at KL <= 0.48
     if [ "$PIPELINE" = ppo ]; then
       SFT+=(train.epochs=8 model.config.num_attention_heads=12 model.config.num_key_value_heads=12)
     fi ;;
