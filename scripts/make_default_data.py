@@ -13,9 +13,10 @@ answer) teaches a reward model to catch them: a lower-case letter or an out-of-o
 in the response itself, so judging is easier than doing, which is the situation in which RLHF beats
 imitation. PPO must remove the habits. A sort's other slips are mostly the mistakes of a policy that has
 learnt to sort but miscopies (SORT_DIGIT_SLIP: one digit changed, dropped or doubled, still in order), so
-the reward model does not pay for a sorted list whatever its digits. All four kinds (rlhf.core.task.DEFAULT_TASKS) are judged by
-matching characters of the response against the prompt; addition and counting are not shipped,
-because a reward model of this size does not learn to verify them on a CPU in minutes (rlhf/core/task.py).
+the reward model does not pay for a sorted list whatever its digits. All four kinds
+(rlhf.core.task.DEFAULT_TASKS) are judged by matching characters of the response against the prompt;
+addition and counting are not shipped, because a reward model of this size does not learn to verify them
+on a CPU in minutes (rlhf/core/task.py).
 """
 from __future__ import annotations
 
