@@ -111,7 +111,6 @@ def test_starts_on_a_users_own_model_data_and_adapter(tmp_path):
     # included) with their own held-out rows, LoRA: the starts differ (the adapter's initialisation and the
     # data order), the lowest held-out loss is continued, and the result is the plain run of its seed
     import random
-    from glob import glob
 
     from safetensors.torch import load_file
     from test_user_model import LORA, user_model_dir, vocab
@@ -133,7 +132,7 @@ def test_starts_on_a_users_own_model_data_and_adapter(tmp_path):
     assert len(set(losses)) == 3 and found["start_seed"] == found["starts"][losses.index(min(losses))]["seed"]
     assert "gold_score" not in found["starts"][0]  # no gold judge for the user's rows: judged by loss alone
     run_stage("sft", f"output_dir={tmp_path / 'p'}", *common, f"seed={found['start_seed']}")
-    adapter = {d: load_file(glob(str(tmp_path / d / "model" / "adapter_model.safetensors"))[0]) for d in "sp"}
+    adapter = {d: load_file(tmp_path / d / "model" / "adapter_model.safetensors") for d in "sp"}
     assert adapter["s"].keys() == adapter["p"].keys() and all(torch.equal(adapter["s"][k], adapter["p"][k])
                                                                 for k in adapter["s"])
     assert vocab(tmp_path / "s" / "model") == vocab(user)
