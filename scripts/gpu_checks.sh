@@ -36,7 +36,7 @@ part() {  # part NAME SECONDS command...: run with a limit, log to $out/NAME.log
   python3 -c "import torch, transformers, triton, peft; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'triton', triton.__version__, 'peft', peft.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$out/summary.txt"
-want tests && TAILN=40 part tests 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu -rs tests/
+want tests && TAILN=40 part tests 200 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu -rs tests/
 want generation && part generation 110 python3 scripts/bench_generation.py --shapes llama-25m llama-1.2b --batch 64 --prompt 64 \
   --new 128 --repeat 3 --out "$out/bench_generation.json"
 want rl && TAILN=30 part rl 210 python3 scripts/bench_rl.py --baseline "$base" --reps 2 --steps 8 --work /tmp/bench_rl \
@@ -48,5 +48,6 @@ want kernels && part kernels 60 python3 scripts/bench_kernels.py --steps 3 --out
 want stages && RLHF_TESTS_CUDA=1 TAILN=60 part stages 240 timeout -s INT 230 python3 -m pytest -q -p no:cacheprovider -n 14 \
   -rfE --tb=short tests/test_kernels_logprobs.py tests/test_kernel_injection.py tests/test_ppo.py \
   tests/test_rl_algorithms.py tests/test_sft.py tests/test_reward.py tests/test_dpo.py tests/test_old_logprobs.py \
-  tests/test_sampler_gap.py tests/test_generation_mode.py tests/test_policy_losses.py tests/test_evaluate.py
+  tests/test_sampler_gap.py tests/test_generation_mode.py tests/test_policy_losses.py tests/test_evaluate.py \
+  tests/test_online_dpo.py tests/test_distill.py tests/test_kto.py tests/test_reward_ensemble.py
 cat "$out/summary.txt"

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import SMALL_MODEL, gpu, metrics, run_stage
+from conftest import SMALL_MODEL, gpu, metrics, run_stage, summary
 
 QUIET = ["train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=8"]
 # what a healthy CUDA run never logs (engine/inference/generate.py, engine/train_engine.py, kernels/dispatch.py)
@@ -76,15 +76,59 @@ def test_rl_steps_run_on_cuda_through_the_injected_decoder(stages, tmp_path, alg
         finite(rows, "critic_loss")
 
 
+# the algorithms added after the first GPU run (#33, #37), each on the RL stage's CUDA path: the policy-loss
+# registry, RLOO with the KL in the reward, online DPO's pairs, distillation's teacher in the reference's
+# place, a reward-model ensemble with its disagreement and the KL budget's export
+NEWER_RL = {
+    "gspo": ["algorithm=gspo", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4"],
+    "cispo": ["algorithm=grpo", "ppo.policy_loss=cispo", "rollout.n_samples_per_prompt=4"],
+    "rloo_kl_in_reward": ["algorithm=rloo", "ppo.kl_coef=0.05", "rollout.n_samples_per_prompt=4"],
+    "online_dpo": ["algorithm=online_dpo", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4"],
+    "distill": ["algorithm=distill"],  # the teacher: the SFT output itself (added below)
+    "ensemble_kl_budget": ["reward.ensemble_models=[{reward}]", "reward.ensemble_agg=mean_minus_std",
+                           "train.kl_budget=50", "train.eval_every=1"],
+}
+
+
 @gpu
-def test_dpo_trains_on_cuda(stages, tmp_path):
+@pytest.mark.parametrize("name", list(NEWER_RL))
+def test_the_newer_rl_algorithms_run_on_cuda(stages, tmp_path, name):
+    root = stages[0]
+    extra = [o.format(reward=root / "reward") for o in NEWER_RL[name]]
+    if name == "distill":
+        extra.append(f"teacher.model={root / 'sft'}")
+    quiet = [q for q in QUIET if not (name == "ensemble_kl_budget" and q.startswith("train.eval_every"))]
+    proc = run_stage("ppo", f"output_dir={tmp_path / name}", f"actor.model={root / 'sft'}",
+                     f"critic.model={root / 'reward'}", "train.max_steps=3", "rollout.prompts_per_step=8",
+                     "rollout.mini_batch_size=8", "rollout.micro_batch_size=8", "ppo.old_logprobs=recompute",
+                     *quiet, *extra)
+    healthy(proc)
+    assert "generation mode: injected path" in proc.stdout + proc.stderr
+    rows = metrics(tmp_path / name, "train")
+    assert len(rows) == 3
+    finite(rows, "actor_loss", "kl", "response_len", "gen_logprob_gap")
+    assert all(r["gen_logprob_gap"] < 0.1 for r in rows), [r["gen_logprob_gap"] for r in rows]
+    if name == "online_dpo":
+        assert all(r["pairs"] + r["tied_groups"] + r["unpaired_groups"] == 4 for r in rows), rows
+    if name == "ensemble_kl_budget":
+        finite(rows, "reward_disagreement")
+        assert all(r["reward_disagreement"] == 0 for r in rows)  # two copies of one reward model agree
+        s = summary(tmp_path / name)
+        assert s["kl_budget"] == 50 and s["kl_budget_exceeded"] is None and s["exported_step"] == 3  # within the budget
+
+
+@gpu
+@pytest.mark.parametrize("loss", ["sigmoid", "kto"])
+def test_dpo_trains_on_cuda(stages, tmp_path, loss):
     root = stages[0]
     proc = run_stage("dpo", f"output_dir={tmp_path / 'dpo'}", f"model.name_or_path={root / 'sft'}",
-                     "model.fallback_to_config=false", "train.max_steps=3", "train.log_every=1", *QUIET)
+                     "model.fallback_to_config=false", "train.max_steps=3", "train.log_every=1",
+                     f"dpo.loss_type={loss}", *QUIET)
     healthy(proc)
     rows = metrics(tmp_path / "dpo", "train")
     assert len(rows) == 3
-    finite(rows, "loss", "reward_chosen", "reward_rejected")
+    finite(rows, "loss", *(("reward_desirable", "reward_undesirable", "kl") if loss == "kto"
+                           else ("reward_chosen", "reward_rejected")))
 
 
 @gpu

@@ -10,9 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grimp
+import pytest
 
 from conftest import ROOT, cli_env
+
+# the test extra installs it; a machine without it (the GPU image, whose lane deselects these tests) still
+# collects the suite
+grimp = pytest.importorskip("grimp", reason="the layer checks need import-linter's grimp (pip install -e '.[test]')")
 
 PROJECT = ("rlhf", "engine", "kernels")
 
