@@ -86,7 +86,7 @@ def _cfg(*overrides):
 def test_algorithm_online_dpo_sets_its_keys():
     cfg = _cfg("algorithm=online_dpo")
     assert (cfg.ppo.objective, cfg.ppo.advantage_estimator, cfg.ppo.kl_coef) == ("online_dpo", "grpo", 0.0)
-    assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (16, 4)
+    assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (16, 8)
     assert (cfg.actor.lr, cfg.train.max_steps, cfg.critic.lr) == (1e-4, 20, 5e-4)  # only the actor's changes
     assert (cfg.online_dpo.loss_type, cfg.online_dpo.beta, cfg.online_dpo.sft_coef) == ("sigmoid", 0.1, 0.0)
     validate_ppo(cfg, ONE)
