@@ -26,6 +26,8 @@
 #                                                             # all (reward.ensemble_models; each a whole reward stage)
 #
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
+#   DRY_RUN=1 bash scripts/run_all.sh                         # say what each stage would do (skip, resume, run)
+#                                                             # and print its full command, running nothing
 #   SEEDS="1234 1 2" bash scripts/run_all.sh                  # a seed sweep: the pipeline once per seed
 #                                                             # (all:seed=<s>) under $OUTPUT_DIR/seed_<s>/,
 #                                                             # then $OUTPUT_DIR/sweep.md: per seed SFT gold,
@@ -57,6 +59,7 @@ case "$PIPELINE" in
   ppo|dpo|tools) ;;
   *) echo "run_all.sh: unknown PIPELINE=$PIPELINE (known: ppo = SFT -> reward -> PPO, dpo = SFT -> DPO)" >&2; exit 2 ;;
 esac
+case "${DRY_RUN:-0}" in 0|1) ;; *) echo "run_all.sh: DRY_RUN is 1 (print the commands, run nothing) or 0, got '$DRY_RUN'" >&2; exit 2 ;; esac
 SFT=() RM=() PPO=() DPO=()
 case "${TASK:-default}" in
   default)
@@ -180,13 +183,18 @@ if [ -n "${SEEDS:-}" ]; then  # a seed sweep: this script once per seed, then th
     echo "=== seed $s -> $ROOT/seed_$s"
     SEEDS="" OUTPUT_DIR="$ROOT/seed_$s" bash scripts/run_all.sh "$@" "all:seed=$s"
   done
+  [ "${DRY_RUN:-0}" = 1 ] && exit 0
   python scripts/report.py "$ROOT" --sweep "${seeds[@]}"
   explorer  # over every seed's stages
   exit 0
 fi
 
-run() {  # run <module> <overrides...>
+run() {  # run <module> <overrides...> (DRY_RUN=1: print the command instead)
   local module="$1"; shift
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    if [ "$LAUNCH" = python ]; then printf '%q ' python -m "rlhf.$module" "$@"; else printf '%s ' "$LAUNCH"; printf '%q ' -m "rlhf.$module" "$@"; fi
+    echo; return 0
+  fi
   if [ "$LAUNCH" = python ]; then python -m "rlhf.$module" "$@"; else $LAUNCH -m "rlhf.$module" "$@"; fi
 }
 
@@ -196,18 +204,20 @@ SKIPPED=""       # set once a stage was skipped: this invocation's wall time is 
 stage() {  # stage <module> <title> <overrides...>: skip, resume or run it, and say which and why
   local module="$1" title="$2"; shift 2
   local out="$ROOT/${STAGE_DIR:-$module}" action reason  # STAGE_DIR: another directory than <module> (reward_2)
+  local skipped=skipped resumed=resumed running=running ran=ran
+  [ "${DRY_RUN:-0}" = 1 ] && skipped="would skip" resumed="would resume" running="would run" ran="would run"
   if [ "${FORCE:-0}" = 1 ]; then
     action=run reason="FORCE=1"
   elif [ -n "$UPSTREAM_RAN" ]; then
-    action=run reason="the $UPSTREAM_RAN stage before it ran in this invocation"
+    action=run reason="the $UPSTREAM_RAN stage before it $ran in this invocation"
   else
     read -r action reason < <(python scripts/stage_plan.py "$module" "$out" "output_dir=$out" "$@")
   fi
   case "$action" in
-    skip) echo "== $title: skipped ($reason) -> $out"; SKIPPED=1 ;;
-    resume) echo "== $title: resumed ($reason) -> $out"
+    skip) echo "== $title: $skipped ($reason) -> $out"; SKIPPED=1 ;;
+    resume) echo "== $title: $resumed ($reason) -> $out"
             run "$module" "output_dir=$out" "$@" train.resume=true; UPSTREAM_RAN="$module" ;;
-    *) echo "== $title: running (${reason:-stage_plan.py gave no answer}) -> $out"
+    *) echo "== $title: $running (${reason:-stage_plan.py gave no answer}) -> $out"
        run "$module" "output_dir=$out" "$@" train.overwrite=true; UPSTREAM_RAN="$module" ;;
   esac
 }
@@ -232,6 +242,7 @@ else
   fi
   stage ppo PPO "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
 fi
+[ "${DRY_RUN:-0}" = 1 ] && exit 0  # nothing ran: no report
 if [ -n "$SKIPPED" ]; then
   python scripts/report.py "$ROOT" --pipeline "$PIPELINE"  # total time = the stages' own times, from their summaries
 else

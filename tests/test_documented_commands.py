@@ -65,6 +65,8 @@ NOT_RUN = {
     "bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke and ::test_run_all_skips_finished_stages_...",
     "PRESET=smoke bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_smoke",
     "FORCE=1 bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_skips_finished_stages_and_resumes_interrupted_ones",
+    "DRY_RUN=1 bash scripts/run_all.sh": "tests/test_ppo.py::test_run_all_pins_the_demo_rl_schedules runs it and "
+                                         "checks the commands it prints (and that nothing is written)",
     "OUTPUT_DIR=runs/exp1 bash scripts/run_all.sh": "the plain pipeline (tests/test_ppo.py::test_run_all_smoke) with "
                                                     "its root chosen: every run_all.sh command here runs with its own "
                                                     "OUTPUT_DIR, and the tests of test_ppo.py with theirs",

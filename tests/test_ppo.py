@@ -561,6 +561,55 @@ def test_run_all_seed_sweep(tmp_path):
     assert f"Worst seed: {worst[0][0]} (PPO gold" in (root / "sweep.md").read_text()
 
 
+def dry_run_commands(root, *args, **env) -> dict[str, list[str]]:
+    """`DRY_RUN=1 bash scripts/run_all.sh`: each stage's command line, parsed, by module; asserts nothing ran."""
+    import shlex
+
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**cli_env(), "OUTPUT_DIR": str(root), "DRY_RUN": "1", **env}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    heads = [line for line in lines if line.startswith("== ")]
+    assert heads and all(": would run (" in line for line in heads), heads
+    commands = [shlex.split(line) for line in lines if line.startswith("python -m rlhf.")]
+    assert len(commands) == len(heads) and not os.path.exists(root)  # printed, not run: no output at all
+    return {c[2].removeprefix("rlhf."): c[3:] for c in commands}
+
+
+def composed(module: str, overrides: list[str]) -> dict:
+    """The stage's config as Hydra composes it from these overrides (`--cfg job`: the last override of a key wins)."""
+    proc = subprocess.run([sys.executable, "-m", f"rlhf.{module}", *overrides, "--cfg", "job"], cwd=ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return yaml.safe_load(proc.stdout)
+
+
+def test_run_all_pins_the_demo_rl_schedules(tmp_path):
+    """The schedules run_all.sh measured (docs/stages.md, issue #37) reach the RL stage's config, as a user
+    running the script gets them: PPO with the KL budget, GRPO with 16 prompts x 8 samples at temperature 1.2.
+    DRY_RUN=1 prints the commands and runs nothing."""
+    ppo = dry_run_commands(tmp_path / "ppo")
+    assert list(ppo) == ["sft", "reward", "ppo"]
+    assert {"train.epochs=8", "model.config.num_attention_heads=12", "model.config.num_key_value_heads=12"} <= set(ppo["sft"])
+    cfg = composed("ppo", ppo["ppo"])
+    assert {k: cfg["ppo"][k] for k in ("kl_coef", "adaptive_kl", "kl_target", "kl_horizon", "kl_coef_min")} == {
+        "kl_coef": 0.8, "adaptive_kl": True, "kl_target": 0.3, "kl_horizon": 150, "kl_coef_min": None}
+    assert cfg["train"]["kl_budget"] == 0.5 and cfg["rollout"]["temperature"] == 1.0
+    assert cfg["actor"]["model"] == str(tmp_path / "ppo" / "sft") and cfg["critic"]["model"] == str(tmp_path / "ppo" / "reward")
+
+    grpo = dry_run_commands(tmp_path / "grpo", "ppo:seed=7", ALGO="grpo")
+    cfg = composed("ppo", grpo["ppo"])
+    assert cfg["ppo"]["advantage_estimator"] == "grpo" and cfg["seed"] == 7
+    assert (cfg["rollout"]["prompts_per_step"], cfg["rollout"]["n_samples_per_prompt"], cfg["rollout"]["temperature"]) == (16, 8, 1.2)
+    assert {k: cfg["ppo"][k] for k in ("kl_coef", "kl_loss_coef", "adaptive_kl", "kl_target", "kl_horizon", "kl_coef_min")} == {
+        "kl_coef": 0.0, "kl_loss_coef": 0.4, "adaptive_kl": True, "kl_target": 0.3, "kl_horizon": 64, "kl_coef_min": None}
+    assert cfg["train"]["kl_budget"] == 0.5
+
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
+                          env={**cli_env(), "OUTPUT_DIR": str(tmp_path / "bad"), "DRY_RUN": "yes"}, timeout=60)
+    assert proc.returncode == 2 and "DRY_RUN is 1 (print the commands, run nothing) or 0, got 'yes'" in proc.stderr
+
+
 def test_run_all_rejects_a_bad_seed_list(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh")], cwd=ROOT, capture_output=True, text=True,
                           env={**cli_env(), "OUTPUT_DIR": str(tmp_path), "SEEDS": "1 -2"}, timeout=60)
