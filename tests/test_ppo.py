@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -563,8 +564,6 @@ def test_run_all_seed_sweep(tmp_path):
 
 def dry_run_commands(root, *args, **env) -> dict[str, list[str]]:
     """`DRY_RUN=1 bash scripts/run_all.sh`: each stage's command line, parsed, by module; asserts nothing ran."""
-    import shlex
-
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *args], cwd=ROOT, capture_output=True,
                           text=True, env={**cli_env(), "OUTPUT_DIR": str(root), "DRY_RUN": "1", **env}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
