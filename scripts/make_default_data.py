@@ -17,6 +17,12 @@ the reward model does not pay for a sorted list whatever its digits. All four ki
 (rlhf.core.task.DEFAULT_TASKS) are judged by matching characters of the response against the prompt;
 addition and counting are not shipped, because a reward model of this size does not learn to verify them
 on a CPU in minutes (rlhf/core/task.py).
+
+pairs_train_2.jsonl and pairs_train_3.jsonl (MORE_PAIRS) are two more samples of the preference pairs, drawn
+as pairs_train.jsonl is but by generators seeded --seed + 1 and + 2 (their prompts may meet the training
+files', never a held-out one): the data of a reward-model ensemble's other members (scripts/run_all.sh
+RM_ENSEMBLE=2 or 3). Members trained on the same pairs share their blind spots, and a policy optimised
+against them finds those first (docs/algorithms.md, "The over-optimisation case").
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ SIZES = {  # rows per file; every prompt is unique across all files
 DEMO_ERROR_RATE = {"reverse": 0.10, "sort": 0.60, "upper": 0.60, "shift": 0.10}
 PAIR_OFF_TASK = 0.2  # share of preference pairs whose rejected answer is off-task
 SORT_DIGIT_SLIP = 0.75  # share of a sort pair's other slips that keep the order but not the digits
+MORE_PAIRS = {"pairs_train_2": 1, "pairs_train_3": 2}  # independent samples of the pairs: generator seed + offset
 
 
 def random_instruction(rng: random.Random, task: str) -> str:
@@ -114,6 +121,15 @@ def unique_prompts(rng: random.Random, n: int) -> list[tuple[str, str]]:
 
 
 def build(seed: int = SEED) -> dict[str, list[dict]]:
+    """Every shipped file's rows, by name: the task's files, then MORE_PAIRS' samples of the pairs."""
+    files = build_task(seed)
+    held_out = {r["prompt"] for name in ("eval_prompts", "pairs_eval") for r in files[name]}
+    for name, offset in MORE_PAIRS.items():
+        files[name] = [r for r in build_task(seed + offset)["pairs_train"] if r["prompt"] not in held_out]
+    return files
+
+
+def build_task(seed: int) -> dict[str, list[dict]]:
     rng = random.Random(seed)
     pool = unique_prompts(rng, sum(SIZES.values()))
     files, start = {}, 0

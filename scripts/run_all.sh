@@ -22,8 +22,11 @@
 #   RM_ENSEMBLE=2 bash scripts/run_all.sh ppo:reward.ensemble_agg=mean_minus_std
 #                                                             # a reward-model ensemble: the reward stage run N
 #                                                             # times (reward/, reward_2/, ...; member k with seed +
-#                                                             # 1000 x (k - 1): another data order), PPO scoring with
+#                                                             # 1000 x (k - 1) on pairs of its own: the shipped
+#                                                             # data/default/pairs_train_<k>.jsonl), PPO scoring with
 #                                                             # all (reward.ensemble_models; each a whole reward stage)
+#   RM_ENSEMBLE=2 bash scripts/run_all.sh reward:data.path=/data/a.jsonl reward_2:data.path=/data/b.jsonl
+#                                                             # your own pairs: reward_<k>: goes to member k only
 #
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
 #   DRY_RUN=1 bash scripts/run_all.sh                         # say what each stage would do (skip, resume, run)
@@ -35,7 +38,8 @@
 #                                                             # first; mean ± std, min, max
 #
 # Arguments are Hydra overrides prefixed with the stage they go to (sft:, reward:, ppo:, dpo:) or all:
-# (all: goes to the stages of the chosen PIPELINE: ppo = sft, reward, ppo; dpo = sft, dpo).
+# (all: goes to the stages of the chosen PIPELINE: ppo = sft, reward, ppo; dpo = sft, dpo); reward: goes to
+# every reward model, reward_<k>: to the ensemble's member k alone (2 <= k <= RM_ENSEMBLE), after reward:'s.
 #
 # Re-running into the same OUTPUT_DIR does only the work that is missing. Per stage, in order
 # (scripts/stage_plan.py decides and prints one line saying which and why):
@@ -153,14 +157,25 @@ case "${PRESET:-}" in
   *) echo "run_all.sh: unknown PRESET=$PRESET (known: smoke)" >&2; exit 2 ;;
 esac
 
+MEMBER_ARGS=()  # "k:override" of reward_k: arguments (one ensemble member's own, after reward:'s)
 for arg in "$@"; do
   case "$arg" in
     sft:*) SFT+=("${arg#sft:}") ;;
     reward:*) RM+=("${arg#reward:}") ;;
+    reward_*:*)
+      k="${arg%%:*}"; k="${k#reward_}"
+      case "$k" in
+        ""|*[!0-9]*) echo "run_all.sh: prefix each override with its stage (sft:, reward:, reward_<k>:, ppo:, dpo: or all:), got '$arg'" >&2; exit 2 ;;
+      esac
+      if [ "$PIPELINE" != ppo ] || [ "$k" -lt 2 ] || [ "$k" -gt "$RM_ENSEMBLE" ]; then
+        echo "run_all.sh: '$arg' goes to reward model $k of the ensemble, but there are members 2 to $RM_ENSEMBLE" \
+             "(RM_ENSEMBLE=$RM_ENSEMBLE, PIPELINE=$PIPELINE; reward: goes to every reward model)" >&2; exit 2
+      fi
+      MEMBER_ARGS+=("$k:${arg#*:}") ;;
     ppo:*) PPO+=("${arg#ppo:}") ;;
     dpo:*) DPO+=("${arg#dpo:}") ;;
     all:*) SFT+=("${arg#all:}"); RM+=("${arg#all:}"); PPO+=("${arg#all:}"); DPO+=("${arg#all:}") ;;
-    *) echo "run_all.sh: prefix each override with its stage (sft:, reward:, ppo:, dpo: or all:), got '$arg'" >&2; exit 2 ;;
+    *) echo "run_all.sh: prefix each override with its stage (sft:, reward:, reward_<k>:, ppo:, dpo: or all:), got '$arg'" >&2; exit 2 ;;
   esac
 done
 
@@ -230,12 +245,31 @@ elif [ "$PIPELINE" = tools ]; then  # no critic (GRPO) and no reward model: crit
   stage ppo "RL with the calculator tool" "actor.model=$ROOT/sft" "critic.model=$ROOT/sft" "${PPO[@]}"
 else
   stage reward "reward model" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
-  if [ "$RM_ENSEMBLE" -gt 1 ]; then  # the ensemble's other members: the same stage, seed + 1000 x k
-    base=1234 MEMBER=() members=()
-    for a in "${RM[@]}"; do case "$a" in seed=*) base="${a#seed=}" ;; *) MEMBER+=("$a") ;; esac; done
+  if [ "$RM_ENSEMBLE" -gt 1 ]; then  # the ensemble's other members: the same stage, seed + 1000 x (k - 1),
+    # each on pairs of its own: on the embedded default the shipped independent samples data/default/pairs_train_<k>.jsonl
+    # (k = 2, 3; scripts/make_default_data.py), with your data what reward_<k>:data.path=... names. Members trained
+    # on the same pairs share their blind spots (docs/algorithms.md, "The over-optimisation case").
+    base=1234 MEMBER=() members=() own_data=""
+    for a in "${RM[@]}"; do
+      case "$a" in seed=*) base="${a#seed=}" ;; *) MEMBER+=("$a") ;; esac
+      case "$a" in data.path=*) own_data=1 ;; esac
+    done
     for k in $(seq 2 "$RM_ENSEMBLE"); do
+      DATA=() OWN=()
+      for a in ${MEMBER_ARGS[@]+"${MEMBER_ARGS[@]}"}; do [ "${a%%:*}" = "$k" ] && OWN+=("${a#*:}"); done
+      member_data=""
+      for a in ${OWN[@]+"${OWN[@]}"}; do case "$a" in data.path=*) member_data=1 ;; esac; done
+      if [ -z "$own_data$member_data" ] && [ "${TASK:-default}" = default ]; then
+        if [ -f "data/default/pairs_train_$k.jsonl" ]; then
+          DATA=("data.path=data/default/pairs_train_$k.jsonl" data.eval_path=data/default/pairs_eval.jsonl)
+        else
+          echo "run_all.sh: reward model $k of $RM_ENSEMBLE trains on the first member's pairs (the embedded default ships" \
+               "three samples of its pairs): it shares their blind spots"
+        fi
+      fi
       STAGE_DIR="reward_$k" stage reward "reward model $k of $RM_ENSEMBLE" "model.name_or_path=$ROOT/sft" \
-        model.fallback_to_config=false ${MEMBER[@]+"${MEMBER[@]}"} "seed=$(( base + 1000 * (k - 1) ))"
+        model.fallback_to_config=false ${DATA[@]+"${DATA[@]}"} ${MEMBER[@]+"${MEMBER[@]}"} \
+        "seed=$(( base + 1000 * (k - 1) ))" ${OWN[@]+"${OWN[@]}"}
       members+=("$ROOT/reward_$k")
     done
     PPO+=("reward.ensemble_models=[$(IFS=,; echo "${members[*]}")]")

@@ -81,6 +81,9 @@ NOT_RUN = {
     "python -m rlhf.ppo reward.ensemble_models=[outputs/reward_2] reward.ensemble_agg=mean_minus_std "
     "reward.ensemble_lambda=1": "reads outputs/reward_2, which the RM_ENSEMBLE=2 command above it trains (that one "
                                 "is run); tests/test_reward_ensemble.py runs PPO with a two-model ensemble",
+    "RM_ENSEMBLE=2 bash scripts/run_all.sh reward:data.path=/data/a.jsonl reward_2:data.path=/data/b.jsonl":
+        "placeholders for your pairs; tests/test_ppo.py::test_run_all_trains_each_ensemble_member_on_pairs_of_its_own "
+        "checks that each member gets its own (and RM_ENSEMBLE=2 on the shipped pairs is run)",
     'SEEDS="1234 1 2" bash scripts/run_all.sh': "tests/test_ppo.py::test_run_all_seed_sweep (SEEDS=\"3 4\")",
     # a server runs until stopped; tests/test_serve.py starts real ones and runs PPO against them
     "python -m rlhf.serve reward.model=outputs/reward server.port=8000": "tests/test_serve.py (a server runs until "

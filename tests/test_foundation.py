@@ -221,9 +221,27 @@ def test_eval_prompts_never_appear_in_training_files():
     held_out = {r["prompt"] for r in read_jsonl("eval_prompts.jsonl")}
     held_out |= {r["prompt"] for r in read_jsonl("pairs_eval.jsonl")}
     assert len(held_out) == 600
-    for name in ("sft_train", "pairs_train", "prompts_train"):
+    for name in ("sft_train", "pairs_train", "prompts_train", "pairs_train_2", "pairs_train_3"):
         train = {r["prompt"] for r in read_jsonl(f"{name}.jsonl")}
         assert not held_out & train, name
+
+
+def test_more_pairs_are_independent_samples_of_the_pairs():
+    """pairs_train_2/3 (a reward-model ensemble's other members' data, scripts/run_all.sh RM_ENSEMBLE):
+    drawn as pairs_train is (correct chosen, wrong rejected, each task about a quarter, the same share
+    off-task), but other draws: few prompts in common, fewer rows."""
+    first = read_jsonl("pairs_train.jsonl")
+    for name in ("pairs_train_2", "pairs_train_3"):
+        rows = read_jsonl(f"{name}.jsonl")
+        assert 7900 < len(rows) <= 8000, (name, len(rows))  # 8000 drawn, the held-out prompts left out
+        for r in rows:
+            assert gold_score(r["prompt"], r["chosen"]) == 1.0 and gold_score(r["prompt"], r["rejected"]) == 0.0
+        tasks = [_task(r["prompt"]) for r in rows]
+        assert all(abs(tasks.count(t) / len(rows) - 0.25) < 0.02 for t in set(tasks)), name
+        shared = {r["prompt"] for r in rows} & {r["prompt"] for r in first}
+        assert len(shared) < 0.05 * len(rows), (name, len(shared))
+        same = {json.dumps(r, sort_keys=True) for r in rows} & {json.dumps(r, sort_keys=True) for r in first}
+        assert len(same) < 0.02 * len(rows), (name, len(same))
 
 
 def test_demonstrations_are_imperfect_at_the_stated_rate_and_pairs_prefer_correct():

@@ -625,6 +625,39 @@ def test_run_all_rejects_a_bad_rm_ensemble(tmp_path, value):
     assert os.listdir(tmp_path) == []  # nothing ran
 
 
+def test_run_all_trains_each_ensemble_member_on_pairs_of_its_own(tmp_path):
+    """RM_ENSEMBLE=N: member k on the embedded default reads the shipped independent sample
+    data/default/pairs_train_<k>.jsonl (k = 2, 3) and is evaluated on the shipped held-out pairs; past those,
+    the first member's pairs (said); with your data, reward_<k>: gives member k its own. PPO scores with all."""
+    def commands(root, *args, **env):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *args], cwd=ROOT, capture_output=True,
+                              text=True, env={**cli_env(), "OUTPUT_DIR": str(root), "DRY_RUN": "1", **env}, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout, [shlex.split(line)[2:] for line in proc.stdout.splitlines() if line.startswith("python -m rlhf.")]
+
+    out, cmds = commands(tmp_path / "a", "reward_3:train.lr=1e-4", RM_ENSEMBLE="4")
+    assert [c[0] for c in cmds] == ["rlhf.sft"] + ["rlhf.reward"] * 4 + ["rlhf.ppo"]
+    cfgs = [composed("reward", c[1:]) for c in cmds[1:5]]
+    assert [os.path.basename(c["data"]["path"]) for c in cfgs] == ["pairs_train.jsonl", "pairs_train_2.jsonl",
+                                                                   "pairs_train_3.jsonl", "pairs_train.jsonl"]
+    assert {os.path.basename(c["data"]["eval_path"]) for c in cfgs} == {"pairs_eval.jsonl"}
+    assert [c["seed"] for c in cfgs] == [1234, 2234, 3234, 4234]
+    assert [c["train"]["lr"] == 1e-4 for c in cfgs] == [False, False, True, False]
+    assert "reward model 4 of 4 trains on the first member's pairs" in out
+    ppo = composed("ppo", cmds[5][1:])
+    assert ppo["reward"]["ensemble_models"] == [str(tmp_path / "a" / f"reward_{k}") for k in (2, 3, 4)]
+
+    _, cmds = commands(tmp_path / "b", "reward:data.path=a.jsonl", "reward_2:data.path=b.jsonl", RM_ENSEMBLE="2")
+    assert [composed("reward", c[1:])["data"]["path"] for c in cmds[1:3]] == ["a.jsonl", "b.jsonl"]
+
+    for arg, ensemble in (("reward_3:train.lr=1e-4", "2"), ("reward_1:train.lr=1e-4", "2"), ("reward_2:x=1", "1")):
+        proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), arg], cwd=ROOT, capture_output=True, text=True,
+                              env={**cli_env(), "OUTPUT_DIR": str(tmp_path / "bad"), "RM_ENSEMBLE": ensemble}, timeout=60)
+        assert proc.returncode == 2 and f"'{arg}' goes to reward model {arg[7]} of the ensemble, but there are members 2 to " \
+            f"{ensemble}" in proc.stderr, proc.stderr
+        assert not os.path.exists(tmp_path / "bad")
+
+
 @pytest.mark.slow
 def test_run_all_skips_finished_stages_and_resumes_interrupted_ones(tmp_path):
     root = tmp_path / "all"
