@@ -230,6 +230,11 @@ def test_more_pairs_are_independent_samples_of_the_pairs():
     """pairs_train_2/3 (a reward-model ensemble's other members' data, scripts/run_all.sh RM_ENSEMBLE):
     drawn as pairs_train is (correct chosen, wrong rejected, each task about a quarter, the same share
     off-task), but other draws: few prompts in common, fewer rows."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from make_default_data import PAIR_OFF_TASK
+
     first = read_jsonl("pairs_train.jsonl")
     for name in ("pairs_train_2", "pairs_train_3"):
         rows = read_jsonl(f"{name}.jsonl")
@@ -238,6 +243,9 @@ def test_more_pairs_are_independent_samples_of_the_pairs():
             assert gold_score(r["prompt"], r["chosen"]) == 1.0 and gold_score(r["prompt"], r["rejected"]) == 0.0
         tasks = [_task(r["prompt"]) for r in rows]
         assert all(abs(tasks.count(t) / len(rows) - 0.25) < 0.02 for t in set(tasks)), name
+        srt = [r for r in rows if _task(r["prompt"]) == "sort"]  # off-task: letters answering a sort
+        off = [r for r in srt if not r["rejected"].strip().replace(" ", "").isdigit()]
+        assert abs(len(off) / len(srt) - PAIR_OFF_TASK) < 0.05, (name, len(off), len(srt))
         shared = {r["prompt"] for r in rows} & {r["prompt"] for r in first}
         assert len(shared) < 0.05 * len(rows), (name, len(shared))
         same = {json.dumps(r, sort_keys=True) for r in rows} & {json.dumps(r, sort_keys=True) for r in first}
