@@ -259,13 +259,11 @@ else
       for a in ${MEMBER_ARGS[@]+"${MEMBER_ARGS[@]}"}; do [ "${a%%:*}" = "$k" ] && OWN+=("${a#*:}"); done
       member_data=""
       for a in ${OWN[@]+"${OWN[@]}"}; do case "$a" in data.path=*) member_data=1 ;; esac; done
-      if [ -z "$own_data$member_data" ] && [ "${TASK:-default}" = default ]; then
-        if [ -f "data/default/pairs_train_$k.jsonl" ]; then
-          DATA=("data.path=data/default/pairs_train_$k.jsonl" data.eval_path=data/default/pairs_eval.jsonl)
-        else
-          echo "run_all.sh: reward model $k of $RM_ENSEMBLE trains on the first member's pairs (the embedded default ships" \
-               "three samples of its pairs): it shares their blind spots"
-        fi
+      if [ -z "$own_data$member_data" ] && [ -f "data/default/pairs_train_$k.jsonl" ]; then
+        DATA=("data.path=data/default/pairs_train_$k.jsonl" data.eval_path=data/default/pairs_eval.jsonl)
+      elif [ -z "$member_data" ]; then
+        echo "run_all.sh: reward model $k of $RM_ENSEMBLE trains on the first member's pairs (give it its own with" \
+             "reward_$k:data.path=...; the embedded default ships three samples of its pairs): it shares their blind spots"
       fi
       STAGE_DIR="reward_$k" stage reward "reward model $k of $RM_ENSEMBLE" "model.name_or_path=$ROOT/sft" \
         model.fallback_to_config=false ${DATA[@]+"${DATA[@]}"} ${MEMBER[@]+"${MEMBER[@]}"} \

@@ -647,8 +647,9 @@ def test_run_all_trains_each_ensemble_member_on_pairs_of_its_own(tmp_path):
     ppo = composed("ppo", cmds[5][1:])
     assert ppo["reward"]["ensemble_models"] == [str(tmp_path / "a" / f"reward_{k}") for k in (2, 3, 4)]
 
-    _, cmds = commands(tmp_path / "b", "reward:data.path=a.jsonl", "reward_2:data.path=b.jsonl", RM_ENSEMBLE="2")
-    assert [composed("reward", c[1:])["data"]["path"] for c in cmds[1:3]] == ["a.jsonl", "b.jsonl"]
+    out, cmds = commands(tmp_path / "b", "reward:data.path=a.jsonl", "reward_2:data.path=b.jsonl", RM_ENSEMBLE="3")
+    assert [composed("reward", c[1:])["data"]["path"] for c in cmds[1:4]] == ["a.jsonl", "b.jsonl", "a.jsonl"]
+    assert "reward model 3 of 3 trains on the first member's pairs" in out and "reward model 2 of 3 trains" not in out
 
     for arg, ensemble in (("reward_3:train.lr=1e-4", "2"), ("reward_1:train.lr=1e-4", "2"), ("reward_2:x=1", "1")):
         proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), arg], cwd=ROOT, capture_output=True, text=True,
