@@ -525,7 +525,13 @@ class TrainEngine(_ShardedModule):
             self._vllm = VLLMRollout(hf_base_model(self.unwrapped).config, dtype=dtype, settings=self.cfg.vllm,
                                      seed=0, device=self.info.device)
         expected = ExpectedWeights(dtype) if check else None
-        self.sync_stats = stats = self._vllm.load(self.generation_weights(), expected)
+        named = self.generation_weights()
+        if self._fsdp_units:
+            # NOTE: vLLM's reload buffers a layer's tensors until the layer is complete (a padded vocabulary
+            # never is: it waits for the reload's end), and a gathered FSDP unit's storage is freed when the
+            # next unit is gathered: what vLLM keeps must be its own copy
+            named = ((n, t.detach().clone()) for n, t in named)
+        self.sync_stats = stats = self._vllm.load(named, expected)
         if check:
             self._finish_check(lambda: (stats.mismatched, stats.compared), "vLLM engine", stats.check_s)
         return self._vllm

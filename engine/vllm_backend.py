@@ -63,11 +63,11 @@ STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv
            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def refusal(want: str, config) -> str | None:
+def refusal(want: str, config, device_type: str) -> str | None:
     """For `engine.generation=want` and the actor's HF `config`: None, or the one line why vLLM cannot
     run it (not installed: how to install it; an architecture vLLM does not have). Cheap: no engine is
     built and no weights are read, so the stages call it before any model loads."""
-    return supports(config) if want == "vllm" else None
+    return supports(config, device_type) if want == "vllm" else None
 
 
 def available() -> str | None:
@@ -77,9 +77,10 @@ def available() -> str | None:
     return None
 
 
-def supports(config) -> str | None:
-    """None when vLLM can run a model of HF `config`, else why not (one line): vLLM's registry of
-    architectures, read without building an engine."""
+def supports(config, device_type: str) -> str | None:
+    """None when vLLM can run a model of HF `config` on a `device_type` device, else why not (one line):
+    vLLM's registry of architectures (and on CPU its attention kernels' head sizes), read without building
+    an engine."""
     if (why := available()) is not None:
         return why
     from vllm import ModelRegistry
@@ -92,6 +93,14 @@ def supports(config) -> str | None:
     if not any(a in known for a in archs):
         return (f"engine.generation=vllm: vLLM cannot run architecture {archs[0]} "
                 f"(not among the {len(known)} in vllm.ModelRegistry)")
+    if device_type == "cpu":  # vLLM's CPU attention kernels exist for a fixed set of head sizes
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if head not in sizes:
+            return (f"engine.generation=vllm: vLLM's CPU attention has no kernel for head size {head} "
+                    f"(hidden_size {config.hidden_size} / {config.num_attention_heads} heads); it supports {sizes}")
     return None
 
 

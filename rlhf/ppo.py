@@ -223,7 +223,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
-    check_generation_backend(cfg.engine.generation, model_cfg(cfg, cfg.actor.model), tok, "actor")
+    check_generation_backend(cfg.engine.generation, model_cfg(cfg, cfg.actor.model), tok, "actor", info.device.type)
     if distilling:  # a local causal LM with the student's tokenizer, before the data and any weights
         distill.check_teacher(cfg, tok, model_cfg)
     d = cfg.data

@@ -340,10 +340,12 @@ def hf_config(cfg: ModelConfig, tok: Any, key: str = "model") -> Any:
         raise ConfigError(f"{key}.name_or_path={source!r}: cannot read its config ({type(e).__name__}: {e})") from None
 
 
-def check_generation_backend(generation: str, cfg: ModelConfig, tok: Any, key: str) -> None:
-    """engine.generation=vllm: vLLM installed and able to run the policy's architecture, checked before any
-    weights load (one line naming what to install, or the architecture)."""
-    if (why := vllm_refusal(generation, hf_config(cfg, tok, key) if generation == "vllm" else None)) is not None:
+def check_generation_backend(generation: str, cfg: ModelConfig, tok: Any, key: str, device_type: str) -> None:
+    """engine.generation=vllm: vLLM installed and able to run the policy on this device, checked before any
+    weights load (one line naming what to install, or what of the model it cannot run)."""
+    if generation != "vllm":
+        return
+    if (why := vllm_refusal(generation, hf_config(cfg, tok, key), device_type)) is not None:
         raise ConfigError(why)
 
 
