@@ -160,10 +160,12 @@ class ExpectedWeights:
             start = time.perf_counter()
             x = t.detach()
             self.fingerprints[name] = fingerprint(x, self.dtype).cpu().tolist()
+            if x.dim() >= 1:
+                self.rows[name] = x.shape[0]  # its rows in a fused tensor (weights and biases alike)
             if x.dim() == 2:  # a projection, the LM head, or an embedding (a tied head's): its probe reference
                 w = x.to(self.dtype).double()
                 self.probes[name] = (probe(w.shape[1], self.dtype, w.device).double() @ w.T).cpu()
-                self.rows[name], self.cols[name] = w.shape
+                self.cols[name] = w.shape[1]
             self.seconds += time.perf_counter() - start
             yield name, t
 
@@ -229,7 +231,7 @@ def check_model(model: torch.nn.Module, expected: ExpectedWeights) -> tuple[list
             bad.append(f"{name}: vLLM's model has no parameter {target}")
             continue
         compared += 1
-        rows = expected.rows.get(name, 0)
+        rows = expected.rows.get(name, 0) if shard is not None or p.dim() else 0
         lo = offsets.get(name, 0)
         where = target + ("" if shard is None else f"[{lo}:{lo + rows}]")
         if p.numel() > 0:  # the exact fingerprint of its slice
@@ -244,6 +246,22 @@ def check_model(model: torch.nn.Module, expected: ExpectedWeights) -> tuple[list
             continue
         if "embed" not in name:  # an embedding's module looks rows up: its GEMM serves only a tied head
             computes(target.rsplit(".", 1)[0], name, where, lo, rows)
+    # a partial sync: every tensor vLLM computes with must have received its training tensors (each shard of a
+    # fused one), else it holds whatever it held before
+    fed: dict[str, set[int | None]] = {}
+    for name in expected.fingerprints:
+        target, shard = stacked_target(name)
+        fed.setdefault(target, set()).add(shard)
+    for target, p in params.items():
+        if target == "lm_head.weight" and "lm_head.weight" not in expected.fingerprints:
+            continue  # tied to the embedding (checked below)
+        want_shards = {i for fused, i in STACKED.values() if target.rsplit(".", 2)[-2:-1] == [fused]}
+        got = fed.get(target, set())
+        if not got or (want_shards and not want_shards <= got):
+            missing = sorted(want_shards - got) if got else []
+            bad.append(f"{target}: no training tensor reached it in this sync"
+                       + (f" (fused shards {missing} of {sorted(want_shards)} missing)" if missing else "")
+                       + ": it holds whatever it held before")
     embed = next((n for n in expected.probes if n.endswith("embed_tokens.weight")), None)
     head = dict(model.named_modules()).get("lm_head")
     if head is not None and embed is not None and "lm_head.weight" not in expected.fingerprints:

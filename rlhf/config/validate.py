@@ -315,6 +315,15 @@ def rollout_rows(r: RolloutConfig) -> int:
     return r.prompts_per_step * r.n_samples_per_prompt
 
 
+def trainer_truncation(cfg: PPOConfig) -> tuple[int, float] | None:
+    """ppo.trainer_logprobs=sampler with a truncating sampler: (rollout.top_k, rollout.top_p), the truncation the
+    trainer's log-probs are taken under; None (the full distribution) otherwise."""
+    r = cfg.rollout
+    if cfg.ppo.trainer_logprobs != "sampler" or (r.top_k == 0 and r.top_p >= 1.0):
+        return None
+    return r.top_k, r.top_p
+
+
 def score_batch_size(r: RolloutConfig, world_size: int) -> int:
     """Rows per no-grad scoring forward on one rank: rollout.score_batch_size, null = 2 x the training
     micro-batch (no activations are kept for a backward), at most the step's rows per rank."""
@@ -390,6 +399,10 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     # summed KL (RLOO's KL in the reward; rlhf/rl/experience.py); kl_coef=0 leaves the score as it is.
     policy_loss_fn(p.policy_loss)  # ConfigError naming ppo.policy_loss and the registered losses
     _need(p.is_correction in IS_CORRECTIONS, f"ppo.is_correction must be one of {IS_CORRECTIONS}, got {p.is_correction!r}")
+    _need(p.trainer_logprobs in ("full", "sampler"), f"ppo.trainer_logprobs must be full or sampler, got "
+          f"{p.trainer_logprobs!r}")
+    _need(p.trainer_logprobs == "full" or not cfg.engine.kernels, "ppo.trainer_logprobs=sampler truncates the "
+          "logits by top-k / top-p, which the fused log-prob kernel (engine.kernels=true) does not: set one of them off")
     _need(p.is_level in IS_LEVELS, f"ppo.is_level must be one of {IS_LEVELS}, got {p.is_level!r}")
     _need(math.isfinite(p.is_cap) and p.is_cap > 0, f"ppo.is_cap must be a finite number > 0 (the TIS cap), got {p.is_cap}")
     _need(0 <= p.is_low < 1 < p.is_high and math.isfinite(p.is_high),
