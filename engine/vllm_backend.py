@@ -292,7 +292,7 @@ class VLLMRollout:
     """One in-process vLLM engine holding the actor (see the module docstring)."""
 
     def __init__(self, config, *, dtype: torch.dtype, settings: VLLMConfig, seed: int, device: torch.device):
-        if (why := available()) is not None:
+        if (why := supports(config, device.type)) is not None:
             raise RuntimeError(why)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
         # the CPU worker would pin this process's OpenMP threads to cores: training shares them
@@ -399,8 +399,10 @@ class VLLMRollout:
     # ------------------------------------------------------------ sampling
 
     def generate(self, prompts: list[list[int]], params, *, eos_ids: list[int], seeds: list[int] | None,
-                 logprobs: bool) -> list[tuple[list[int], list[float] | None]]:
-        """One request per prompt (ids, no padding): [(response ids, their log-probs or None)] in order."""
+                 logprobs: bool, lengths: list[int] | None = None) -> list[tuple[list[int], list[float] | None]]:
+        """One request per prompt (ids, no padding): [(response ids, their log-probs or None)] in order.
+        `lengths`: each row's exact response length instead (min = max tokens; scripts/bench_generation.py's
+        stand-in for an EOS at that position in a model with random weights)."""
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
 
@@ -416,7 +418,8 @@ class VLLMRollout:
         else:
             base.update(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0,
                         top_p=params.top_p)
-        sampling = [VSampling(**base, seed=None if seeds is None or params.greedy else int(seeds[i]))
+        sampling = [VSampling(**{**base, **({} if lengths is None else {"max_tokens": lengths[i], "min_tokens": lengths[i]})},
+                              seed=None if seeds is None or params.greedy else int(seeds[i]))
                     for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
         result = []

@@ -75,6 +75,12 @@ logger = logging.getLogger("rlhf.ppo")
 # ----------------------------------------------------------------------------- pieces
 
 
+def row_streams(cfg: PPOConfig) -> bool:
+    """Each rollout row its own sampling stream (a seed of the run's seed, the step and the prompt): deterministic
+    mode, and vLLM (one seeded request per row, so its runs repeat and resume exactly)."""
+    return cfg.engine.deterministic or cfg.engine.generation == "vllm"
+
+
 def sampling(cfg: PPOConfig) -> SamplingParams:
     r = cfg.rollout
     return SamplingParams(max_new_tokens=r.max_new_tokens, greedy=False, temperature=r.temperature, top_k=r.top_k,
@@ -192,7 +198,7 @@ def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
 
     def make_rollout(step: int, trainer: int) -> Rollout:  # trainer `trainer`'s rows, as it would sample them
         idx = [i for i in order.rank_rows(step, trainer, trainers, 1)[0] for _ in range(r.n_samples_per_prompt)]
-        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
         return generate(replica, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx), sampling(cfg),
                         eos, pad, seeds)
 
@@ -342,14 +348,11 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
     # engine.deterministic: every rollout batch padded to the longest prompt, each row its own sampling stream
     width = max(len(f["input_ids"]) for f in feats) if cfg.engine.deterministic else None
-    # each row its own sampling stream (a seed of the run's seed, step and prompt): deterministic mode, and vLLM
-    # (one seeded request per row, so its runs repeat and resume exactly)
-    row_streams = cfg.engine.deterministic or cfg.engine.generation == "vllm"
     for step in run.steps():
         t0 = time.time()
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
-        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams else None
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
         episodes = None
         if side is None and env is not None:  # one episode per row, over turns with the environment
             rollout, episodes = multiturn.generate_episodes(

@@ -39,7 +39,8 @@ def user_qwen(path, seed: int = 0):
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     make_user_tokenizer().save_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)  # as the stages load it (its saved form may count one more token)
+    Qwen2Config().save_pretrained(path)  # the directory's model type decides the tokenizer class AutoTokenizer loads
+    tok = AutoTokenizer.from_pretrained(path)  # as the stages load it (it may count one more token than built)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -322,6 +323,18 @@ def test_grpo_on_vllm_two_gloo_ranks_zero3(user_dir, tmp_path):
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["gen_logprob_gap_max"] <= 1e-4 for r in train), [r["gen_logprob_gap_max"] for r in train]
     assert summary(out)["generation_path"] == "vllm"
+
+
+def test_split_placement_generates_on_vllm(user_dir, tmp_path):
+    """engine.placement=split: the generation rank runs vLLM, loaded from the weight stream's module after each
+    transfer and checked; the trainer's scoring pass agrees with its sampler at fp32 rounding."""
+    out = tmp_path / "split"
+    run_stage("ppo", f"output_dir={out}", f"actor.model={user_dir}", *GRPO, "train.max_steps=2",
+              "engine.placement=split", torchrun=2)
+    train = metrics(out, "train")
+    assert [r["step"] for r in train] == [1, 2]
+    assert [r["policy_version"] for r in train] == [0, 1]  # each step sampled with the weights of the step before
+    assert all(r["gen_logprob_gap_max"] <= 1e-4 for r in train), [r["gen_logprob_gap_max"] for r in train]
 
 
 def test_killed_vllm_run_resumes_exactly(user_dir, tmp_path):
