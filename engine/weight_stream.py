@@ -41,7 +41,6 @@ import torch.distributed as dist
 from .errors import WeightCheckError
 from .generation import BatchInvariantGenerator, HFGenerator
 from .parallelize import TORCH_DTYPES
-from .vllm_backend import ExpectedWeights, VLLMGenerator, VLLMRollout
 from .weight_check import agree, describe, fingerprint
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -304,9 +303,6 @@ class GenerationReplica:
             p.requires_grad_(False)
         self.targets = dict(self.model.named_parameters())  # tied weights appear once, as in the sender's stream
         self.last: TransferStats | None = None
-        # engine.generation=vllm: a vLLM engine on this rank, loaded from the module after each transfer
-        self.vllm: VLLMRollout | None = None
-        self._vllm_version = -1
 
     @property
     def version(self) -> int:
@@ -321,28 +317,9 @@ class GenerationReplica:
 
     @property
     def generation_path(self) -> str:
-        return "vllm" if self.cfg.generation == "vllm" else "hf"
+        return "hf"
 
     @contextlib.contextmanager
     def generation(self):
-        if self.cfg.generation == "vllm":
-            yield VLLMGenerator(self._vllm_refreshed())
-            return
         gen = HFGenerator(self.model)
         yield BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen
-
-    def _vllm_refreshed(self) -> VLLMRollout:
-        """The rank's vLLM engine holding the version the stream last delivered: loaded from the module (what
-        the receiver checked on arrival) through vLLM's reload, then checked itself (engine.check_weights)."""
-        if self.vllm is None:
-            self.vllm = VLLMRollout(self.model.config, dtype=self.dtype, settings=self.cfg.vllm, seed=0,
-                                    device=self.info.device)
-        if self._vllm_version != self.version:
-            expected = ExpectedWeights(self.dtype) if self.cfg.check_weights != "never" else None
-            stats = self.vllm.load(self.model.named_parameters(), expected)
-            if stats.mismatched:
-                shown = "\n  ".join(stats.mismatched[:8])
-                raise WeightCheckError(f"engine.check_weights: the vLLM engine of generation rank {self.info.rank} "
-                                       f"does not hold version {self.version} ({len(stats.mismatched)} tensors):\n  {shown}")
-            self._vllm_version = self.version
-        return self.vllm

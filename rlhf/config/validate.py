@@ -512,9 +512,10 @@ def validate_split(cfg: PPOConfig) -> None:
           "training on the others: it needs engine.placement=split (and engine.generation_ranks)")
     if e.placement != "split":
         return
-    _need(e.generation in ("auto", "hf", "vllm"), f"engine.placement=split: the generation ranks run transformers "
-          f"generate (auto, hf) or vLLM (vllm) on their copy of the model (the injected layout is not streamed yet): "
-          f"engine.generation={e.generation} is not supported")
+    _need(e.generation in ("auto", "hf"), f"engine.placement=split: the generation ranks run transformers generate "
+          f"on their copy of the model (the injected layout is not streamed yet; an in-process vLLM engine creates "
+          f"its process groups over the whole job, which the training ranks do not join): "
+          f"engine.generation={e.generation} is not supported, use auto or hf")
     _need(p.objective == "rl", f"engine.placement=split runs ppo.objective=rl (PPO, GRPO, RLOO, REINFORCE++), "
           f"not {p.objective}")
     if r.mode == "async" and r.max_staleness > 0:
