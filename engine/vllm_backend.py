@@ -379,23 +379,6 @@ class VLLMRollout:
         self.last_sync = stats
         return stats
 
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        """vLLM's parameters by name (CPU copies; tests and debugging)."""
-        return self.llm.apply_model(lambda model: {n: p.detach().cpu().clone() for n, p in model.named_parameters()})[0]
-
-    def corrupt(self, name: str, fn) -> None:
-        """Apply `fn` in place to vLLM's tensor `name` (a fused parameter, or for a CPU-packed linear its
-        computation): the tests' planted fault. Not used by any stage."""
-        def apply(model):
-            p = dict(model.named_parameters())[name]
-            if p.numel() > 0:
-                fn(p.data)
-            else:
-                module = model.get_submodule(name.rsplit(".", 1)[0])
-                inner = module.cpu_linear
-                module.cpu_linear = lambda x, w, b: fn(inner(x, w, b))
-        self.llm.apply_model(apply)
-
     # ------------------------------------------------------------ sampling
 
     def generate(self, prompts: list[list[int]], params, *, eos_ids: list[int], seeds: list[int] | None,
