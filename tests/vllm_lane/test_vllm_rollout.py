@@ -6,7 +6,7 @@ installed, this module is skipped with that pointer. The model is a user's own: 
 embeddings, head size 32, which vLLM's CPU attention has a kernel for) with a byte-pair tokenizer whose ids
 and special tokens differ from the shipped one's.
 
-    . .venv-vllm/bin/activate && python -m pytest -q tests/vllm
+    . .venv-vllm/bin/activate && python -m pytest -q tests/vllm_lane
 """
 from __future__ import annotations
 
