@@ -205,4 +205,4 @@ class PhasePeaks:
         self._reset()
 
     def as_metrics(self) -> dict[str, float]:
-        return {f"{phase}_peak_gib": b / (1 << 30) for phase, b in self.peaks.items()}
+        return {f"mem_{phase}_peak_gib": b / (1 << 30) for phase, b in self.peaks.items()}

@@ -267,7 +267,7 @@ def test_train_engine_syncs_after_optimizer_steps_and_lora_merged(user_dir):
                                                                            1.0, {}))
             assert not stats["skipped"]
         metrics_ = eng.generation_metrics()
-        assert metrics_["vllm_sync_bytes"] > 0 and metrics_["generation_peak_gib"] > 0
+        assert metrics_["vllm_sync_bytes"] > 0 and metrics_["mem_generation_peak_gib"] > 0
 
 
 # ----------------------------------------------------------------------------- refusals
