@@ -267,7 +267,7 @@ def test_make_actor_loss_uses_the_named_loss(name, monkeypatch):
             super().__init__()
             self.logp = torch.nn.Parameter(logp.clone())
 
-    monkeypatch.setattr(update, "token_logprobs", lambda model, mb, t, with_entropy: (model.logp, torch.zeros(4, 5)))
+    monkeypatch.setattr(update, "token_logprobs", lambda model, mb, t, with_entropy, truncate=None: (model.logp, torch.zeros(4, 5)))
     model = Toy()
     mb = {"response_mask": mask, "logp_old": logp_old, "advantages": adv, "sequences": torch.zeros(4, 8)}
     total, n, stats = update.make_actor_loss(0.2, 1.0, 0.0, cliprange_high=0.28, policy_loss=name)(model, mb)

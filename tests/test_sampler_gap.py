@@ -358,7 +358,7 @@ def test_make_actor_loss_applies_the_correction_for_every_policy_loss(name, monk
             super().__init__()
             self.logp = torch.nn.Parameter(logp.detach().clone())
 
-    monkeypatch.setattr(update, "token_logprobs", lambda model, mb, t, with_entropy: (model.logp, torch.zeros(4, 5)))
+    monkeypatch.setattr(update, "token_logprobs", lambda model, mb, t, with_entropy, truncate=None: (model.logp, torch.zeros(4, 5)))
     mb = {"response_mask": mask, "logp_old": logp_old, "advantages": adv, "sequences": torch.zeros(4, 8),
           "logp_gen": logp_gen}
     total, n, _ = update.make_actor_loss(0.2, 1.0, 0.0, policy_loss=name, is_correction="mis", is_low=0.8,
