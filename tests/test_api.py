@@ -207,3 +207,34 @@ def test_the_api_and_the_command_are_the_same_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_stage("sft", f"output_dir={tmp_path / 'cli'}", *SFT_SMOKE)
     same_run(tmp_path / "api", tmp_path / "cli")
+
+
+TORCHRUN_SCRIPT = """
+import json, os
+from rlhf import api
+common = {smoke!r}
+first = api.run("sft", "output_dir=runs/a", *common)
+second = api.run("sft", "output_dir=runs/b", *common)  # the job's group is still up for the next run
+print("RANK", os.environ["RANK"], json.dumps([first, second]), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_api_under_torchrun_every_rank_gets_each_runs_summary(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "script.py").write_text(TORCHRUN_SCRIPT.format(smoke=SFT_SMOKE))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(port), "script.py"], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines()
+           if line.startswith("RANK ")}
+    assert sorted(got) == ["0", "1"] and got["0"] == got["1"]
+    first, second = got["0"]
+    assert first["steps"] == second["steps"] == 2 and first["model_dir"] == "runs/a/model"
+    assert first["final_train_loss"] == second["final_train_loss"]  # the same run twice in one job
+    assert json.loads((tmp_path / "runs" / "b" / "summary.json").read_text()) == second
