@@ -38,23 +38,43 @@ GRPO = ["algorithm=grpo", "reward.sources=[judge]", "train.max_steps=2", "train.
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    """The wheel of the checkout's files (tracked, or new and not ignored: no build/, outputs/ or caches of
-    this checkout can leak in), built as pip builds it."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def source(tmp_path_factory) -> Path:
+    """The checkout's files (tracked, or new and not ignored: no build/, outputs/ or caches of this
+    checkout can leak in), as a fresh clone has them."""
+    src = tmp_path_factory.mktemp("source") / "src"
     listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                             capture_output=True, text=True, check=True).stdout.split("\0")
-    src = tmp / "src"
     for rel in filter(None, listed):
         if (ROOT / rel).is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
-    isolation = [] if importlib.util.find_spec("setuptools") else None
-    cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *(["--no-build-isolation"] if isolation == [] else []),
-           str(src), "-w", str(tmp / "dist")]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
-    (found,) = (tmp / "dist").glob("rlhf_pipeline-*.whl")
+    return src
+
+
+def build_wheel(src: Path, out: Path) -> Path:
+    """`pip wheel` of a source tree or an sdist, as pip builds it for an install."""
+    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, str(src), "-w", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    (found,) = out.glob("rlhf_pipeline-*.whl")
     return found
+
+
+@pytest.fixture(scope="module")
+def wheel(source, tmp_path_factory) -> Path:
+    return build_wheel(source, tmp_path_factory.mktemp("wheel"))
+
+
+def test_the_sdist_builds_the_same_wheel(source, wheel, tmp_path):
+    """A package index serves the sdist too: MANIFEST.in must carry what setup.py copies into the wheel."""
+    sdist = subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta as b; "
+                            "print(b.build_sdist(sys.argv[1]))", str(tmp_path / "sdist")], cwd=source,
+                           capture_output=True, text=True, timeout=300)
+    if sdist.returncode != 0 and not importlib.util.find_spec("setuptools"):
+        pytest.skip("setuptools is not installed here (pip builds in isolation): no sdist without it")
+    assert sdist.returncode == 0, sdist.stderr[-3000:]
+    via_sdist = build_wheel(tmp_path / "sdist" / sdist.stdout.strip().splitlines()[-1], tmp_path / "dist")
+    assert sorted(zipfile.ZipFile(via_sdist).namelist()) == sorted(zipfile.ZipFile(wheel).namelist())
 
 
 def test_the_wheel_carries_the_configs_tokenizer_and_default_data_and_nothing_else(wheel):
