@@ -4,6 +4,7 @@
     rlhf ppo algorithm=grpo                      # = python -m rlhf.ppo algorithm=grpo
     rlhf env                                     # = python -m rlhf.env
     rlhf --help                                  # the commands; rlhf <command> --help: its keys
+    rlhf --version                               # the package's version (and, from a checkout, its commit)
     python -m rlhf sft ...                       # the same, without the console script on PATH
 
 The command module runs as `python -m` runs it (runpy, as `__main__`, with sys.argv = the module's path
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import runpy
 import sys
+
+from rlhf.core.provenance import DISTRIBUTION, describe, provenance
 
 # command -> what it does (one line of `rlhf --help`); each is the module rlhf.<command>
 COMMANDS = {
@@ -37,7 +40,8 @@ def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {what}" for name, what in COMMANDS.items()]
     return ("usage: rlhf <command> [key=value ...]   (the same as python -m rlhf.<command> ...)\n\ncommands:\n"
-            + "\n".join(lines) + "\n\nrlhf <command> --help lists the command's keys, their values and what they do.\n")
+            + "\n".join(lines) + "\n\nrlhf <command> --help lists the command's keys, their values and what they do; "
+            "rlhf --version names this package's version.\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage(), end="", file=sys.stdout if args else sys.stderr)
         raise SystemExit(0 if args else 2)
+    if args[0] == "--version":
+        print(f"{DISTRIBUTION} {describe(provenance())}")
+        raise SystemExit(0)
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
         print(f"rlhf: unknown command {command!r} (commands: {', '.join(COMMANDS)}; rlhf --help)", file=sys.stderr)

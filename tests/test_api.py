@@ -42,6 +42,10 @@ def test_rlhf_command_lists_its_commands_and_refuses_an_unknown_one_in_one_line(
         f"rlhf: unknown command 'sftt' (commands: {', '.join(COMMANDS)}; rlhf --help)"]
     bare = python("-m", "rlhf")
     assert bare.returncode == 2 and "usage: rlhf <command>" in bare.stderr
+    version = python("-m", "rlhf", "--version")
+    commit = git_commit()
+    assert version.returncode == 0
+    assert version.stdout == f"rlhf-pipeline {package_version()} (commit {commit[:7]}{commit[40:]})\n"
 
 
 def test_rlhf_command_is_python_m_with_the_same_arguments():

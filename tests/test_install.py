@@ -159,6 +159,7 @@ def test_installed_from_an_empty_directory_the_command_and_the_api_give_the_same
     # what the installed command says about itself, and its one-line refusal
     env = run([venv / "bin" / "rlhf", "env"], tmp_path)
     assert env.stdout.splitlines()[0] == f"rlhf-pipeline 0.1.0 (installed, data in {assets})"
+    assert run([venv / "bin" / "rlhf", "--version"], tmp_path).stdout == "rlhf-pipeline 0.1.0 (no checkout)\n"
     wrong = run([venv / "bin" / "rlhf", "pipeline"], tmp_path, check=False)
     assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
     # a user's relative path resolves against their working directory, as in the checkout
