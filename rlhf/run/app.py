@@ -40,10 +40,9 @@ CHECKPOINTS = "checkpoints"
 class InProcess:
     """A stage run from Python (rlhf/api.py) rather than from a command line: `stage_main` raises the
     user error it would print (ConfigError, ...: the same text), ends neither the process nor a torchrun
-    job's process group, and records here what the run got and returned."""
+    job's process group, and records here the config the run got (where its summary.json is)."""
 
     config: Any = None  # the typed config `run` got (None: nothing ran, e.g. --help)
-    result: Any = None  # what `run(config)` returned
 
 
 _IN_PROCESS: InProcess | None = None
@@ -126,9 +125,7 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
             check_sources(config, unused=frozenset(unused))  # keys the run will not read are not probed
             if _IN_PROCESS is not None:
                 _IN_PROCESS.config = config
-            result = run(config)
-            if _IN_PROCESS is not None:
-                _IN_PROCESS.result = result
+            run(config)
 
     task.__module__ = module  # Hydra names the job (and its .log file) after this module, as before
     code: int | str | None = 0
