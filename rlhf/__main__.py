@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0)
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        print(f"rlhf: unknown command {command!r} (commands: {', '.join(COMMANDS)}; rlhf --help)", file=sys.stderr)
+        hint = "; the whole pipeline is bash scripts/run_all.sh in a checkout" if command in ("pipeline", "run_all") else ""
+        print(f"rlhf: unknown command {command!r} (commands: {', '.join(COMMANDS)}; rlhf --help{hint})", file=sys.stderr)
         raise SystemExit(2)
     sys.argv = [f"rlhf {command}", *rest]  # runpy replaces argv[0] with the module's path, as -m does
     runpy.run_module(f"rlhf.{command}", run_name="__main__", alter_sys=True)
