@@ -1,6 +1,6 @@
 """What this machine offers a run, and whether the fast paths compute what their references do.
 
-    python -m rlhf.env                          # versions, devices, back-ends, the paths a run would take
+    python -m rlhf.env                          # our version and commit, versions, devices, the paths a run takes
     python -m rlhf.env --check                  # + each kernel and the injected decoder vs its reference
     python -m rlhf.env stage=ppo engine.kernels=true actor.model=outputs/sft   # a run's own settings
     TRITON_INTERPRET=1 python -m rlhf.env --check   # CPU: the kernels in Triton's interpreter (slow)
@@ -31,6 +31,8 @@ from engine.generation import InjectedGenerator, choose_generation_path, decoder
 from engine.inference import InferenceModel
 import kernels
 from kernels import dispatch, testing
+from rlhf.core.paths import CHECKOUT, ROOT
+from rlhf.core.provenance import DISTRIBUTION, provenance
 from rlhf.run.app import user_errors
 from rlhf.run.plan import roles, stage_config
 
@@ -178,7 +180,10 @@ def describe(args: list[str]) -> list[str]:
     stage, cfg, keys = stage_config(args)
     world = keys["world_size"]
     device = init_distributed().device
-    lines = ["versions: " + " | ".join(f"{k} {v}" for k, v in versions().items())]
+    code = provenance()
+    where = f"the checkout {CHECKOUT}, commit {code['commit']}" if code["commit"] else f"installed, data in {ROOT}"
+    lines = [f"{DISTRIBUTION} {code['version']} ({where})",
+             "versions: " + " | ".join(f"{k} {v}" for k, v in versions().items())]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

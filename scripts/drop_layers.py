@@ -1,6 +1,6 @@
 """A smaller model from a larger one by keeping some of its decoder layers (the embeddings, final norm
 and head kept as they are): the start of a smaller student for on-policy distillation
-(docs/algorithms.md, "Distillation, measured"; DistilBERT initialises its student the same way).
+(docs/results-log.md, "Distillation, measured"; DistilBERT initialises its student the same way).
 
     python scripts/drop_layers.py outputs/sft --keep 0 2 --out outputs/student_init
 

@@ -22,7 +22,7 @@ pairs_train_2.jsonl and pairs_train_3.jsonl (MORE_PAIRS) are two more samples of
 as pairs_train.jsonl is but by generators seeded --seed + 1 and + 2 (their prompts may meet the training
 files', never a held-out one): the data of a reward-model ensemble's other members (scripts/run_all.sh
 RM_ENSEMBLE=2 or 3). Members trained on the same pairs share their blind spots, and a policy optimised
-against them finds those first (docs/algorithms.md, "The over-optimisation case").
+against them finds those first (docs/results-log.md, "The over-optimisation case").
 """
 from __future__ import annotations
 

@@ -210,7 +210,7 @@ def aggregate(rows: list[dict[str, float | None]]) -> dict[str, dict[str, float 
 # The sweep table's columns: (figure, header, format of one value). The SFT model's held-out loss (on the
 # demonstrations held out of training: no judge needed) flags a seed whose SFT run learnt less: on the embedded
 # default at the default learning rate, the SFT models that miscopy sort digits (which PPO does not repair)
-# ended at 0.107-0.138, those that copy them at 0.092-0.103 (docs/stages.md)
+# ended at 0.107-0.138, those that copy them at 0.092-0.103 (docs/results-log.md)
 SWEEP_COLUMNS = [
     ("sft_gold", "SFT gold (%)", "{:.1f}"), ("sft_loss", "SFT held-out loss", "{:.3f}"),
     ("rm_accuracy", "RM held-out accuracy", "{:.3f}"),

@@ -70,12 +70,12 @@ case "${TASK:-default}" in
     # 8 passes over the demonstrations instead of the stage's 5 (SFT -> reward -> RL only): at 5 the SFT model
     # still miscopies digits in 16-18 of 44 held-out sort answers on some seeds, which PPO does not repair
     # (it removes the demonstrator's order habit, not a missing skill); 8 passes took that to 0 on seeds 2
-    # and 1234 (PPO gold 85.5 -> 94.5, 93.5 -> 95.5), not on seed 3 (22; PPO 85.5): docs/stages.md
+    # and 1234 (PPO gold 85.5 -> 94.5, 93.5 -> 95.5), not on seed 3 (22; PPO 85.5): docs/results-log.md
     # And 12 attention heads of 16 dimensions instead of 6 of 32 (the same parameters; the reward model and the policy
     # inherit it from the SFT output): seeds 2 / 3 / 4 miscopied 0 / 1 / 2 instead of 6 / 14 / 12, and PPO read
     # 96.5 / 96.0 / 94.5 instead of 90.0 / 85.5 / 85.5; three SFT starts (sft:starts.n=3) did less (96.0 / 94.0 / 91.0)
     # for a quarter more SFT steps. The cost: its reward models rank held-out pairs worse (0.877-0.957 over five seeds,
-    # three under 0.90; 6 heads: 0.913-0.960), yet train the better policies (docs/stages.md). With the pairs shipped
+    # three under 0.90; 6 heads: 0.913-0.960), yet train the better policies (docs/results-log.md). With the pairs shipped
     # since 2026-11-28 (a sort's slips mostly wrong digits): 0.887-0.923, and PPO 95.0-97.5 at KL <= 0.48
     if [ "$PIPELINE" = ppo ]; then
       SFT+=(train.epochs=8 model.config.num_attention_heads=12 model.config.num_key_value_heads=12)
@@ -113,19 +113,19 @@ fi
 # The PPO stage holds a KL budget (issue #37): the coefficient starts at 0.8 and the controller only raises it
 # while the KL is over 0.3 (ppo.kl_coef_min=null: never below 0.8; Ziegler's rule alone had taken it from 0.8
 # to 0.31 before the KL rose). On the 5-epoch SFT outputs of seeds 2 / 1 the fixed 0.8 ended at gold 85.5 /
-# 96.0 at KL 0.52 / 0.55, this at 87.5 / 97.0 at KL 0.48 / 0.46 (docs/stages.md).
+# 96.0 at KL 0.52 / 0.55, this at 87.5 / 97.0 at KL 0.48 / 0.46 (docs/results-log.md).
 # GRPO on the embedded default's reward model holds a KL budget of its own (issue #37): its KL is a loss term (k3 per
 # token, ppo.kl_loss_coef), which the controller moves when the reward carries none; the coefficient starts at 0.4
 # instead of the algorithm's 0.01 and is only raised while the KL is over 0.3. With 0.01 it over-optimised the reward
-# model on 3 of 5 seeds (KL 1.6-3.9, gold down to 64.5); docs/stages.md. (The tool task, rewarded by the judge, keeps
+# model on 3 of 5 seeds (KL 1.6-3.9, gold down to 64.5); docs/results-log.md. (The tool task, rewarded by the judge, keeps
 # the algorithm's own settings.) GRPO's step takes 16 prompts x 8 samples (128 responses; the algorithm's 8 x 8
 # is 64), sampled at temperature 1.2: the same 31 steps then see 496 prompts instead of 248. Gold on seeds 1 / 2 / 3 / 4 / 1234: 8 x 8 at 1.0 95.0 / 89.5 / 95.5 /
 # 94.0 / 91.5; 16 x 8 at 1.0 96.5 / 97.5 / 95.5 / 93.0 / 95.5; 16 x 8 at 1.2 96.0 / 96.5 / 96.0 / 96.5 / 96.0,
-# held-out KL at temperature 1 of 0.24-0.39 (the budget reads the KL at the sampling temperature); docs/stages.md.
+# held-out KL at temperature 1 of 0.24-0.39 (the budget reads the KL at the sampling temperature); docs/results-log.md.
 # Both end within a KL budget of 0.5 nats (train.kl_budget=0.5): the controllers aim at 0.3 on the sampled
 # training responses, but the held-out KL reported (one sampled response per held-out prompt) can end over 0.5 (seed 2: 0.29 at step 20, 0.82 at step 31); an
 # evaluation over the budget ends the stage and the actor of the last evaluation within it is exported
-# (summary.json: exported_step, kl_budget_exceeded; docs/stages.md).
+# (summary.json: exported_step, kl_budget_exceeded; docs/algorithms.md).
 ALGO="${ALGO:-ppo}"
 case "$ALGO" in
   ppo) PPO+=(ppo.kl_coef=0.8 ppo.adaptive_kl=true ppo.kl_target=0.3 ppo.kl_horizon=150 ppo.kl_coef_min=null
@@ -248,7 +248,7 @@ else
   if [ "$RM_ENSEMBLE" -gt 1 ]; then  # the ensemble's other members: the same stage, seed + 1000 x (k - 1),
     # each on pairs of its own: on the embedded default the shipped independent samples data/default/pairs_train_<k>.jsonl
     # (k = 2, 3; scripts/make_default_data.py), with your data what reward_<k>:data.path=... names. Members trained
-    # on the same pairs share their blind spots (docs/algorithms.md, "The over-optimisation case").
+    # on the same pairs share their blind spots (docs/results-log.md, "The over-optimisation case").
     base=1234 MEMBER=() members=() own_data=""
     for a in "${RM[@]}"; do
       case "$a" in seed=*) base="${a#seed=}" ;; *) MEMBER+=("$a") ;; esac

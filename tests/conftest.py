@@ -106,6 +106,24 @@ def comparable(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not (k.endswith("_s") or "time" in k or k.startswith("mem"))} for r in rows]
 
 
+def same_run(out_a, out_b) -> None:
+    """Two runs of one stage gave the same numbers: metrics.jsonl equal without its wall-clock fields,
+    summary.json equal but for its times and paths, and the exported weights equal bit for bit."""
+    from safetensors.torch import load_file
+
+    assert comparable(metrics(out_a)) == comparable(metrics(out_b))
+    assert len(metrics(out_a, "train")) >= 1
+    a, b = summary(out_a), summary(out_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        if not (key.endswith("_s") or key.endswith(("_dir", "_file")) or "source" in key):
+            assert a[key] == b[key], key
+    wa, wb = load_file(os.path.join(out_a, "model", "model.safetensors")), load_file(os.path.join(out_b, "model", "model.safetensors"))
+    assert wa.keys() == wb.keys() and wa
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
 def summary(out_dir) -> dict:
     with open(os.path.join(out_dir, "summary.json")) as f:
         return json.load(f)

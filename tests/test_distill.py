@@ -75,7 +75,7 @@ def test_algorithm_distill_sets_its_keys():
     assert (p.objective, p.advantage_estimator, p.gamma, p.kl_coef, p.kl_estimator) == (
         "distill", "reinforce", 0.0, 1.0, "k1")
     assert cfg.rollout.n_samples_per_prompt == 1 and p.kl_loss_coef == 0
-    # the measured settings (docs/algorithms.md, "Distillation, measured"); the critic's lr untouched
+    # the measured settings (docs/results-log.md, "Distillation, measured"); the critic's lr untouched
     assert (cfg.actor.lr, cfg.train.max_steps, cfg.critic.lr, cfg.actor.scheduler) == (2e-4, 24, 5e-4, "constant")
     validate_ppo(cfg, ONE)
 

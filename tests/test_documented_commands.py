@@ -43,11 +43,16 @@ NOT_RUN = {
     "test_vllm_rollout.py::test_grpo_on_vllm_samples_under_the_trainers_distribution runs it, via tests/test_vllm_lane.py",
     "torchrun --nproc_per_node 2 -m rlhf.ppo algorithm=grpo engine=zero3 engine.generation=vllm": "needs vLLM (its own "
     "venv): tests/vllm_lane/test_vllm_rollout.py::test_grpo_on_vllm_two_gloo_ranks_zero3 runs it, via tests/test_vllm_lane.py",
+    "pip install .": "installs the package: tests/test_install.py builds the wheel, installs it into a fresh venv "
+                     "and runs the stages from an empty directory",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_async.py --actor outputs/sft --seeds 1234 1 2 --steps 12": "six torchrun PPO runs, a "
     "measurement (docs/engine.md); tests/test_split.py runs both modes, and the script's 2-step form is run",
     "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 "
     "--repeat 3": "a CPU benchmark of tens of minutes on 2 cores (its --small form is run)",
+    "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 "
+    "--eos-spread --vllm --repeat 1": "needs vLLM (its own venv) and tens of minutes on 2 cores; the vLLM lane's "
+    "venv runs the measurement (docs/engine.md), its --small form is run",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
     "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "
@@ -308,6 +313,8 @@ def _argv(command: str, ws: dict[str, str], out: str) -> tuple[list[str], dict[s
         launcher = [sys.executable, "-m", "torch.distributed.run", *words[1:i], "--master_addr", "127.0.0.1",
                     "--master_port", _free_port()]
         return [*launcher, "-m", words[i + 1], *_stage_args(module, words[i + 2:], out)], env
+    if words[0] == "rlhf":  # the console command: `python -m rlhf <command>` runs the same entry (rlhf/__main__.py)
+        return [sys.executable, "-m", "rlhf", words[1], *_stage_args(words[1], words[2:], out)], env
     if words[:3] == ["python", "-m", "rlhf.report"]:  # reads the workspace's runs, writes one page: as written
         return [sys.executable, *words[1:]], env
     if words[:2] == ["python", "-m"]:
@@ -323,6 +330,27 @@ def _argv(command: str, ws: dict[str, str], out: str) -> tuple[list[str], dict[s
 
 
 # ----------------------------------------------------------------------------- running them
+
+
+def python_cells(path) -> list[str]:
+    """The ```python blocks of a page, in order: a notebook's cells."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def test_the_python_api_page_runs_as_a_notebook(tmp_path):
+    """docs/python-api.md's cells, as written, one after the other in one process from an empty directory:
+    the stages' summaries and the error they show."""
+    cells = python_cells(ROOT / "docs" / "python-api.md")
+    assert len(cells) == 3 and "api.run(" in cells[0]
+    proc = subprocess.run([sys.executable, "-c", "\n".join(cells)], cwd=tmp_path, env=cli_env(), capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sft, grpo = summary(tmp_path / "runs" / "sft"), summary(tmp_path / "runs" / "grpo")
+    assert (sft["steps"], grpo["steps"], grpo["reward_sources"]) == (30, 4, ["judge", "function"])
+    printed = proc.stdout.splitlines()
+    assert f"sft 30 {sft['eval_loss_before']} -> {sft['eval_loss_after']} {sft['version']}" in printed
+    assert f"['judge', 'function'] {grpo['kl']}" in printed
+    assert printed[-1].startswith("unknown config key 'train.lrr' (in 'train.lrr=1e-4'); did you mean 'train.lr'?")
 
 
 @pytest.mark.parametrize("command", [c for c in documented_commands() if c not in NOT_RUN])

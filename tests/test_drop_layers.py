@@ -1,5 +1,5 @@
 """scripts/drop_layers.py: a smaller model from some of a larger one's decoder layers (the start of a
-smaller distillation student, docs/algorithms.md "Distillation, measured")."""
+smaller distillation student, docs/results-log.md "Distillation, measured")."""
 from __future__ import annotations
 
 import importlib.util

@@ -28,8 +28,9 @@ def test_report_and_check_on_cpu():
     proc = run_env("--check")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
+    assert out.splitlines()[0].startswith("rlhf-pipeline ")  # our version first (tests/test_api.py: its commit)
     for name in ("python", "torch", "transformers", "peft", "datasets", "hydra-core", "triton", "wandb", "CUDA"):
-        assert f"{name} " in out.splitlines()[0]
+        assert f"{name} " in out.splitlines()[1] and out.splitlines()[1].startswith("versions: ")
     assert "device for a run: cpu" in out and "gloo yes" in out
     from engine.config import cpu_has_bf16
 

@@ -584,7 +584,7 @@ def composed(module: str, overrides: list[str]) -> dict:
 
 
 def test_run_all_pins_the_demo_rl_schedules(tmp_path):
-    """The schedules run_all.sh measured (docs/stages.md, issue #37) reach the RL stage's config, as a user
+    """The schedules run_all.sh measured (docs/results-log.md) reach the RL stage's config, as a user
     running the script gets them: PPO with the KL budget, GRPO with 16 prompts x 8 samples at temperature 1.2.
     DRY_RUN=1 prints the commands and runs nothing."""
     ppo = dry_run_commands(tmp_path / "ppo")

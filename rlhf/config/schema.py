@@ -215,7 +215,7 @@ class StartsConfig:
     "Fine-Tuning Pretrained Language Models: Weight Initializations, Data Orders, and Early Stopping",
     found that a seed's fate shows early in training and recommend starting many and stopping the
     unpromising early; on the embedded default, which starts learn to copy digits shows at step 250
-    (docs/stages.md)."""
+    (docs/results-log.md)."""
 
     n: int = 1  # starts compared (1: the one start seeded by `seed`)
     steps: int = 250  # optimizer steps each start trains before the comparison (< the run's steps)

@@ -8,7 +8,8 @@ import os
 import random
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from hydra._internal.utils import get_args_parser
 
 from engine import exit_process, latest_checkpoint, list_checkpoints
 from engine.checkpoint import META
-from engine.distributed import barrier
+from engine.distributed import barrier, shutdown_distributed
 from engine.errors import CheckpointError, LaunchError
 from rlhf.config import PPOConfig, ServeConfig, as_yaml, cli, compose, to_config
 from rlhf.config.ds_config import ds_overrides, log_report
@@ -35,13 +36,49 @@ logger = logging.getLogger("rlhf")
 CHECKPOINTS = "checkpoints"
 
 
+@dataclass
+class InProcess:
+    """A stage run from Python (rlhf/api.py) rather than from a command line: `stage_main` raises the
+    user error it would print (ConfigError, ...: the same text), ends neither the process nor a torchrun
+    job's process group, and records here the config the run got (where its summary.json is)."""
+
+    config: Any = None  # the typed config `run` got (None: nothing ran, e.g. --help)
+
+
+_IN_PROCESS: InProcess | None = None
+
+
+@contextlib.contextmanager
+def in_process() -> Iterator[InProcess]:
+    """Within the block, a stage's `main()` (as its command line runs it, sys.argv included) behaves as
+    `InProcess` says; one stage at a time."""
+    global _IN_PROCESS
+    if _IN_PROCESS is not None:
+        raise RuntimeError("a stage is already running in this process (rlhf.api runs one at a time)")
+    before = os.environ.get("HYDRA_FULL_ERROR")
+    # Hydra turns an exception of the task into a printed trace and exit code 1, unless this is set: then
+    # it re-raises it, and the caller gets the run's own exception
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    _IN_PROCESS = InProcess()
+    try:
+        yield _IN_PROCESS
+    finally:
+        _IN_PROCESS = None
+        if before is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = before
+
+
 @contextlib.contextmanager
 def user_errors():
     """Errors in the user's config or data end the run with one clear line and exit code 2,
-    not a stack trace from deep inside a library."""
+    not a stack trace from deep inside a library (from Python, `in_process`: the error itself)."""
     try:
         yield
     except (ConfigError, DataFormatError, FileNotFoundError, TrainingError, CheckpointError, LaunchError) as e:
+        if _IN_PROCESS is not None:
+            raise
         kind = "training" if isinstance(e, TrainingError) else "checkpoint" if isinstance(e, CheckpointError) else \
             "launch" if isinstance(e, LaunchError) else \
             "configuration/data"  # subclasses too (the http reward source's RewardServerDown is a TrainingError)
@@ -86,6 +123,8 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
             _check_ds_config_applied(config, ds_report)
             unused = unused_sources(config) if isinstance(config, (PPOConfig, ServeConfig)) else set()
             check_sources(config, unused=frozenset(unused))  # keys the run will not read are not probed
+            if _IN_PROCESS is not None:
+                _IN_PROCESS.config = config
             run(config)
 
     task.__module__ = module  # Hydra names the job (and its .log file) after this module, as before
@@ -94,6 +133,13 @@ def stage_main(config_name: str, schema: type, run: Callable[[Any], Any]) -> Non
         hydra.main(version_base="1.3", config_path=CONF_DIR, config_name=config_name)(task)()
     except SystemExit as e:
         code = e.code
+    finally:
+        if _IN_PROCESS is not None and "WORLD_SIZE" not in os.environ:
+            shutdown_distributed()  # the run's group of one; the next run in this process makes its own
+    if _IN_PROCESS is not None:  # the caller's process goes on (under torchrun its group too, for the next run)
+        if code:
+            raise SystemExit(code)
+        return
     if dist.is_initialized():  # a run that used a process group ends without finalization races
         if isinstance(code, str):
             print(code, file=sys.stderr)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlhf.config import LoggerConfig
+from rlhf.core.provenance import provenance
 from rlhf.run.loggers import open_sinks, scalar_values, table_of
 
 logger = logging.getLogger(__name__)
@@ -123,11 +124,12 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def write_summary(output_dir: str, summary: dict) -> str:
-    """summary.json (atomically: temp file + rename); returns its path."""
+    """summary.json (atomically: temp file + rename), ending with the code that made it (`version`, and
+    `commit` from a checkout: rlhf/core/provenance.py); returns its path."""
     path = os.path.join(output_dir, SUMMARY)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({k: _clean(v) for k, v in summary.items()}, f, indent=1)
+        json.dump({k: _clean(v) for k, v in {**summary, **provenance()}.items()}, f, indent=1)
     os.replace(tmp, path)
     return path
 

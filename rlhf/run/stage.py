@@ -50,6 +50,7 @@ from engine.checkpoint import read_meta, remove_leftovers
 from engine.distributed import all_gather_object, all_reduce_sum, barrier
 from rlhf.config import as_yaml
 from rlhf.core.errors import ConfigError, TrainingError
+from rlhf.core.provenance import describe, provenance
 from rlhf.data import Row
 from rlhf.data.packing import batch_tokens
 from rlhf.data.sources import write_rows
@@ -119,6 +120,19 @@ def resume_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
         if not key.startswith(RESUME_FREE) and old.get(key, "(absent)") != new.get(key, "(absent)"):
             lines.append(f"{key}: {old.get(key, '(absent)')} -> {new.get(key, '(absent)')}")
     return lines
+
+
+def other_code(saved: dict[str, Any]) -> str | None:
+    """One line when the checkpoint's run (`Run.record`) was made by other code than this one (another
+    version, or another commit of a checkout), else None. A checkpoint from before versions were
+    recorded is from an older version."""
+    now = provenance()
+    code = saved.get("code")
+    if code is None:
+        return f"it was saved by an older version than this one, {describe(now)} (it records none)"
+    if (code.get("version"), code.get("commit")) == (now["version"], now["commit"]):
+        return None
+    return f"it was saved by version {describe(code)}, this is {describe(now)}"
 
 
 def agree(resume_path: str | None, cfg: Any) -> None:
@@ -220,6 +234,8 @@ class Run:
             self.start = int(self.extra_state["step"])
             if self._prelude is None:
                 logger.info("resumed from %s at step %d", path, self.start)
+            if self.info.is_main and (other := other_code(self.extra_state.get("run", {}))):
+                logger.warning("resuming %s: %s", path, other)
             if changes := resume_changes(self.extra_state.get("run", {}), self.record):
                 logger.warning("resuming %s with another setup than the run that saved it (the data position is "
                                "a step count: changed batch sizes re-cut the rows):\n  %s", path, "\n  ".join(changes))
@@ -244,7 +260,8 @@ class Run:
     @property
     def record(self) -> dict[str, Any]:
         """What each checkpoint keeps of the setup that wrote it (compared on resume)."""
-        return {"world_size": self.info.world_size, "config_hash": config_hash(self.cfg), "config": flat_config(self.cfg)}
+        return {"world_size": self.info.world_size, "config_hash": config_hash(self.cfg), "config": flat_config(self.cfg),
+                "code": provenance()}
 
     # ------------------------------------------------------------------ several starts
 

@@ -79,8 +79,9 @@ def env_spec(env: type[Environment] | str) -> str:
         return env
     spec = f"{env.__module__}:{env.__qualname__}"
     if env.__module__ == "__main__" or "<locals>" in env.__qualname__:
-        raise ConfigError(f"rollout.env: {env.__qualname__} is defined in {env.__module__} (a script or a "
-                          f"function); the pool's workers import it by name: move it to an importable module")
+        raise ConfigError(f"rollout.env: {env.__qualname__} is defined in {env.__module__} (a script, a notebook or "
+                          f"a function); the pool's workers import it by name: move it to an importable module, or "
+                          f"rollout.env_workers=0 runs it in this process (no per-call timeout)")
     if load_environment(spec) is not env:
         raise ConfigError(f"rollout.env: importing {spec!r} does not give back {env!r}")
     return spec
