@@ -120,7 +120,11 @@ class Policy(ModuleView):
                                    reduction="sum")
         logits = logits / temperature
         if truncate is not None:  # the sampler's top-k / top-p (engine.inference.sampling's convention), renormalised
-            logits = filter_logits(logits, *truncate)
+            # NOTE: the sampled token always stays in: at a top-p boundary another engine's rounding can keep a
+            # token this forward's would drop, whose log-prob would then be -inf (a NaN ratio)
+            kept = filter_logits(logits, *truncate)
+            target = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, targets.clamp(min=0)[..., None], True)
+            logits = torch.where(target, logits, kept)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])
         # NOTE: `.squeeze` would return a view, which FSDP2 warns about (see `_fused`): one [B, T] copy
         return logp[..., 0].clone(), entropy_from_logits(logits.detach()) if with_entropy else None

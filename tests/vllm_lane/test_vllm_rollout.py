@@ -96,7 +96,9 @@ def trainer_logprobs(model, g, params: SamplingParams) -> torch.Tensor:
     logits = logits[:, g.prompt_len - 1 : -1].float()
     if not params.greedy:
         logits = logits / params.temperature
-        logits = filter_logits(logits.reshape(-1, logits.shape[-1]), params.top_k, params.top_p).reshape(logits.shape)
+        kept = filter_logits(logits.reshape(-1, logits.shape[-1]), params.top_k, params.top_p).reshape(logits.shape)
+        drawn = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, g.responses[..., None], True)
+        logits = torch.where(drawn, logits, kept)  # the drawn token always in the support (as Policy's forward)
     return logits.log_softmax(-1).gather(-1, g.responses[..., None]).squeeze(-1) * g.response_mask
 
 
@@ -119,20 +121,28 @@ def test_greedy_tokens_and_logprobs_equal_transformers(rollout, hf_model, user_d
 
 
 @pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=10, temperature=1.3),
+                                    SamplingParams(max_new_tokens=10, temperature=0.8, top_k=12),
                                     SamplingParams(max_new_tokens=10, temperature=0.8, top_k=12, top_p=0.9)],
-                         ids=["temperature", "top_k_top_p"])
+                         ids=["temperature", "top_k", "top_k_top_p"])
 def test_sampled_logprobs_are_the_trainers_under_the_sampling_distribution(rollout, hf_model, params):
     """vLLM's processed log-probs (temperature, then top-k / top-p, renormalised) = the trainer's log-softmax of the
-    same logits under the same settings, at fp32 rounding: the importance ratio compares like with like."""
+    same logits under the same settings, at fp32 rounding: the importance ratio compares like with like. With top-p
+    a token at the nucleus's edge can fall on either side in the two engines' rounding: every log-prob is finite (the
+    drawn token is always in the trainer's support) and at most 1 token in 50 differs by more than rounding."""
     tok = make_user_tokenizer()
     ids, mask = prompts(tok)
     ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)  # 20 rows
     g = VLLMGenerator(rollout).generate(ids, mask, params, eos_token_id=tok.eos_token_id,
                                         pad_token_id=tok.pad_token_id, return_logprobs=True,
                                         row_seeds=torch.arange(100, 120))
-    assert g.response_mask.sum() > 60
-    gap = (g.logprobs - trainer_logprobs(hf_model, g, params)).abs().max().item()
-    assert gap < 1e-4, gap
+    m = g.response_mask.bool()
+    assert m.sum() > 60
+    gaps = (g.logprobs - trainer_logprobs(hf_model, g, params)).abs()[m]
+    assert torch.isfinite(gaps).all()
+    if params.top_p < 1:
+        assert (gaps > 1e-4).float().mean() <= 0.02, gaps.max()
+    else:
+        assert gaps.max() < 1e-4, gaps.max()
 
 
 def test_row_seeds_repeat_a_rollout_and_a_new_seed_changes_its_row(rollout):
