@@ -314,6 +314,11 @@ def test_faults_end_their_episode_masked_and_counted_and_the_step_goes_on(embedd
     with pytest.raises(TrainingError, match=r"rollout.env=tests:Faulty: 2 of 3 episodes .* boom"):
         multiturn.check_failures(rec, stats, settings)
     multiturn.check_failures(rec, stats, multiturn.Settings(max_turns=2, max_new_tokens=4, max_failure_fraction=0.7))
+    # every episode faulted: the step teaches nothing, so even a fraction of 1 stops (as a step without rewards)
+    every = {**rec, "env_errors": 3}
+    with pytest.raises(TrainingError, match=r"rollout.env=tests:Faulty: 3 of 3 episodes of the step faulted"):
+        multiturn.check_failures(every, stats, multiturn.Settings(max_turns=2, max_new_tokens=4, max_failure_fraction=1.0,
+                                                                  env_name="tests:Faulty"))
 
 
 class Slow(Tool):

@@ -470,9 +470,10 @@ def step_env_metrics(stats: EpisodeStats, device) -> dict[str, float]:
 
 def check_failures(rec: dict[str, Any], stats: EpisodeStats, settings: Settings) -> None:
     """Stop the run (TrainingError naming rollout.env) when more than max_env_failure_fraction of the step's
-    episodes faulted (every rank reads the same summed figures, so every rank stops)."""
+    episodes faulted, or every one did (whatever the fraction: a step without one whole episode teaches
+    nothing, as a step without rewards; every rank reads the same summed figures, so every rank stops)."""
     failed = rec["env_errors"] + rec["env_timeouts"]
-    if rec["episodes"] and failed / rec["episodes"] > settings.max_failure_fraction:
+    if rec["episodes"] and (failed / rec["episodes"] > settings.max_failure_fraction or failed == rec["episodes"]):
         raise TrainingError(
             f"rollout.env={settings.env_name}: {failed} of {rec['episodes']} episodes of the step faulted "
             f"({rec['env_errors']} errors, {rec['env_timeouts']} timeouts), more than "
