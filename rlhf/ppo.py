@@ -55,7 +55,7 @@ from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import Judge, eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
-from rlhf.modeling.load import check_causal_lm, disable_dropout, load_causal_lm, load_tokenizer
+from rlhf.modeling.load import check_causal_lm, check_reward_model, disable_dropout, load_causal_lm, load_tokenizer
 from rlhf.rl import alarms, distill, multiturn, online_dpo, rewards, split
 from rlhf.rl.environments import load_environment, make_runner
 from rlhf.rl.experience import build_experience
@@ -220,6 +220,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             check_local(path, f"reward.ensemble_models[{i}]")
     for key, path in (("actor", cfg.actor.model), ("reference", cfg.reference.model)):
         check_causal_lm(path, key)  # a reward model as the policy: refused before the data and any weights
+    if needs_rm:  # and a policy as a reward model (the critic may start from one: it learns its head)
+        check_reward_model(cfg.reward_model.model or cfg.critic.model,
+                           "reward_model.model" if cfg.reward_model.model else "critic.model (the reward model's "
+                                                                               "default, reward_model.model=null)")
+        for i, path in enumerate(cfg.reward.ensemble_models):
+            check_reward_model(path, f"reward.ensemble_models[{i}]")
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
