@@ -176,3 +176,29 @@ def test_deterministic_with_sampled_evaluation_is_said_in_a_warning():
     assert records[0].getMessage().startswith("engine.deterministic=true with eval.greedy=false: the sampled "
                                               "evaluation repeats on this machine and world size, but is not "
                                               "batch-invariant")
+
+
+# ----------------------------------------------------------------------------- the pipeline checks every stage first
+
+
+@pytest.mark.parametrize("env,args,stage,named", [
+    ({"DRY_RUN": "1"}, ["ppo:ppo.kl_coeff=0.05"], "ppo", "unknown config key 'ppo.kl_coeff'"),
+    ({}, ["ppo:ppo.kl_coeff=0.05"], "ppo", "did you mean 'ppo.kl_coef'?"),  # a real run: stopped before SFT starts
+    ({"DRY_RUN": "1"}, ["ppo:rollout.mini_batch_size=24"], "ppo", "must be a multiple of rollout.mini_batch_size"),
+    ({"DRY_RUN": "1", "PIPELINE": "dpo"}, ["dpo:dpo.loss_type=orpo"], "dpo", "dpo.loss_type must be one of"),
+    ({"DRY_RUN": "1", "RM_ENSEMBLE": "2"}, ["reward_2:train.lr=fast"], "reward_2", "config key 'train.lr'"),
+    ({"DRY_RUN": "1", "TASK": "tools", "PIPELINE": "dpo"}, [], None, "run_all.sh: TASK=tools runs its own pipeline"),
+])
+def test_run_all_refuses_a_stage_it_would_fail_at_before_the_first(env, args, stage, named, tmp_path):
+    import subprocess
+
+    root = tmp_path / "outputs"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_all.sh"), *args], cwd=ROOT, capture_output=True,
+                          text=True, env={**cli_env(), "OUTPUT_DIR": str(root), **env}, timeout=120)
+    last = refused(proc, named)
+    if stage is not None:  # the stage named by its directory (several reward stages in an ensemble)
+        kind = stage.split("_")[0]
+        assert last.startswith(f"error (configuration/data): the {kind} stage (output_dir={root / stage}) would "
+                               "stop: "), last
+    assert "== " not in proc.stdout  # no stage was planned, let alone run
+    assert not root.exists()  # nothing written
