@@ -41,7 +41,8 @@ the source was built with. The sources (`reward.sources`, weights `reward.weight
 When rewards stop arriving (the run-level rule, `check_step`): a step or held-out evaluation none of
 whose rows got a finite reward (a server gone, a function failing on every row, a reward model giving
 NaN) teaches nothing, so the run stops there (`RewardsStopped`, naming the source's key: reward.url,
-reward.function, ...), after a checkpoint of the state before the step (`train.resume=true` redoes it).
+reward.function, ...), after a checkpoint of the state before the step (`train.resume=true` redoes it; an
+evaluation's stop leaves the last regular checkpoint).
 The http source is asked GET /health before any model loads (`check_http`): nothing listening, an
 https:// URL for a plain-HTTP server, or a URL that is not a reward server's stops the run there.
 
