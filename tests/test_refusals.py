@@ -187,6 +187,7 @@ def test_deterministic_with_sampled_evaluation_is_said_in_a_warning():
     ({"DRY_RUN": "1"}, ["ppo:rollout.mini_batch_size=24"], "ppo", "must be a multiple of rollout.mini_batch_size"),
     ({"DRY_RUN": "1", "PIPELINE": "dpo"}, ["dpo:dpo.loss_type=orpo"], "dpo", "dpo.loss_type must be one of"),
     ({"DRY_RUN": "1", "RM_ENSEMBLE": "2"}, ["reward_2:train.lr=fast"], "reward_2", "config key 'train.lr'"),
+    ({"DRY_RUN": "1", "LAUNCH": "torchrun --nproc_per_node 3"}, [], "sft", "x world size (3)"),  # LAUNCH's ranks
     ({"DRY_RUN": "1", "TASK": "tools", "PIPELINE": "dpo"}, [], None, "run_all.sh: TASK=tools runs its own pipeline"),
 ])
 def test_run_all_refuses_a_stage_it_would_fail_at_before_the_first(env, args, stage, named, tmp_path):
@@ -202,3 +203,27 @@ def test_run_all_refuses_a_stage_it_would_fail_at_before_the_first(env, args, st
                                "stop: "), last
     assert "== " not in proc.stdout  # no stage was planned, let alone run
     assert not root.exists()  # nothing written
+
+
+def test_rlhf_check_checks_each_stage_for_the_ranks_it_is_told():
+    """python -m rlhf.check, in process: stages split at ---, the batch arithmetic of LAUNCH's world size, and model
+    directories that earlier stages will write need not exist yet."""
+    import torch
+
+    from engine.distributed import DistInfo
+    from rlhf.check import check_stage, split_stages
+    from rlhf.core.errors import ConfigError
+
+    assert split_stages(["sft", "a=1", "---", "ppo", "---", "reward", "b=2", "c=3"]) == [
+        ("sft", ["a=1"]), ("ppo", []), ("reward", ["b=2", "c=3"])]
+    ranks = lambda n: DistInfo(rank=0, world_size=n, local_rank=0, device=torch.device("cpu"), is_main=True)  # noqa: E731
+    later = ["output_dir=/nowhere/ppo", "actor.model=/nowhere/sft", "critic.model=/nowhere/reward"]
+    check_stage("sft", ["output_dir=/nowhere/sft"], ranks(1))
+    check_stage("ppo", later, ranks(2))
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size \(32\) must be a multiple of train.micro_batch_size "
+                                          r"\(32\) x world size \(3\) = 96"):
+        check_stage("sft", ["output_dir=/nowhere/sft"], ranks(3))
+    with pytest.raises(ConfigError, match=r"^rollout.prompts_per_step \(64\) must be a multiple of the world size \(3\)"):
+        check_stage("ppo", later, ranks(3))
+    with pytest.raises(ConfigError, match="rlhf.check checks the stages sft, reward, dpo, ppo, got 'serve'"):
+        check_stage("serve", [], ranks(1))
