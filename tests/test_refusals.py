@@ -41,11 +41,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class NotFound(http.server.BaseHTTPRequestHandler):
+    """Another service's answer to every request a reward client makes: 404."""
+
+    def do_GET(self):  # noqa: N802 - http.server's naming
+        self.send_error(404, "Not Found")
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
 @pytest.fixture(scope="module")
 def plain_http():
     """A plain-HTTP server that is not a reward server: every path a 404 (as another service's would be)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    server.RequestHandlerClass.log_message = lambda *a: None  # quiet
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     yield server.server_address[1]
