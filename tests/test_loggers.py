@@ -402,6 +402,7 @@ def test_explorer_in_headless_chromium(two_runs, tmp_path):
         filtered = page.eval_on_selector_all("#samples-grid tr.prompt-row", "rows => rows.length")
         if os.environ.get("EXPLORER_SCREENSHOT"):  # the docs' screenshot (docs/looking-at-runs.md)
             page.fill("#samples-filter", "")
+            page.evaluate("document.getElementById('run-1').scrollIntoView()")  # a run's summary, then the samples
             page.screenshot(path=os.environ["EXPLORER_SCREENSHOT"], full_page=False)
         browser.close()
     assert errors == [], errors

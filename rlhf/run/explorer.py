@@ -222,7 +222,7 @@ def write_explorer(paths: list[str], out: str) -> tuple[str, list[RunData]]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(explorer_html(runs, f"RLHF runs: {', '.join(r.name for r in runs)}"))
+        f.write(explorer_html(runs, f"RLHF runs: {', '.join(r['run'] for r in summary_rows(runs))}"))  # pipeline order
     os.replace(tmp, out)
     return out, runs
 
