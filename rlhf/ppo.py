@@ -372,10 +372,14 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         try:
             scored = models.score(rollout, old_from_sampler=from_sampler)
             rewards.check_step(models.reward_source, scored["score"], f"step {step + 1}")
-        except rewards.STOPS:  # no reward arrives: the state after `step` steps kept, this step redone on resume
+            if episodes is not None:  # faulted episodes over the fraction (or all): stopped before the step trains
+                env_rec = multiturn.step_env_metrics(episodes, info.device)
+                multiturn.check_failures(env_rec, episodes, env[1])
+        except (*rewards.STOPS, multiturn.EpisodesFailed):  # the state after `step` steps kept, this step redone
             set_rng_state(rng)  # as it was when the step began, so that the resumed step samples the same
             if step > run.start or run.resume_path is None:  # (unless resumed from that very checkpoint)
-                logger.error("no reward arrives: checkpoint %s written before stopping", run.save(step))
+                logger.error("step %d cannot train (no reward, or its episodes faulted): checkpoint %s written "
+                             "before stopping", step + 1, run.save(step))
             raise
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         if episodes is not None:  # the environment's reward parts, summed per episode, on top of reward.sources
@@ -411,8 +415,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
         rec.update(rewards.http_stats(models.reward_source))  # this rank's http requests, p50/p99 latency
         if episodes is not None:  # turns, tool calls, observation tokens, env seconds, faults (summed over ranks)
-            rec.update(multiturn.step_env_metrics(episodes, info.device))
-            multiturn.check_failures(rec, episodes, env[1])
+            rec.update(env_rec)
         if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble: its members' std
             ok = torch.isfinite(std).double()
             d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ ok, ok.sum()]))

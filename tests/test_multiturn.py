@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -504,9 +505,13 @@ def test_ppo_with_a_one_turn_environment_logs_the_single_turn_numbers(tiny_stage
     assert (s["env_errors"], s["env_timeouts"]) == (0, 0)
     proc = run_stage("ppo", f"output_dir={tmp_path / 'broken'}", *common, "rollout.env=mt_envs:Broken",
                      "rollout.env_workers=0", env=env, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "rollout.env=mt_envs:Broken: 8 of 8 episodes of the step faulted" in proc.stderr + proc.stdout
     assert "the tool is down" in proc.stderr + proc.stdout
+    # stopped before the step trained, as a step without rewards: the state before it kept, nothing exported
+    broken = tmp_path / "broken"
+    assert os.listdir(broken / "checkpoints") == ["step_0000000"] and metrics(broken, "train") == []
+    assert not (broken / "summary.json").exists() and not (broken / "model").exists()
 
 
 def test_alarm_key_is_validated():

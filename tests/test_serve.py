@@ -533,7 +533,7 @@ def test_ppo_with_its_server_gone_checkpoints_and_stops_naming_the_url(tiny_stag
     assert f"error (training): the reward server at {url} (reward.url) has refused connections for" in p.stderr
     assert len(metrics(out, "train")) == 1 and os.listdir(out / "checkpoints") == ["step_0000001"]
     assert not os.path.exists(out / "summary.json")
-    assert f"no reward arrives: checkpoint {out / 'checkpoints' / 'step_0000001'} written" in p.stdout + p.stderr
+    assert f"step 2 cannot train (no reward, or its episodes faulted): checkpoint {out / 'checkpoints' / 'step_0000001'} written" in p.stdout + p.stderr
 
 
 def test_rewards_that_stop_mid_run_checkpoint_and_a_resume_continues_exactly(tiny_stages, tmp_path):
