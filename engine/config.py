@@ -7,7 +7,7 @@ schema itself).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,10 +18,24 @@ if TYPE_CHECKING:
 # NOTE: no torch import at run time: the stage configs (rlhf/config/schema.py) import this module, and
 # scripts/stage_plan.py composes them in ~1 s without loading torch. The dtypes: parallelize.TORCH_DTYPES.
 PRECISIONS = ("fp32", "bf16", "fp16")
-GENERATION_PATHS = ("auto", "injected", "hf")
+GENERATION_PATHS = ("auto", "injected", "hf", "vllm")
 SELFCHECK = ("auto", "true", "false")
 CHECK_WEIGHTS = ("every", "first", "never")
 PLACEMENTS = ("colocated", "split")
+
+
+@dataclass(kw_only=True, slots=True)
+class VLLMConfig:
+    """`engine.vllm.*`: the in-process vLLM engine of `engine.generation=vllm` (engine/vllm_backend.py)."""
+
+    gpu_memory_utilization: float = 0.3  # CUDA: the share of the GPU's memory vLLM may take (weights + KV cache)
+    kv_cache_gib: float = 1.0  # CPU: GiB of KV cache (vLLM's CPU backend sizes it explicitly, no profiling)
+    max_model_len: int | None = None  # prompt + response tokens per sequence (null: the model's max_position_embeddings)
+    tensor_parallel_size: int = 1  # GPUs one engine spans (within a node); 1 = one engine per rank
+    enforce_eager: bool = True  # true: no CUDA graphs / torch.compile in vLLM (faster start); false: graphs
+    enable_prefix_caching: bool = True  # reuse the KV cache of shared prompt prefixes (a GRPO group's prompt)
+    sleep: bool = True  # CUDA: vLLM's sleep mode between generation phases (memory back to training)
+    max_num_seqs: int = 256  # rows vLLM schedules at once
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +72,10 @@ class EngineConfig:
     # transformers `generate`, "auto" = injected on CUDA, hf elsewhere (engine/generation.py
     # AUTO_RULE, measured in docs/engine.md). An unsupported model falls back
     # to hf, logged once.
-    generation: str = "auto"  # auto (injected on CUDA for Llama-family/OPT, else hf) | injected | hf
+    # "vllm" = an in-process vLLM engine per rank (engine/vllm_backend.py: paged attention, continuous
+    # batching, prefix cache), fed by the same weight sync and checked by the same fingerprints.
+    generation: str = "auto"  # auto (injected on CUDA for Llama-family/OPT, else hf) | injected | hf | vllm
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # engine.generation=vllm: the vLLM engine's settings
     # Fused kernels (kernels/) in the model's forwards: norms, SwiGLU, rotary, and log-probs/entropy
     # straight from hidden states (engine/kernel_injection.py). Triton on CUDA, references elsewhere.
     kernels: bool = False  # fused kernels: norms, SwiGLU, rotary, log-probs from hidden states
@@ -170,6 +187,27 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
     if not (isinstance(cfg.weight_bucket_mb, (int, float)) and cfg.weight_bucket_mb > 0):
         raise ValueError(f"engine.weight_bucket_mb must be > 0 (MiB per bucket of the weight stream), "
                          f"got {cfg.weight_bucket_mb!r}")
+    v = cfg.vllm
+    if not 0 < v.gpu_memory_utilization <= 1:
+        raise ValueError(f"engine.vllm.gpu_memory_utilization must be in (0, 1], got {v.gpu_memory_utilization!r}")
+    if not v.kv_cache_gib > 0:
+        raise ValueError(f"engine.vllm.kv_cache_gib must be > 0 (GiB of KV cache on CPU), got {v.kv_cache_gib!r}")
+    if v.max_model_len is not None and (isinstance(v.max_model_len, bool) or v.max_model_len < 1):
+        raise ValueError(f"engine.vllm.max_model_len must be null or an integer >= 1, got {v.max_model_len!r}")
+    if isinstance(v.max_num_seqs, bool) or v.max_num_seqs < 1:
+        raise ValueError(f"engine.vllm.max_num_seqs must be an integer >= 1, got {v.max_num_seqs!r}")
+    if isinstance(v.tensor_parallel_size, bool) or v.tensor_parallel_size < 1:
+        raise ValueError(f"engine.vllm.tensor_parallel_size must be an integer >= 1, got {v.tensor_parallel_size!r}")
+    if cfg.generation == "vllm":
+        if v.tensor_parallel_size != 1:
+            raise ValueError(f"engine.vllm.tensor_parallel_size={v.tensor_parallel_size}: this version runs one vLLM "
+                             "engine per rank (tensor_parallel_size=1); shard a larger actor's training with ZeRO "
+                             "and generate on split ranks (engine.placement=split) instead")
+        if cfg.deterministic:
+            raise ValueError("engine.deterministic=true with engine.generation=vllm: vLLM's scheduler batches rows "
+                             "as they come, so its logits are not batch-invariant; a vllm run repeats and resumes "
+                             "exactly through per-row seeds on the same machine and world size (engine.deterministic="
+                             "false), or use engine.generation=hf for bit-for-bit runs")
     if cfg.precision == "fp16" and info.device.type != "cuda":
         raise ValueError(
             f"engine.precision=fp16 needs a CUDA device (device here: {info.device}); "

@@ -52,6 +52,8 @@ def choose_generation_path(want: str, device_type: str, config, *, adapters: boo
     `auto` follows AUTO_RULE (`device_type` is named in the reason)."""
     from .inference import supports
 
+    if want == "vllm":  # refused before any weights load (vllm_backend.refusal), never a silent fallback
+        return "vllm", "engine.generation=vllm"
     if want == "hf":
         return "hf", "engine.generation=hf"
     if want == "auto" and device_type != "cuda":

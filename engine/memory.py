@@ -162,3 +162,47 @@ def format_memory_report(report: dict) -> str:
     if "cuda_max_allocated_bytes" in report:
         lines.append(f"  CUDA max allocated after the first step: {fmt_bytes(report['cuda_max_allocated_bytes'])}")
     return "\n".join(lines)
+
+
+class PhasePeaks:
+    """Peak memory of the phases a process alternates between (generation, then training), each phase's
+    own: on CUDA the allocator's peak (reset at each phase's start), on CPU the process's peak resident
+    set (VmHWM, reset at each phase's start through /proc/self/clear_refs; Linux). `peaks`: {phase: bytes}
+    of the last time each phase ran; None where neither is measurable."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peaks: dict[str, int] = {}
+        self._phase: str | None = None
+
+    def _reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def _peak(self) -> int | None:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+    def enter(self, phase: str) -> None:
+        """End the current phase (its peak recorded) and start `phase`."""
+        if self._phase is not None and (peak := self._peak()) is not None:
+            self.peaks[self._phase] = peak
+        self._phase = phase
+        self._reset()
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"mem_{phase}_peak_gib": b / (1 << 30) for phase, b in self.peaks.items()}

@@ -43,9 +43,10 @@ from .errors import CheckpointError
 from .lora import lora_layers, merge_lora
 from .distributed import DistInfo, all_reduce_sum, barrier, group, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
-from .memory import memory_report, tensor_bytes
+from .memory import PhasePeaks, memory_report, tensor_bytes
 from .optim import build_optimizer, build_scheduler, validate_optim_config
 from .parallelize import TORCH_DTYPES, clean_name, hf_base_model, inner_module, parallelize
+from .vllm_backend import ExpectedWeights, VLLMGenerator, VLLMRollout
 from .weight_check import expected_tap, hf_name, mismatches, raise_on_any_rank, sharded_fingerprints
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,9 @@ class TrainEngine(_ShardedModule):
         self._zero1 = engine_cfg.stage == 1
         self._gen_path: str | None = None  # generation(): "injected" | "hf", chosen on first use
         self._inference = None  # the injected InferenceModel, kept between generation phases
+        self._vllm = None  # engine.generation=vllm: the VLLMRollout, built on first use and kept
+        self.sync_stats = None  # the last weight sync into vLLM (engine/vllm_backend.py SyncStats)
+        self.phase_peaks = PhasePeaks(info.device)  # peak memory of the generation and training phases
         # engine.selfcheck: the injected decoder is compared with transformers on its first use
         self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
         # the mergeable LoRA layers ({} without adapters; None: adapters the injected model cannot take)
@@ -450,13 +454,35 @@ class TrainEngine(_ShardedModule):
         With `engine.check_weights` (every entry, the first, or never), the generation layout is
         compared with the training parameters before anything is generated (engine/weight_check.py):
         a mismatch raises WeightCheckError on every rank.
+        vLLM timeline (`engine.generation=vllm`, engine/vllm_backend.py): an in-process vLLM engine built on
+        first use and kept; on entry the weights are streamed into it one FSDP unit at a time (LoRA merged)
+        through vLLM's in-place reload, then checked; on exit it sleeps (CUDA sleep mode; CPU: none).
         """
-        from .generation import BatchInvariantGenerator, HFGenerator, InjectedGenerator
+        from .generation import BatchInvariantGenerator
 
         def wrap(gen):  # engine.deterministic: per-row streams, fixed-size forwards (BatchInvariantGenerator)
             return BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen
 
         check = self.cfg.check_weights == "every" or (self.cfg.check_weights == "first" and self.weight_checks == 0)
+        self.phase_peaks.enter("generation")
+        try:
+            if self._generation_path() == "vllm":
+                rollout = self._refresh_vllm(check=check)
+                try:
+                    yield VLLMGenerator(rollout)
+                finally:
+                    rollout.sleep()  # its memory back to training where the platform can (CUDA sleep mode)
+                return
+            with self._generation_local(check, wrap) as gen:
+                yield gen
+        finally:
+            self.phase_peaks.enter("training")
+
+    @contextlib.contextmanager
+    def _generation_local(self, check: bool, wrap):
+        """generation() on the injected model or transformers generate (the paths that run in our own modules)."""
+        from .generation import HFGenerator, InjectedGenerator
+
         if self._generation_path() == "injected":
             model = self._refresh_inference_model(check=check)
             if self._check_decoder_first:
@@ -489,6 +515,34 @@ class TrainEngine(_ShardedModule):
                     self.unwrapped.train(was_training)
         if self.info.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _refresh_vllm(self, check: bool):
+        """The vLLM engine (built on first use) with the current weights: streamed one FSDP unit at a time,
+        LoRA merged, into vLLM's own layout in place (engine/vllm_backend.py); `check`: its tensors then
+        compared with the training tensors (a mismatch raises on every rank). Collective."""
+        dtype = TORCH_DTYPES[self.cfg.precision]
+        if self._vllm is None:
+            self._vllm = VLLMRollout(hf_base_model(self.unwrapped).config, dtype=dtype, settings=self.cfg.vllm,
+                                     seed=0, device=self.info.device)
+        expected = ExpectedWeights(dtype) if check else None
+        named = self.generation_weights()
+        if self._fsdp_units:
+            # NOTE: vLLM's reload buffers a layer's tensors until the layer is complete (a padded vocabulary
+            # never is: it waits for the reload's end), and a gathered FSDP unit's storage is freed when the
+            # next unit is gathered: what vLLM keeps must be its own copy
+            named = ((n, t.detach().clone()) for n, t in named)
+        self.sync_stats = stats = self._vllm.load(named, expected)
+        if check:
+            self._finish_check(lambda: (stats.mismatched, stats.compared), "vLLM engine", stats.check_s)
+        return self._vllm
+
+    def generation_metrics(self) -> dict[str, float]:
+        """Per-step figures of the generation backend: the last vLLM sync's bytes / seconds / GB/s and the
+        phases' peak memory (empty for a path with neither)."""
+        out = self.phase_peaks.as_metrics()
+        if self.sync_stats is not None:
+            out.update(self.sync_stats.as_metrics())
+        return out
 
     def generation_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of the generation layout, LoRA merged: what a generation rank's copy of

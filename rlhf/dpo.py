@@ -57,7 +57,7 @@ from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.modeling.export import export_model
 from rlhf.modeling.load import (
-    check_causal_lm, check_context, disable_dropout, load_causal_lm, load_tokenizer, use_packing,
+    check_causal_lm, check_context, check_generation_backend, disable_dropout, load_causal_lm, load_tokenizer, use_packing,
 )
 from rlhf.modeling.roles import Policy
 from rlhf.run.app import stage_main
@@ -229,6 +229,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     kto = p.loss_type == "kto"
     check_causal_lm(cfg.model.name_or_path, "model")  # a reward model's directory: refused before the data
     tok = load_tokenizer(cfg.model)
+    check_generation_backend(cfg.engine.generation, cfg.model, tok, "model", info.device.type)  # its evaluations
     pad, mb = tok.pad_token_id, cfg.train.micro_batch_size
     # the reward stage's pairs and data_split share (kto: labelled rows, pairs split)
     data = stage_data(d, cfg.train, cfg.seed, tok, 1, "KTO" if kto else "DPO", unpaired=kto)

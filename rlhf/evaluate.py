@@ -42,7 +42,8 @@ from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, judged, lo
 from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.load import (
-    check_reward_model, load_causal_lm, load_tokenizer, load_value_model, resolve_model_path, value_model_reason,
+    check_generation_backend, check_reward_model, load_causal_lm, load_tokenizer, load_value_model, resolve_model_path,
+    value_model_reason,
 )
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.run.app import save_config, seed_everything, setup_logging, stage_main
@@ -102,6 +103,7 @@ def eval_engine(model: torch.nn.Module, cfg: EvaluateConfig, info) -> TrainEngin
 
 def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:
     d = cfg.data
+    check_generation_backend(cfg.engine.generation, cfg.model, tok, "model", info.device.type)
     prompts = load_eval_prompts(d, tok)
     scorable(prompts, "data.eval_prompts_path", cfg.eval)
     rows, source = held_out_rows(d, stage=0)

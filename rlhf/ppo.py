@@ -55,7 +55,9 @@ from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import Judge, eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
-from rlhf.modeling.load import check_causal_lm, check_reward_model, disable_dropout, load_causal_lm, load_tokenizer
+from rlhf.modeling.load import (
+    check_causal_lm, check_generation_backend, check_reward_model, disable_dropout, load_causal_lm, load_tokenizer,
+)
 from rlhf.rl import alarms, distill, multiturn, online_dpo, rewards, split
 from rlhf.rl.environments import load_environment, make_runner
 from rlhf.rl.experience import build_experience
@@ -72,6 +74,12 @@ logger = logging.getLogger("rlhf.ppo")
 
 
 # ----------------------------------------------------------------------------- pieces
+
+
+def row_streams(cfg: PPOConfig) -> bool:
+    """Each rollout row its own sampling stream (a seed of the run's seed, the step and the prompt): deterministic
+    mode, and vLLM (one seeded request per row, so its runs repeat and resume exactly)."""
+    return cfg.engine.deterministic or cfg.engine.generation == "vllm"
 
 
 def sampling(cfg: PPOConfig) -> SamplingParams:
@@ -192,7 +200,7 @@ def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
 
     def make_rollout(step: int, trainer: int) -> Rollout:  # trainer `trainer`'s rows, as it would sample them
         idx = [i for i in order.rank_rows(step, trainer, trainers, 1)[0] for _ in range(r.n_samples_per_prompt)]
-        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
         return generate(replica, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx), sampling(cfg),
                         eos, pad, seeds)
 
@@ -229,6 +237,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
+    check_generation_backend(cfg.engine.generation, model_cfg(cfg, cfg.actor.model), tok, "actor", info.device.type)
     if distilling:  # a local causal LM with the student's tokenizer, before the data and any weights
         distill.check_teacher(cfg, tok, model_cfg)
     d = cfg.data
@@ -355,7 +364,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rng = rng_state()  # a step that gets no reward is checkpointed as it began
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
-        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if cfg.engine.deterministic else None
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
         episodes = None
         if side is None and env is not None:  # one episode per row, over turns with the environment
             rollout, episodes = multiturn.generate_episodes(
@@ -407,6 +416,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             rec["kl_loss_coef"] = kl_ctl.value
         old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
         rec.update(meta)  # split: policy_version, staleness, the weight transfer's bytes / s / GB/s
+        rec.update(models.actor.generation_metrics())  # vLLM's sync bytes / s / GB/s, the phases' peak memory
         if dpo:
             rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
         for key in times:

@@ -31,7 +31,8 @@ from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.export import export_model
 from rlhf.modeling.forward import sft_loss
-from rlhf.modeling.load import check_causal_lm, check_context, load_causal_lm, load_tokenizer, use_packing
+from rlhf.modeling.load import (check_causal_lm, check_context, check_generation_backend, load_causal_lm,
+                                load_tokenizer, use_packing)
 from rlhf.modeling.roles import Policy
 from rlhf.run.app import stage_main
 from rlhf.run.stage import Run
@@ -53,6 +54,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
     run, accum = Run.open("sft", "SFT", cfg, cfg.train, validate_sft)
     check_causal_lm(cfg.model.name_or_path, "model")  # a reward model's directory: refused before the data
     tok, d = load_tokenizer(cfg.model), cfg.data
+    check_generation_backend(cfg.engine.generation, cfg.model, tok, "model", run.info.device.type)  # its evaluations
     data = stage_data(d, cfg.train, cfg.seed, tok, 0, "SFT")
     held_out = run.held_out(data.eval_rows, len(data.eval), data.unit, data.eval_source)
     prompts, gold = gold_set(d, tok, cfg.eval)

@@ -3,6 +3,7 @@
     python scripts/bench_generation.py                       # GPU: Llama-1.2B and OPT-1.3B shapes, bf16
     python scripts/bench_generation.py --small --device cpu  # tiny shapes, short runs: checks the script itself
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --repeat 3
+    python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 --eos-spread --vllm --repeat 1
 
 Random weights; prompts of `--prompt` tokens (every row full length), `--new` new tokens with EOS
 disabled (both paths run the full length), greedy decoding on both paths. The paths are timed
@@ -18,6 +19,15 @@ included): the model FLOPs of prefill and decode (2 x the matmul weights per tok
 the prefill's last token only, and the causal attention's QK and AV products) over its time, as a
 fraction of a plain square matmul's rate in fp32 and bf16, measured in the same run (the machine's
 limit). Writes a Markdown table to stdout and JSON to --out.
+
+`--eos-spread`: responses that end anywhere between 10% and 100% of the budget (row b's length drawn
+uniformly in [0.1 N, N], seeded, the last row at N), the shape of an RL step's rollouts. The paths with a
+static batch (transformers `generate`, the injected model) run every row until the longest one ends, so they
+are timed at N new tokens; vLLM is sent each row with its own length (min = max tokens: a model with random
+weights has no EOS to stop at), so a finished row frees its slot. Tokens/s count the rows' real tokens (the
+sum of the lengths) on every path. `--vllm` (vLLM installed: scripts/vllm_cpu_venv.sh on CPU) adds the vLLM
+engine (engine/vllm_backend.py) beside the others, and times its weight sync (vLLM's in-place reload from the
+same fp32 master weights, no check) against a plain copy of the same bytes into preallocated tensors.
 """
 from __future__ import annotations
 
@@ -47,7 +57,7 @@ SHAPES = {
 }
 SMALL = {
     "llama-small": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
+                        num_attention_heads=2, num_key_value_heads=1, vocab_size=300, tie_word_embeddings=True),
     "opt-small": dict(model_type="opt", hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                       vocab_size=300, word_embed_proj_dim=64, max_position_embeddings=1024),  # >= prompt + new tokens
 }
@@ -121,8 +131,16 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n / t
 
 
+def spread_lengths(B: int, N: int) -> list[int]:
+    """Row lengths uniform in [0.1 N, N] (seeded), the last one N: where each row's EOS falls (--eos-spread)."""
+    g = torch.Generator().manual_seed(B * 1000 + N)
+    lengths = torch.randint(max(1, N // 10), N + 1, (B,), generator=g).tolist()
+    lengths[-1] = N
+    return lengths
+
+
 def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype, device, repeat: int,
-                rates: dict[str, float]) -> list[dict]:
+                rates: dict[str, float], eos_spread: bool = False, use_vllm: bool = False) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from engine.inference import InferenceModel, SamplingParams, generate
@@ -138,6 +156,14 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
     n_params = sum(t.numel() for t in inj.weight_tensors())
     bw = copy_bandwidth(device)
     greedy = SamplingParams(greedy=True)
+    rollout = None
+    if use_vllm:
+        from engine.config import VLLMConfig
+        from engine.vllm_backend import VLLMRollout
+
+        rollout = VLLMRollout(hf.config, dtype=dtype, device=device, seed=0,
+                              settings=VLLMConfig(max_model_len=P + N + 8, kv_cache_gib=2.0, gpu_memory_utilization=0.5))
+        rollout.load(master)
     rows = []
     for B in batches:
         ids = torch.randint(3, cfg.vocab_size, (B, P), device=device)
@@ -156,10 +182,22 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
             inj.load_weights(master)
             return run_inj()
 
+        lengths = spread_lengths(B, N) if eos_spread else [N] * B
+        real = sum(lengths)  # the rows' real tokens: what every path is credited with
+        fns = {"hf": run_hf, "injected": run_inj, "refresh+injected": run_refresh_inj,
+               "prefill": lambda: run_inj(1), "refresh": lambda: inj.load_weights(master)}
+        if rollout is not None:
+            from engine.inference import SamplingParams as SP
+
+            prompts = ids.cpu().tolist()
+            vp = SP(max_new_tokens=N, greedy=True)
+            fns["vllm"] = lambda: rollout.generate(prompts, vp, eos_ids=[], seeds=None, logprobs=False, lengths=lengths)
+            dst = [t.clone() for _, t in master]
+            fns["vllm_sync"] = lambda: rollout.load(master)
+            fns["copy"] = lambda: [d.copy_(s) for d, (_, s) in zip(dst, master)]
         run_inj()  # the cache for this batch: allocated here, reused by every timed run
         allocations = inj.allocations
-        t = interleaved({"hf": run_hf, "injected": run_inj, "refresh+injected": run_refresh_inj,
-                         "prefill": lambda: run_inj(1), "refresh": lambda: inj.load_weights(master)}, device, repeat)
+        t = interleaved(fns, device, repeat)
         assert run_inj().sequences.shape[1] == P + N
         assert inj.allocations == allocations, "a weight refresh or a generate re-allocated the injected model"
         kv_per_token = 2 * inj.args.n_layers * inj.args.n_kv_heads * inj.args.head_dim * torch.tensor([], dtype=dtype).element_size()
@@ -167,8 +205,9 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
         flops = generation_flops(inj.args, inj.weight_tensors(), inj.lm_head, B, P, N)
         row = {
             "shape": name, "params_M": n_params / 1e6, "batch": B, "prompt": P, "new_tokens": N, "repeat": repeat,
-            "hf_tokens_per_s": B * N / t["hf"], "injected_tokens_per_s": B * N / t["injected"],
-            "refresh_injected_tokens_per_s": B * N / t["refresh+injected"],
+            "eos_spread": eos_spread, "real_tokens": real,
+            "hf_tokens_per_s": real / t["hf"], "injected_tokens_per_s": real / t["injected"],
+            "refresh_injected_tokens_per_s": real / t["refresh+injected"],
             "speedup": t["hf"] / t["injected"], "speedup_with_refresh": t["hf"] / t["refresh+injected"],
             "refresh_s": t["refresh"], "refresh_share": t["refresh"] / t["refresh+injected"],
             "injected_ms_per_decode_step": 1e3 * (t["injected"] - t["prefill"]) / max(N - 1, 1),
@@ -178,6 +217,12 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
             "matmul_gflops": {k: v / 1e9 for k, v in rates.items()},
         }
         row["step_over_floor"] = row["injected_ms_per_decode_step"] / row["floor_ms_per_step"]
+        if rollout is not None:
+            sync_bytes = sum(s.numel() * s.element_size() for _, s in master)
+            row.update(vllm_tokens_per_s=real / t["vllm"], vllm_over_hf=t["hf"] / t["vllm"],
+                       vllm_over_injected=t["injected"] / t["vllm"], vllm_sync_s=t["vllm_sync"],
+                       vllm_sync_GBps=sync_bytes / t["vllm_sync"] / 1e9, copy_GBps=sync_bytes / t["copy"] / 1e9,
+                       sync_over_copy=t["copy"] / t["vllm_sync"])
         for k, v in rates.items():
             row[f"fraction_of_{k}_matmul"] = flops / t["refresh+injected"] / v
         rows.append(row)
@@ -194,13 +239,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 16 64 (--small: 1 16)")
     ap.add_argument("--prompt", type=int, default=None, help="default 256 (--small: 32)")
-    ap.add_argument("--new", type=int, default=None, help="default 256 (--small: 32)")
+    ap.add_argument("--new", type=int, nargs="+", default=None, help="new tokens, one or more budgets (default 256, --small: 32)")
     ap.add_argument("--repeat", type=int, default=None, help="interleaved rounds after a warm-up, medians (default 3, --small: 1)")
     ap.add_argument("--shapes", nargs="+", default=None, help=f"of {list(SHAPES)} (default: the 1B-class ones)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a check of the script, e.g. on CPU)")
     ap.add_argument("--out", default="bench_generation.json")
+    ap.add_argument("--eos-spread", action="store_true", help="rows end between 10%% and 100%% of --new (see above)")
+    ap.add_argument("--vllm", action="store_true", help="add the vLLM engine (needs vLLM) and its weight sync")
     a = ap.parse_args()
-    for key, full, small in (("batch", [1, 16, 64], [1, 16]), ("prompt", 256, 32), ("new", 256, 32), ("repeat", 3, 1)):
+    for key, full, small in (("batch", [1, 16, 64], [1, 16]), ("prompt", 256, 32), ("new", [256], [32]), ("repeat", 3, 1)):
         if getattr(a, key) is None:
             setattr(a, key, small if a.small else full)
     device = torch.device(a.device)
@@ -213,18 +260,29 @@ def main() -> None:
     print(json.dumps({"matmul_gflops": {k: v / 1e9 for k, v in rates.items()}}), flush=True)
     rows = []
     for name in names:
-        rows += bench_shape(name, table[name], a.batch, a.prompt, a.new, dtype, device, a.repeat, rates)
+        for new in a.new:
+            rows += bench_shape(name, table[name], a.batch, a.prompt, new, dtype, device, a.repeat, rates,
+                                eos_spread=a.eos_spread, use_vllm=a.vllm)
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
                    "dtype": a.dtype, "rows": rows}, f, indent=1)
-    print("\n| shape | batch | hf tok/s | injected tok/s | + refresh tok/s | speedup | with refresh | refresh share "
+    print("\n| shape | batch | new | hf tok/s | injected tok/s | + refresh tok/s | speedup | with refresh | refresh share "
           "| ms/step | step/floor | GFLOP/s (refresh incl.) | / fp32 matmul | / bf16 matmul |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['batch']} | {r['hf_tokens_per_s']:,.0f} | {r['injected_tokens_per_s']:,.0f} | "
+        print(f"| {r['shape']} | {r['batch']} | {r['new_tokens']} | {r['hf_tokens_per_s']:,.0f} | {r['injected_tokens_per_s']:,.0f} | "
               f"{r['refresh_injected_tokens_per_s']:,.0f} | {r['speedup']:.2f}x | {r['speedup_with_refresh']:.2f}x | "
               f"{r['refresh_share']:.1%} | {r['injected_ms_per_decode_step']:.2f} | {r['step_over_floor']:.1f} | "
               f"{r['achieved_gflops']:.1f} | {r['fraction_of_fp32_matmul']:.2f} | {r['fraction_of_bf16_matmul']:.2f} |")
+    if a.vllm:
+        print("\n| shape | batch | new | EOS spread | hf tok/s | injected tok/s | vLLM tok/s | vLLM / hf | vLLM / injected "
+              "| sync GB/s | plain copy GB/s | sync / copy |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['shape']} | {r['batch']} | {r['new_tokens']} | {r['eos_spread']} | {r['hf_tokens_per_s']:,.0f} | "
+                  f"{r['injected_tokens_per_s']:,.0f} | {r['vllm_tokens_per_s']:,.0f} | {r['vllm_over_hf']:.2f}x | "
+                  f"{r['vllm_over_injected']:.2f}x | {r['vllm_sync_GBps']:.2f} | {r['copy_GBps']:.2f} | "
+                  f"{r['sync_over_copy']:.3f} |")
 
 
 if __name__ == "__main__":

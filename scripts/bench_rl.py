@@ -6,6 +6,7 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
     PYTHONPATH=. python scripts/bench_rl.py --reps 5 --steps 6 --algos grpo --baseline HEAD~3
     python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none
     PYTHONPATH=. python scripts/bench_rl.py --profile outputs/bench_rl/profile.txt --steps 4  # ops + Python per phase
+    PYTHONPATH=. python scripts/bench_rl.py --generation hf injected vllm --algos grpo --baseline none  # vLLM installed
 
 1. Stage outputs built once in `--work`: an SFT model and a reward model of a few steps each, on the
    default (the tiny model, the shipped data; their learning does not matter to the timing).
@@ -33,6 +34,8 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
    segments between them); FILE gets per phase the top torch ops by self CPU time and the top Python
    functions by own time (cProfile's table), summed over the steps. The profilers slow the step: read
    the tables for where time goes, the timed rounds for how much.
+`--generation PATH...` (instead of a baseline): this tree once per `engine.generation` path in each round, the
+first path the reference of the ratios (vllm needs vLLM: scripts/vllm_cpu_venv.sh on CPU).
 After each round but the last the medians so far are printed (and written to --json), so that a run cut at a
 time limit (a short lease on a GPU machine) still leaves its figures.
 Ratios are what a shared machine measures well; absolute seconds move with its load.
@@ -330,6 +333,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the medians, the matmul rates and the FLOP table to this file")
     ap.add_argument("--profile", help="instead of the timed rounds: one run of this tree per algorithm under "
                     "torch.profiler and cProfile, the top ops and Python functions of each phase written to this file")
+    ap.add_argument("--generation", nargs="+", help="compare these engine.generation paths of this tree (hf, injected, "
+                    "vllm) instead of a baseline tree; the first is the ratios' reference")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -346,8 +351,12 @@ def main() -> None:
     if args.profile:
         return profile(work, sft, reward, args)
     trees = {"this": ROOT}
+    extra: dict[str, list[str]] = {"this": []}  # each arm's own overrides
     tmp = None
-    if os.path.isdir(args.baseline):  # a checkout already made (e.g. `git archive <commit>` on a machine without git)
+    if args.generation:  # arms: this tree on each generation path
+        trees = {g: ROOT for g in args.generation}
+        extra = {g: [f"engine.generation={g}"] for g in args.generation}
+    elif os.path.isdir(args.baseline):  # a checkout already made (e.g. `git archive <commit>` on a machine without git)
         trees["baseline"] = os.path.abspath(args.baseline)
     elif args.baseline != "none":
         tmp = tempfile.mkdtemp(prefix="bench_rl_baseline_")
@@ -366,7 +375,7 @@ def main() -> None:
                     shutil.rmtree(out, ignore_errors=True)
                     res = run_worker(trees[name], out, [f"actor.model={sft}", f"critic.model={reward}",
                                                         f"train.max_steps={args.steps}", *ALGOS[algo], *QUIET,
-                                                        *args.overrides], clock=args.clock)
+                                                        *args.overrides, *extra.get(name, [])], clock=args.clock)
                     for s in res["steps"][1:]:  # the first step warms up
                         for p in PHASES:
                             phases[(name, algo)][p].append(s[p])
@@ -400,6 +409,12 @@ def medians_table(phases: dict, trees: dict, algos: list[str], limit: dict, args
     for algo in algos:
         for name in trees:
             print(f"{algo:5s} {name:9s} " + " ".join(f"{med[(name, algo)][p]:10.4f}" for p in (*PHASES, "step")))
+        if args.generation:
+            ref = args.generation[0]
+            for name in args.generation[1:]:
+                print(f"{algo:5s} {ref + '/' + name:9s} " + " ".join(
+                    f"{med[(ref, algo)][p] / med[(name, algo)][p]:10.2f}" if med[(name, algo)][p] > 0 else
+                    f"{'-':>10s}" for p in (*PHASES, "step")) + f"   ({ref} / {name}: > 1 = {name} faster)")
         if "baseline" in trees:
             print(f"{algo:5s} {'ratio':9s} " + " ".join(
                 f"{med[('baseline', algo)][p] / med[('this', algo)][p]:10.2f}" if med[("this", algo)][p] > 0 else

@@ -7,7 +7,8 @@
 #      on the ~25M Llama shape of issue #31 (batch 64, prompt 64, 128 new tokens, bf16) and a 1.2B Llama;
 #   3. scripts/bench_kernels.py: fused log-probs, a train step and the PPO scoring pass, kernels on vs off;
 #   4. scripts/bench_rl.py: the default GRPO and PPO steps phase by phase against a baseline tree, with the
-#      matmul limit and the step's achieved FLOP rate on the ~25M shape.
+#      matmul limit and the step's achieved FLOP rate on the ~25M shape;
+#   5. (GPU_PARTS=vllm, where vLLM's CUDA wheel is installed) the vLLM lane and vLLM's generation benchmark.
 # Each part has its own time limit and writes its log to $OUT (or ./gpu_checks when OUT is unset); a part
 # that fails does not stop the next. Usage, from the repository root on the GPU machine:
 #     bash scripts/gpu_checks.sh [baseline]      # baseline: a commit (needs git) or a directory holding one
@@ -50,4 +51,16 @@ want stages && RLHF_TESTS_CUDA=1 TAILN=60 part stages 240 timeout -s INT 230 pyt
   tests/test_rl_algorithms.py tests/test_sft.py tests/test_reward.py tests/test_dpo.py tests/test_old_logprobs.py \
   tests/test_sampler_gap.py tests/test_generation_mode.py tests/test_policy_losses.py tests/test_evaluate.py \
   tests/test_online_dpo.py tests/test_distill.py tests/test_kto.py tests/test_reward_ensemble.py
+# the vLLM lane on CUDA (vLLM's CUDA wheel installed: pip install -e ".[vllm]"; too large to carry as .whl/ onto a
+# lent machine, so it runs where vLLM is installed) and the generation benchmark with vLLM at 1.2B, 512 and 2048
+# new tokens, rows ending between 10% and 100% of the budget; parts: vllm
+if want vllm; then
+  if python3 -c "import vllm" 2>/dev/null; then
+    RLHF_TESTS_CUDA=1 TAILN=40 part vllm 300 python3 -m pytest -q -p no:cacheprovider -rfE tests/vllm_lane
+    part vllm_bench 280 python3 scripts/bench_generation.py --shapes llama-1.2b --batch 64 --prompt 64 --new 512 2048 \
+      --eos-spread --vllm --repeat 1 --out "$out/bench_vllm.json"
+  else
+    echo "== vllm: not run: vLLM is not installed on this machine (pip install -e \".[vllm]\")" | tee -a "$out/summary.txt"
+  fi
+fi
 cat "$out/summary.txt"

@@ -38,6 +38,11 @@ NOT_RUN = {
     "https://download.pytorch.org/whl/cpu && pip install -e \".[test]\" "
     "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
+    ". .venv-vllm/bin/activate": "the vLLM venv (scripts/vllm_cpu_venv.sh), which tests/test_vllm_lane.py builds and runs in",
+    "python -m rlhf.ppo algorithm=grpo engine.generation=vllm": "needs vLLM (its own venv): tests/vllm_lane/"
+    "test_vllm_rollout.py::test_grpo_on_vllm_samples_under_the_trainers_distribution runs it, via tests/test_vllm_lane.py",
+    "torchrun --nproc_per_node 2 -m rlhf.ppo algorithm=grpo engine=zero3 engine.generation=vllm": "needs vLLM (its own "
+    "venv): tests/vllm_lane/test_vllm_rollout.py::test_grpo_on_vllm_two_gloo_ranks_zero3 runs it, via tests/test_vllm_lane.py",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_async.py --actor outputs/sft --seeds 1234 1 2 --steps 12": "six torchrun PPO runs, a "
     "measurement (docs/engine.md); tests/test_split.py runs both modes, and the script's 2-step form is run",

@@ -11,6 +11,7 @@ import torch
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed, validate_engine_config
 from engine.generation import SamplingParams, hf_generate
 from engine.inference.sampling import filter_logits
+from engine.vllm_backend import available
 
 EOS, PAD = 2, 0
 
@@ -139,7 +140,7 @@ def test_unsupported_architecture_falls_back(caplog):
 
 def test_bad_generation_value_names_the_key():
     with pytest.raises(ValueError, match="engine.generation"):
-        validate_engine_config(EngineConfig(generation="vllm"), init_distributed())
+        validate_engine_config(EngineConfig(generation="sglang"), init_distributed())
 
 
 @pytest.mark.parametrize("lora,precision", [(False, "fp32"), (True, "fp32"), (True, "bf16")])
@@ -190,3 +191,24 @@ def test_the_layout_refreshed_in_place_equals_a_fresh_build_and_allocates_nothin
 
     again = InjectedGenerator(fresh).generate(ids, mask, GREEDY, eos_token_id=EOS, pad_token_id=PAD, return_logprobs=True)
     assert torch.equal(out.sequences, again.sequences) and torch.equal(out.logprobs, again.logprobs)
+
+
+@pytest.mark.skipif(available() is None,
+                    reason="vLLM is installed here: its refusals are tested in the vLLM lane (tests/vllm_lane)")
+@pytest.mark.parametrize("stage,args", [
+    ("sft", []), ("ppo", ["algorithm=grpo", "reward.sources=[judge]"]), ("evaluate", ["mode=policy"]),
+])
+def test_vllm_without_vllm_stops_before_any_weights_load(stage, args, tmp_path, tiny_stages):
+    """engine.generation=vllm where vLLM is not installed: one line saying how to install it, exit 2, before any
+    model loads (no model/ written, no summary.json)."""
+    from conftest import run_stage
+
+    model = {"sft": [], "ppo": [f"actor.model={tiny_stages / 'sft'}"],
+             "evaluate": [f"model.name_or_path={tiny_stages / 'sft'}"]}[stage]
+    out = tmp_path / stage
+    proc = run_stage(stage, f"output_dir={out}", "engine.generation=vllm", *model, *args, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "engine.generation=vllm" in line]
+    assert len(lines) == 1 and "needs vLLM, which is not installed here" in lines[0]
+    assert "scripts/vllm_cpu_venv.sh" in lines[0] and '.[vllm]' in lines[0]
+    assert not (out / "model").exists() and not (out / "summary.json").exists()

@@ -23,7 +23,7 @@ from transformers import (
 )
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from engine.inference import InferenceModel, ModelArgs, SamplingParams, filter_logits, sample, supports
+from engine.inference import InferenceModel, ModelArgs, SamplingParams, filter_logits, generate, sample, supports
 
 V, PAD, P, NEW = 97, 0, 9, 20
 PADS = [0, 3, 6, 1]  # left pads per row: a ragged batch of 4
@@ -179,7 +179,7 @@ def test_greedy_tokens_match_transformers_generate(factory):
     eos = never_emitted(hf, ids, mask)
     ref = hf_greedy(hf, ids, mask, eos=eos)
     assert ref.shape[1] == P + NEW
-    out = injected(hf).generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD,
+    out = generate(injected(hf), ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD,
                                 sampling=SamplingParams(greedy=True), return_logprobs=True)
     assert torch.equal(out.sequences, ref)
     assert out.response_mask.shape == (len(PADS), NEW) and bool(out.response_mask.all())
@@ -211,7 +211,7 @@ def test_rows_that_repeat_a_prompt_prefill_it_once(factory, monkeypatch):
         if not shared:
             monkeypatch.setattr(gen, "prompt_groups", lambda *a, **k: None)
         seen.clear()
-        runs[shared] = [model.generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=params,
+        runs[shared] = [generate(model, ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=params,
                                        return_logprobs=True, row_seeds=seeds)
                         for params, seeds in ((SamplingParams(greedy=True), None),
                                               (SamplingParams(temperature=1.0), torch.arange(8) * 11 + 3))]
@@ -236,7 +236,7 @@ def test_eos_stops_rows_independently(factory):
     candidates = [int(t) for t in free[:, 1:9].flatten().unique() if int(t) != V - 1]
     eos = next(t for t in candidates if any(first_step(r, t) is None for r in range(len(PADS))))
     ref = hf_greedy(hf, ids, mask, eos=eos)
-    out = injected(hf).generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD,
+    out = generate(injected(hf), ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD,
                                 sampling=SamplingParams(greedy=True))
     assert torch.equal(out.sequences, ref)
     for row in range(len(PADS)):
@@ -249,7 +249,7 @@ def test_eos_stops_rows_independently(factory):
     # every row stops early (several EOS ids): the loop ends at the last row's EOS, T' < max_new_tokens
     eos_ids = sorted({int(free[r, 2]) for r in range(len(PADS))})
     ref = hf_greedy(hf, ids, mask, eos=eos_ids)
-    out = injected(hf).generate(ids, mask, NEW, eos_token_id=eos_ids, pad_token_id=PAD,
+    out = generate(injected(hf), ids, mask, NEW, eos_token_id=eos_ids, pad_token_id=PAD,
                                 sampling=SamplingParams(greedy=True))
     assert torch.equal(out.sequences, ref)
     assert out.response_mask.shape[1] <= 3 and bool(out.response_mask[:, 0].all())
@@ -297,8 +297,8 @@ def test_cache_reuse_and_smaller_batch():
     assert model.setup_cache(8, 64) and not model.setup_cache(4, 40)
     ptr = model.cache.k.data_ptr()
     greedy = SamplingParams(greedy=True)
-    both = model.generate(ids, mask, 6, pad_token_id=PAD, sampling=greedy).sequences
-    one = model.generate(ids[2:3], mask[2:3], 6, pad_token_id=PAD, sampling=greedy).sequences
+    both = generate(model, ids, mask, 6, pad_token_id=PAD, sampling=greedy).sequences
+    one = generate(model, ids[2:3], mask[2:3], 6, pad_token_id=PAD, sampling=greedy).sequences
     assert torch.equal(one, both[2:3]) and model.cache.k.data_ptr() == ptr
     assert model.setup_cache(8, 65) and model.cache.k.shape[3] == 65
 
@@ -345,14 +345,14 @@ def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
     model = injected(hf)
     greedy = SamplingParams(greedy=True)
     for _ in range(2):
-        out = model.generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=greedy, check_every=8)
+        out = generate(model, ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=greedy, check_every=8)
         assert torch.equal(out.sequences, hf_greedy(hf, ids, mask, eos=eos))
     assert len(model.graphs) == 1
     graph = next(iter(model.graphs.values()))
     assert graph.graph.generators == [graph.generator]
 
     params = SamplingParams(temperature=0.8, top_k=30)
-    run = lambda seed: model.generate(ids, mask, 12, pad_token_id=PAD, sampling=params,  # noqa: E731
+    run = lambda seed: generate(model, ids, mask, 12, pad_token_id=PAD, sampling=params,  # noqa: E731
                                       generator=torch.Generator().manual_seed(seed)).sequences
     assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
     assert len(model.graphs) == 2
@@ -383,7 +383,7 @@ def test_a_failed_capture_decodes_eagerly_with_one_warning(monkeypatch, caplog):
     model = injected(hf)
     greedy = SamplingParams(greedy=True)
     with caplog.at_level("WARNING", logger="engine.inference.generate"):
-        outs = [model.generate(ids, mask, NEW, eos_token_id=V - 1, pad_token_id=PAD, sampling=greedy) for _ in range(2)]
+        outs = [generate(model, ids, mask, NEW, eos_token_id=V - 1, pad_token_id=PAD, sampling=greedy) for _ in range(2)]
     for out in outs:
         assert torch.equal(out.sequences, hf_greedy(hf, ids, mask, eos=V - 1))
     assert len(tries) == 1 and list(model.graphs.values()) == [None]
@@ -403,7 +403,7 @@ def test_greedy_graph_decoding_leaves_the_callers_rng_alone(monkeypatch):
     model = injected(hf)
     torch.manual_seed(3)
     before = torch.get_rng_state()
-    model.generate(ids, mask, NEW, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
+    generate(model, ids, mask, NEW, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
     assert len(model.graphs) == 1 and torch.equal(torch.get_rng_state(), before)
 
 
@@ -485,7 +485,7 @@ def test_generate_sampling_is_seeded_and_masks_logprobs():
     ids, mask = ragged_batch()
     model = injected(hf)
     params = SamplingParams(temperature=0.8, top_p=0.9)
-    run = lambda seed: model.generate(ids, mask, 12, eos_token_id=[5, 6, 7], pad_token_id=PAD,  # noqa: E731
+    run = lambda seed: generate(model, ids, mask, 12, eos_token_id=[5, 6, 7], pad_token_id=PAD,  # noqa: E731
                                       sampling=params, generator=torch.Generator().manual_seed(seed),
                                       return_logprobs=True)
     a, b, c = run(0), run(0), run(1)
@@ -521,7 +521,7 @@ def test_decoder_computes_through_the_kernels_ops(monkeypatch, factory, norm):
     hf = hf_model(factory)
     ids, mask = ragged_batch()
     eos = never_emitted(hf, ids, mask)
-    out = injected(hf).generate(ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
+    out = generate(injected(hf), ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
     assert torch.equal(out.sequences, hf_greedy(hf, ids, mask, eos))
     layers, steps = hf.config.num_hidden_layers, NEW  # forwards: one prefill + NEW - 1 decode steps
     assert len(calls["sample"]) == steps
@@ -564,20 +564,20 @@ def test_cuda_graph_decode_matches_eager(factory):
     greedy = SamplingParams(greedy=True)
     graphed, eager = injected(hf), injected(hf, use_cuda_graphs=False)
     kw = dict(eos_token_id=never_emitted(hf, ids, mask), pad_token_id=PAD)
-    out_g = graphed.generate(ids, mask, NEW, sampling=greedy, **kw)
+    out_g = generate(graphed, ids, mask, NEW, sampling=greedy, **kw)
     assert len(graphed.graphs) == 1 and not eager.graphs
-    assert torch.equal(out_g.sequences, eager.generate(ids, mask, NEW, sampling=greedy, **kw).sequences)
+    assert torch.equal(out_g.sequences, generate(eager, ids, mask, NEW, sampling=greedy, **kw).sequences)
     assert torch.equal(out_g.sequences, hf_greedy(hf, ids, mask, kw["eos_token_id"]))
     # refresh: the captured graph reads the new weights (same storage)
     hf2 = hf_model(factory, seed=1).cuda()
     graphed.load_weights(hf2.state_dict().items())
     eager.load_weights(hf2.state_dict().items())
-    out_g = graphed.generate(ids, mask, NEW, sampling=greedy, **kw)
+    out_g = generate(graphed, ids, mask, NEW, sampling=greedy, **kw)
     assert len(graphed.graphs) == 1
-    assert torch.equal(out_g.sequences, eager.generate(ids, mask, NEW, sampling=greedy, **kw).sequences)
+    assert torch.equal(out_g.sequences, generate(eager, ids, mask, NEW, sampling=greedy, **kw).sequences)
     # sampling in the graph: seeded, reproducible, EOS handling intact
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
-    run = lambda s: graphed.generate(ids, mask, NEW, sampling=params,  # noqa: E731
+    run = lambda s: generate(graphed, ids, mask, NEW, sampling=params,  # noqa: E731
                                      generator=torch.Generator("cuda").manual_seed(s), **kw)
     assert torch.equal(run(3).sequences, run(3).sequences)
 
@@ -597,7 +597,7 @@ def test_bf16_logits_and_greedy_agreement(factory):
     assert rel_err(logits.float(), ref.float(), mask.bool()) < 1e-2
     # greedy: our tokens vs transformers' argmax teacher-forced on our sequences (immune to a single
     # near-tie flipping a whole continuation)
-    out = model.generate(ids, mask, NEW, eos_token_id=None, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
+    out = generate(model, ids, mask, NEW, eos_token_id=None, pad_token_id=PAD, sampling=SamplingParams(greedy=True))
     hf_next = hf_logits(hf, out.sequences, out.attention_mask)[:, P - 1 : -1].argmax(-1)
     agree = (hf_next == out.sequences[:, P:]).float().mean().item()
     assert agree >= 0.99

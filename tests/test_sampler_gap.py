@@ -186,6 +186,45 @@ def test_top_k_gap_is_the_truncation():
     assert (d <= 1e-5).all() and d.min() < -1e-2  # the trainer's log-prob is never above the sampler's
 
 
+@pytest.mark.parametrize("path", ["hf", "injected"])
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.8), (5, 0.9)])
+def test_trainer_logprobs_under_the_sampler_truncation_close_the_gap(path, top_k, top_p):
+    """ppo.trainer_logprobs=sampler: the scoring pass takes its log-probs under the sampler's top-k / top-p
+    truncation, renormalised, so its ratio compares the distribution the tokens were drawn from: the gap that
+    truncation made (`test_top_k_gap_is_the_truncation`) falls to fp32 rounding; the update's loss uses the same."""
+    from rlhf.config.validate import trainer_truncation
+    from rlhf.rl.update import make_actor_loss
+
+    model = tiny_lm()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    engine = TrainEngine(model, EngineConfig(stage=0, generation=path), OptimConfig(lr=1e-3), total_steps=1,
+                         info=init_distributed())
+    torch.manual_seed(5)
+    r = generate(engine, prompts(), torch.arange(4), SamplingParams(max_new_tokens=8, temperature=0.9, top_k=top_k,
+                                                                    top_p=top_p), EOS, PAD)
+    kw = dict(actor=Policy(engine.unwrapped), reference=Policy(engine.unwrapped), critic=None, micro_batch_size=4,
+              temperature=0.9)
+    full = score_rollout(r.sequences, r.attention_mask, r.prompt_len, **kw)
+    trunc = score_rollout(r.sequences, r.attention_mask, r.prompt_len, **kw, truncate=(top_k, top_p))
+    m = r.response_mask.bool()
+    assert (full["logp_old"] - r.logp_gen)[m].min() < -1e-3  # truncation made a gap
+    assert (trunc["logp_old"] - r.logp_gen)[m].abs().max() < 1e-4  # taken under it, none is left
+    # the loss's new log-probs are the same function: at the old policy the ratio is 1 on every token
+    mb = {"sequences": r.sequences, "attention_mask": r.attention_mask, "position_ids": trunc["position_ids"],
+          "prompt_len": r.prompt_len, "response_mask": r.response_mask, "advantages": torch.ones_like(r.logp_gen),
+          "logp_old": trunc["logp_old"], "logp_ref": trunc["logp_ref"]}
+    loss = make_actor_loss(0.2, 0.9, 0.0, truncate=(top_k, top_p))
+    _, _, stats = loss(Policy(engine.unwrapped), mb)
+    assert stats["approx_kl"] < 1e-9 and abs(stats["ratio_mean"] - 1) < 1e-5 and stats["clipfrac"] == 0
+    full_loss = make_actor_loss(0.2, 0.9, 0.0)  # the untruncated new log-probs against the truncated old: ratio < 1
+    assert full_loss(Policy(engine.unwrapped), mb)[2]["ratio_mean"] < 1 - 1e-4
+    # the key: off by default, on only for a truncating sampler
+    assert trainer_truncation(C.to_config(C.compose("ppo", []), C.PPOConfig)) is None
+    cfg = C.to_config(C.compose("ppo", ["ppo.trainer_logprobs=sampler", "rollout.top_k=4"]), C.PPOConfig)
+    assert trainer_truncation(cfg) == (4, 1.0)
+
+
 def test_gen_alarm_hand_values_and_missing_figures():
     a = sampler_trainer_gap([0.001, 0.02], [0.01, 0.1], [0.05, 0.9], threshold=0.01)
     assert a.fired and a.figures == {"kl": 0.02, "gap": 0.1, "gap_max": 0.9}

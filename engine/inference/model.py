@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from .args import ModelArgs, rope_inv_freq
-from .generate import generate
 from .ops import activation, apply_rotary, attention, layer_norm, rms_norm, rotary_cos_sin, swiglu
 
 PEFT_PREFIX = "base_model.model."  # what a peft wrapper puts before the HF names
@@ -406,12 +405,6 @@ class InferenceModel:
         # post-LN (opt-350m): ln(x + f(x)); nothing left pending
         x = ln1(self._attention(i, lw, x, input_pos, mask, T), x)[0]
         return ln2(mlp(x), x)[0], None
-
-    # ------------------------------------------------------------ generation
-
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int, **kwargs):
-        """See `engine.inference.generate.generate`."""
-        return generate(self, prompt_ids, prompt_mask, max_new_tokens, **kwargs)
 
 
 def _add_norm(norm, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -370,6 +370,11 @@ class PPOAlgoConfig:
     # measured on the first step and every old_logprobs_check_every steps, and a gap over
     # old_logprobs_max_gap falls back to recompute for the rest of the run) | auto (recompute on the first 2
     # steps and every old_logprobs_check_every; the sampler's reused while the last check stayed under)
+    # The distribution the trainer's log-probs are taken under (old, new and reference alike): full (softmax
+    # of logits / temperature over the whole vocabulary) | sampler (with rollout.top_k / rollout.top_p
+    # truncating it as the sampler did, renormalised: the ratio and the sampler gap compare the distribution
+    # the tokens were drawn from; the same as full while top_k=0 and top_p=1). Not with engine.kernels.
+    trainer_logprobs: str = "full"  # full | sampler: the trainer's log-probs over the whole vocabulary, or truncated by rollout.top_k/top_p as sampled
     old_logprobs: str = "auto"  # recompute | sampler | auto: the update's old log-probs (sampler: no actor scoring forward)
     old_logprobs_max_gap: float = 1e-3  # sampler/auto: the largest gen_logprob_gap (mean |trainer - sampler| per token) reused
     old_logprobs_check_every: int = 10  # sampler/auto: recompute (and measure the gap) every this many steps

@@ -351,6 +351,15 @@ def rollout_rows(r: RolloutConfig) -> int:
     return r.prompts_per_step * r.n_samples_per_prompt
 
 
+def trainer_truncation(cfg: PPOConfig) -> tuple[int, float] | None:
+    """ppo.trainer_logprobs=sampler with a truncating sampler: (rollout.top_k, rollout.top_p), the truncation the
+    trainer's log-probs are taken under; None (the full distribution) otherwise."""
+    r = cfg.rollout
+    if cfg.ppo.trainer_logprobs != "sampler" or (r.top_k == 0 and r.top_p >= 1.0):
+        return None
+    return r.top_k, r.top_p
+
+
 def score_batch_size(r: RolloutConfig, world_size: int) -> int:
     """Rows per no-grad scoring forward on one rank: rollout.score_batch_size, null = 2 x the training
     micro-batch (no activations are kept for a backward), at most the step's rows per rank."""
@@ -428,6 +437,10 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     # summed KL (RLOO's KL in the reward; rlhf/rl/experience.py); kl_coef=0 leaves the score as it is.
     policy_loss_fn(p.policy_loss)  # ConfigError naming ppo.policy_loss and the registered losses
     _need(p.is_correction in IS_CORRECTIONS, f"ppo.is_correction must be one of {IS_CORRECTIONS}, got {p.is_correction!r}")
+    _need(p.trainer_logprobs in ("full", "sampler"), f"ppo.trainer_logprobs must be full or sampler, got "
+          f"{p.trainer_logprobs!r}")
+    _need(p.trainer_logprobs == "full" or not cfg.engine.kernels, "ppo.trainer_logprobs=sampler truncates the "
+          "logits by top-k / top-p, which the fused log-prob kernel (engine.kernels=true) does not: set one of them off")
     _need(p.is_level in IS_LEVELS, f"ppo.is_level must be one of {IS_LEVELS}, got {p.is_level!r}")
     _need(math.isfinite(p.is_cap) and p.is_cap > 0, f"ppo.is_cap must be a finite number > 0 (the TIS cap), got {p.is_cap}")
     _need(0 <= p.is_low < 1 < p.is_high and math.isfinite(p.is_high),
@@ -538,8 +551,9 @@ def validate_split(cfg: PPOConfig) -> None:
     if e.placement != "split":
         return
     _need(e.generation in ("auto", "hf"), f"engine.placement=split: the generation ranks run transformers generate "
-          f"on their copy of the model (the injected layout is not streamed yet): engine.generation={e.generation} "
-          "is not supported, use auto or hf")
+          f"on their copy of the model (the injected layout is not streamed yet; an in-process vLLM engine creates "
+          f"its process groups over the whole job, which the training ranks do not join): "
+          f"engine.generation={e.generation} is not supported, use auto or hf")
     _need(p.objective == "rl", f"engine.placement=split runs ppo.objective=rl (PPO, GRPO, RLOO, REINFORCE++), "
           f"not {p.objective}")
     if r.mode == "async" and r.max_staleness > 0:

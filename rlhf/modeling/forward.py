@@ -73,20 +73,23 @@ def _shared(batch: dict) -> dict:
     return {"prompt_len": batch["prompt_len"]} if batch.get("shared_prompts") else {}
 
 
-def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False):
+def token_logprobs(policy: torch.nn.Module, batch: dict, temperature: float, with_entropy: bool = False,
+                   truncate: tuple[int, float] | None = None):
     """log p(response token) under a `Policy` role (logits / temperature): [B, T] (and entropy [B, T]).
-    With batch["pack_length"] (data.packing) the forward runs on the packed real tokens (`Repacked`)."""
+    With batch["pack_length"] (data.packing) the forward runs on the packed real tokens (`Repacked`).
+    `truncate` (top_k, top_p): the sampler's truncation applied to the scaled logits, renormalised."""
+    trunc = {} if truncate is None else {"truncate": truncate}
     seqs, P = batch["sequences"], batch["prompt_len"]
     if batch.get("pack_length") is not None:
         rp = Repacked(seqs, batch["attention_mask"], batch["pack_length"])
         logp, entropy = policy(rp.input_ids, None, rp.position_ids, targets=rp.next_targets(),
-                               temperature=temperature, with_entropy=with_entropy)
+                               temperature=temperature, with_entropy=with_entropy, **trunc)
         T = seqs.shape[1] - P
         logp = rp.unpack(logp)[:, P - 1 : P - 1 + T]  # position P-1+t predicts response token t
         entropy = None if entropy is None else rp.unpack(entropy)[:, P - 1 : P - 1 + T]
     else:
         logp, entropy = policy(seqs, batch["attention_mask"], batch["position_ids"], targets=seqs[:, P:], start=P - 1,
-                               temperature=temperature, with_entropy=with_entropy, **_shared(batch))
+                               temperature=temperature, with_entropy=with_entropy, **_shared(batch), **trunc)
     return (logp, entropy) if with_entropy else logp
 
 

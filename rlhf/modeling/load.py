@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine import TORCH_DTYPES, hf_base_model
+from engine.vllm_backend import refusal as vllm_refusal
 from rlhf.config import ModelConfig
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local, ensure_hub, looks_local
@@ -347,6 +348,36 @@ def _build(cfg: ModelConfig, tok: Any, auto_cls: Any, extra: dict[str, Any], key
         logger.info("loaded the LoRA adapter %s onto its base and merged it", adapter)
     check_tokenizer_fits(model, tok, key)
     return model
+
+
+def hf_config(cfg: ModelConfig, tok: Any, key: str = "model") -> Any:
+    """The HF config of the model `cfg` loads or builds, read without its weights (a LoRA adapter's: its base's)."""
+    from transformers import AutoConfig
+
+    if cfg.name_or_path is None or (cfg.fallback_to_config and not os.path.exists(cfg.name_or_path)):
+        kw = from_config_kwargs(cfg, tok)
+        model_type = kw.pop("model_type")
+        try:
+            return AutoConfig.for_model(model_type, **kw)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"{key}.config: unknown or invalid model_type {model_type!r} ({e})") from None
+    _check_exists(cfg.name_or_path, f"{key}.name_or_path")
+    path = resolve_model_path(cfg.name_or_path) if os.path.isdir(cfg.name_or_path) else cfg.name_or_path
+    source, _ = adapter_chain(path)
+    ensure_hub(source, f"{key}.name_or_path")
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{key}.name_or_path={source!r}: cannot read its config ({type(e).__name__}: {e})") from None
+
+
+def check_generation_backend(generation: str, cfg: ModelConfig, tok: Any, key: str, device_type: str) -> None:
+    """engine.generation=vllm: vLLM installed and able to run the policy on this device, checked before any
+    weights load (one line naming what to install, or what of the model it cannot run)."""
+    if generation != "vllm":
+        return
+    if (why := vllm_refusal(generation, hf_config(cfg, tok, key), device_type)) is not None:
+        raise ConfigError(why)
 
 
 def load_causal_lm(cfg: ModelConfig, tok: Any, *, seed: int, key: str = "model", lora: bool = True) -> nn.Module:

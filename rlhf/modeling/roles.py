@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from engine import ModuleView, hf_base_model
 from engine.generation import CACHE_KWARG, prompt_groups
+from engine.inference.sampling import filter_logits
 from kernels import fused_logprobs_entropy
 from rlhf.algos.rl import entropy_from_logits
 from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES, block_causal_mask
@@ -96,13 +97,16 @@ class Policy(ModuleView):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
                 *, targets: torch.Tensor, start: int = 0, temperature: float = 1.0, with_entropy: bool = False,
-                reduction: str = "none", prompt_len: int | None = None):
+                reduction: str = "none", prompt_len: int | None = None, truncate: tuple[int, float] | None = None):
         T = targets.shape[1]
         attention_mask = _mask(self, attention_mask, position_ids)
         if prompt_len is not None and (attention_mask is None or start < prompt_len - 1):
             raise ValueError("a shared prompt forward needs a padded batch (an attention mask) and targets that "
                              f"start at or after the prompt's last position (start={start}, prompt_len={prompt_len})")
         if self.fused:
+            if truncate is not None:
+                raise ValueError("top-k / top-p truncated log-probs (ppo.trainer_logprobs=sampler) need the unfused "
+                                 "forward (engine.kernels=false)")
             return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
                                reduction, prompt_len)
         logits = None if prompt_len is None else shared_prompt_forward(
@@ -115,6 +119,8 @@ class Policy(ModuleView):
             return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum")
         logits = logits / temperature
+        if truncate is not None:  # the sampler's top-k / top-p (engine.inference.sampling's convention), renormalised
+            logits = filter_logits(logits, *truncate)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])
         # NOTE: `.squeeze` would return a view, which FSDP2 warns about (see `_fused`): one [B, T] copy
         return logp[..., 0].clone(), entropy_from_logits(logits.detach()) if with_entropy else None

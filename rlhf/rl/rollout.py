@@ -152,7 +152,7 @@ def drop_uniform_groups(rollout: Rollout, score: torch.Tensor) -> int:
 def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
                   actor: torch.nn.Module | None, reference: torch.nn.Module, critic: torch.nn.Module | None,
                   micro_batch_size: int, temperature: float, pack_length: int | None = None,
-                  shared_prompts: bool = False) -> dict[str, torch.Tensor]:
+                  shared_prompts: bool = False, truncate: tuple[int, float] | None = None) -> dict[str, torch.Tensor]:
     """Old log-probs (without an actor: none, the caller has the sampler's), reference log-probs and values
     (without a critic: none), in batches of `micro_batch_size` rows (rollout.score_batch_size), and the
     position ids they used; the scores come from a reward source (rlhf/rl/rewards.py).
@@ -160,6 +160,7 @@ def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_
     Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
     `pack_length` (not None): each forward runs on the micro-batch's real tokens packed (`Repacked`).
     `shared_prompts` (rollout.shared_prompt_forward): a prompt several rows of a forward share runs once.
+    `truncate` (ppo.trainer_logprobs=sampler): (top_k, top_p) applied to the logits as the sampler did.
     """
     base = {"sequences": sequences, "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len, "pack_length": pack_length,
@@ -168,8 +169,8 @@ def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_
     for s in range(0, sequences.shape[0], micro_batch_size):
         mb = {k: (v[s : s + micro_batch_size] if torch.is_tensor(v) else v) for k, v in base.items()}
         if actor is not None:
-            parts["logp_old"].append(token_logprobs(actor, mb, temperature))
-        parts["logp_ref"].append(token_logprobs(reference, mb, temperature))
+            parts["logp_old"].append(token_logprobs(actor, mb, temperature, truncate=truncate))
+        parts["logp_ref"].append(token_logprobs(reference, mb, temperature, truncate=truncate))
         if critic is not None:
             parts["values"].append(token_values(critic, mb))
     out = {k: torch.cat(v) for k, v in parts.items() if v}

@@ -11,7 +11,7 @@ import torch
 
 from rlhf.algos import rl as rl_math
 from rlhf.config import PPOConfig
-from rlhf.config.validate import rollout_rows
+from rlhf.config.validate import rollout_rows, trainer_truncation
 from rlhf.data import collate_sft
 from rlhf.data.stage import StepOrder
 from rlhf.modeling.forward import sft_loss, token_logprobs, token_values
@@ -23,7 +23,7 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
                     cliprange_high: float | None = None, loss_agg: str = "token_mean", horizon: float | None = None,
                     kl_loss_coef: float | Callable[[], float] = 0.0, kl_loss_estimator: str = "k3", policy_loss: str = "clip",
                     is_correction: str = "none", is_cap: float = 2.0, is_low: float = 0.5, is_high: float = 2.0,
-                    is_level: str = "token"):
+                    is_level: str = "token", truncate: tuple[int, float] | None = None):
     """The actor's loss: the registered `policy_loss` (rl_math.POLICY_LOSSES: clip, the clipped
     surrogate, ratio clipped to [1 - low, 1 + high], low/high defaulting to cliprange; gspo; cispo),
     aggregated by `loss_agg` (rl_math.aggregate_loss: sum over its weight units, so micro-batches and
@@ -31,7 +31,8 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
     kl_loss_coef x KL to the reference (aggregated alike; a callable: its value at each call, what
     ppo.adaptive_kl moves when the KL is in the loss), + ptx_coef x the SFT loss (weighted like
     the rest). `is_correction` tis|mis: the policy loss's per-token terms are weighted by
-    rl_math.is_weights(logp_old vs the sampler's logp_gen), detached (rl_math.is_weighted_advantages)."""
+    rl_math.is_weights(logp_old vs the sampler's logp_gen), detached (rl_math.is_weighted_advantages).
+    `truncate` (ppo.trainer_logprobs=sampler): (top_k, top_p) the new log-probs are taken under, as the old."""
     low = cliprange if cliprange_low is None else cliprange_low
     pl = rl_math.policy_loss_fn(policy_loss)
     given = {"cliprange_low": low, "cliprange_high": cliprange_high, "loss_agg": loss_agg, "horizon": horizon}
@@ -39,7 +40,7 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
     weight_agg = "seq_mean_token_mean" if pl.per_sequence else loss_agg
 
     def actor_loss(model: torch.nn.Module, mb: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True)
+        logp, entropy = token_logprobs(model, mb, temperature, with_entropy=True, truncate=truncate)
         mask = mb["response_mask"]
         advantages = mb["advantages"]
         if is_correction != "none":
@@ -89,7 +90,7 @@ def actor_loss(cfg: PPOConfig, kl_loss_coef: Callable[[], float] | None = None):
                            kl_loss_coef=p.kl_loss_coef if kl_loss_coef is None else kl_loss_coef,
                            kl_loss_estimator=p.kl_loss_estimator,
                            policy_loss=p.policy_loss, is_correction=p.is_correction, is_cap=p.is_cap,
-                           is_low=p.is_low, is_high=p.is_high, is_level=p.is_level)
+                           is_low=p.is_low, is_high=p.is_high, is_level=p.is_level, truncate=trainer_truncation(cfg))
 
 
 def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_batches, run) -> tuple[list, list]:
