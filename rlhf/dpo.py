@@ -237,6 +237,11 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     prompts, gold = gold_set(d, tok, cfg.eval)
     if kto:
         counts = {k: data.stats[k] for k in ("desirable", "undesirable")}
+        if not all(counts.values()):  # its figures compare the two kinds; one kind alone has no margin to learn
+            missing = "undesirable (label false)" if counts["desirable"] else "desirable (label true)"
+            raise ConfigError(f"dpo.loss_type=kto needs rows of both kinds: the training rows of data.path={d.path} "
+                              f"have {counts['desirable']} desirable and {counts['undesirable']} undesirable; add "
+                              f"{missing} rows (or pairs, which give one of each)")
         if advice := kto_weight_advice(counts["desirable"], counts["undesirable"], p.desirable_weight,
                                        p.undesirable_weight):
             logger.warning(advice)

@@ -41,8 +41,10 @@ from rlhf.data.stage import held_out_line, held_out_source, stage_rows
 from rlhf.evaluation.gold import EvalPrompt, gold_applies, gold_eval, judged, load_eval_prompts
 from rlhf.evaluation.pairs import held_out_summary, pair_metrics, score_pairs
 from rlhf.evaluation.perplexity import perplexity
-from rlhf.modeling.load import (check_generation_backend, load_causal_lm, load_tokenizer, load_value_model,
-                                resolve_model_path, value_model_reason)
+from rlhf.modeling.load import (
+    check_generation_backend, check_reward_model, load_causal_lm, load_tokenizer, load_value_model, resolve_model_path,
+    value_model_reason,
+)
 from rlhf.modeling.roles import Policy, ValueModel
 from rlhf.run.app import save_config, seed_everything, setup_logging, stage_main
 from rlhf.run.runlog import RunLog, format_summary, write_summary
@@ -180,6 +182,8 @@ def run(cfg: EvaluateConfig) -> dict[str, Any]:
     out_dir = cfg.output_dir
     mode = detect_mode(cfg.model) if cfg.mode == "auto" else cfg.mode
     logger.info("mode=%s%s", mode, " (detected from the model's config)" if cfg.mode == "auto" else "")
+    if mode == "reward":  # mode=reward on a policy would report a random head's figures
+        check_reward_model(cfg.model.name_or_path, "model.name_or_path (mode=reward)")
     tok = load_tokenizer(cfg.model)
     figures, samples = (evaluate_policy if mode == "policy" else evaluate_reward)(cfg, tok, info)
     summary: dict[str, Any] = {}

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from engine import set_deterministic
+from engine.checkpoint import rng_state, set_rng_state
 from engine.distributed import DistInfo, Placement, all_gather_object, all_reduce_sum, init_distributed, split_world
 from engine.generation import SamplingParams
 from engine.inference import stream_seed
@@ -54,15 +55,15 @@ from rlhf.core.hub import check_local
 from rlhf.data import collate_prompts, load_rows, parse_prompts, parse_sft, tokenize_prompts, tokenize_sft
 from rlhf.data.stage import StepOrder, held_out_source, stage_rows
 from rlhf.evaluation.gold import Judge, eval_line, eval_prompts_of, gold_applies, gold_eval, gold_summary
-from rlhf.modeling.load import (check_causal_lm, check_generation_backend, disable_dropout, load_causal_lm,
-                                load_tokenizer)
+from rlhf.modeling.load import (
+    check_causal_lm, check_generation_backend, check_reward_model, disable_dropout, load_causal_lm, load_tokenizer,
+)
 from rlhf.rl import alarms, distill, multiturn, online_dpo, rewards, split
 from rlhf.rl.environments import load_environment, make_runner
 from rlhf.rl.experience import build_experience
 from rlhf.rl.metrics import step_metrics
 from rlhf.rl.models import Models, model_cfg
 from rlhf.rl.old_logprobs import OldLogprobs
-from rlhf.rl.remote import RewardServerDown
 from rlhf.rl.rollout import Rollout, drop_uniform_groups, generate, mask_nonfinite, nonfinite_rows, rollout_seeds
 from rlhf.rl.update import actor_loss, make_critic_loss, ptx_batches, update
 from rlhf.run.app import seed_everything, setup_logging, stage_main
@@ -117,6 +118,7 @@ def evaluate(models: Models, prompts: list, tok: Any, cfg: PPOConfig, group_offs
     # every row scored, the empty ones too (the training step drops those from its update)
     scored = models.score(Rollout.from_generation(g, group, tok.eos_token_id, cfg.rollout.max_new_tokens,
                                                   drop_empty=False))
+    rewards.check_step(models.reward_source, scored["score"], "the held-out evaluation")  # no reward: stop
     kept = (~nonfinite_rows(scored, g.response_mask)[0]).double()  # a NaN/inf row is left out (counted)
     # the same estimator as the reward penalty (ppo.kl_estimator), so the reported KL names one thing
     kl = rl_math.masked_sum(rl_math.kl_estimate(scored["logp_old"], scored["logp_ref"], cfg.ppo.kl_estimator),
@@ -226,6 +228,12 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             check_local(path, f"reward.ensemble_models[{i}]")
     for key, path in (("actor", cfg.actor.model), ("reference", cfg.reference.model)):
         check_causal_lm(path, key)  # a reward model as the policy: refused before the data and any weights
+    if needs_rm:  # and a policy as a reward model (the critic may start from one: it learns its head)
+        check_reward_model(cfg.reward_model.model or cfg.critic.model,
+                           "reward_model.model" if cfg.reward_model.model else "critic.model (the reward model's "
+                                                                               "default, reward_model.model=null)")
+        for i, path in enumerate(cfg.reward.ensemble_models):
+            check_reward_model(path, f"reward.ensemble_models[{i}]")
 
     # ---- data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
@@ -274,6 +282,9 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rewards.check_rows(cfg.reward.sources, eval_table, f"the held-out prompts ({eval_source})")
         if "function" in cfg.reward.sources:  # called on the first prompt rows: one that scores nothing stops here
             rewards.check_function(cfg.reward, tok, table, f"data.path={d.path!r}")
+        if "http" in cfg.reward.sources:  # GET /health: a server that is not there stops the run before any weights
+            health = rewards.check_http(cfg.reward)
+            logger.info("reward server %s: %s", cfg.reward.url, health.get("source"))
         source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
         logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
 
@@ -350,6 +361,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
     width = max(len(f["input_ids"]) for f in feats) if cfg.engine.deterministic else None
     for step in run.steps():
         t0 = time.time()
+        rng = rng_state()  # a step that gets no reward is checkpointed as it began
         # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
         idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
         seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
@@ -368,9 +380,15 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         from_sampler = not old_logprobs.recompute(step)
         try:
             scored = models.score(rollout, old_from_sampler=from_sampler)
-        except RewardServerDown:  # reward.down_timeout_s passed: the state after `step` steps kept, this step
-            if step > run.start or run.resume_path is None:  # redone on resume (unless resumed from that very one)
-                logger.error("the reward server is down: checkpoint %s written before stopping", run.save(step))
+            rewards.check_step(models.reward_source, scored["score"], f"step {step + 1}")
+            if episodes is not None:  # faulted episodes over the fraction (or all): stopped before the step trains
+                env_rec = multiturn.step_env_metrics(episodes, info.device)
+                multiturn.check_failures(env_rec, episodes, env[1])
+        except (*rewards.STOPS, multiturn.EpisodesFailed):  # the state after `step` steps kept, this step redone
+            set_rng_state(rng)  # as it was when the step began, so that the resumed step samples the same
+            if step > run.start or run.resume_path is None:  # (unless resumed from that very checkpoint)
+                logger.error("step %d cannot train (no reward, or its episodes faulted): checkpoint %s written "
+                             "before stopping", step + 1, run.save(step))
             raise
         reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
         if episodes is not None:  # the environment's reward parts, summed per episode, on top of reward.sources
@@ -407,8 +425,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
         rec.update(rewards.http_stats(models.reward_source))  # this rank's http requests, p50/p99 latency
         if episodes is not None:  # turns, tool calls, observation tokens, env seconds, faults (summed over ranks)
-            rec.update(multiturn.step_env_metrics(episodes, info.device))
-            multiturn.check_failures(rec, episodes, env[1])
+            rec.update(env_rec)
         if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble: its members' std
             ok = torch.isfinite(std).double()
             d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ ok, ok.sum()]))

@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 import torch
-import uvicorn
 
 from engine import FrozenEngine, hf_base_model, init_distributed, set_deterministic
 from rlhf.config import ServeConfig
@@ -33,13 +32,25 @@ from rlhf.config.validate import engine_config, validate_serve
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.core.plugins import load_function
-from rlhf.modeling.load import disable_dropout, load_tokenizer, load_value_model
+from rlhf.modeling.load import check_reward_model, disable_dropout, load_tokenizer, load_value_model
 from rlhf.modeling.roles import ValueModel
 from rlhf.rl.remote import API_KEY_ENV
 from rlhf.rl.rewards import FunctionReward, judge_reward, tokenizer_fingerprint
-from rlhf.rl.service import Limits, ModelScorer, TextScorer, make_app
 from rlhf.run.app import save_config, seed_everything, setup_logging, stage_main
 from rlhf.run.runlog import format_summary, write_summary
+
+# The serve extra (pip install -e ".[serve]"): without it the command stops with one line naming it (`run`),
+# as a logger's missing package does, rather than an ImportError's traceback.
+SERVE_EXTRA = ("fastapi", "uvicorn", "starlette")
+try:
+    import uvicorn
+
+    from rlhf.rl.service import Limits, ModelScorer, TextScorer, make_app
+    MISSING: str | None = None
+except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] not in SERVE_EXTRA:
+        raise
+    MISSING = e.name.split(".")[0]
 
 logger = logging.getLogger("rlhf.serve")
 
@@ -53,6 +64,7 @@ def build_scorer(cfg: ServeConfig, source: str, info) -> tuple[Any, dict[str, An
         return (TextScorer(cfg.reward.function, batched=lambda rows, responses: fr.call(rows, responses, [[]] * len(rows))),
                 {"source": f"function {cfg.reward.function} ({fr.convention})", "tokenizer": None})
     check_local(cfg.reward.model, "reward.model")
+    check_reward_model(cfg.reward.model, "reward.model")  # a policy would serve a random head's scores
     mcfg = dataclasses.replace(cfg.model, name_or_path=cfg.reward.model)
     tok = load_tokenizer(mcfg, key="reward")
     model = ValueModel(disable_dropout(load_value_model(mcfg, tok, seed=cfg.seed, key="reward", lora=False)))
@@ -66,6 +78,9 @@ def build_scorer(cfg: ServeConfig, source: str, info) -> tuple[Any, dict[str, An
 
 
 def run(cfg: ServeConfig) -> dict[str, Any]:
+    if MISSING:
+        raise ConfigError(f"python -m rlhf.serve needs the {MISSING} package (the serve extra), which is not "
+                          f"installed: pip install -e \".[serve]\" (or pip install fastapi uvicorn)")
     set_deterministic(cfg.engine.deterministic)
     info = init_distributed(timeout_s=cfg.engine.timeout_s)
     setup_logging(info.is_main)

@@ -31,6 +31,8 @@
 #   FORCE=1 bash scripts/run_all.sh                          # re-run every stage from scratch
 #   DRY_RUN=1 bash scripts/run_all.sh                         # say what each stage would do (skip, resume, run)
 #                                                             # and print its full command, running nothing
+#                                                             # (every stage's config is checked first, dry or
+#                                                             # not: python -m rlhf.check; a bad key stops it)
 #   SEEDS="1234 1 2" bash scripts/run_all.sh                  # a seed sweep: the pipeline once per seed
 #                                                             # (all:seed=<s>) under $OUTPUT_DIR/seed_<s>/,
 #                                                             # then $OUTPUT_DIR/sweep.md: per seed SFT gold,
@@ -58,6 +60,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="${OUTPUT_DIR:-outputs}"
 LAUNCH="${LAUNCH:-python}"
+PIPELINE_GIVEN="${PIPELINE:-}"  # TASK=tools runs a pipeline of its own: a PIPELINE beside it is refused, not dropped
 PIPELINE="${PIPELINE:-ppo}"
 case "$PIPELINE" in
   ppo|dpo|tools) ;;
@@ -81,6 +84,10 @@ case "${TASK:-default}" in
       SFT+=(train.epochs=8 model.config.num_attention_heads=12 model.config.num_key_value_heads=12)
     fi ;;
   tools)  # SFT -> RL with the calculator tool; no reward model (the judge scores the final answer)
+    if [ -n "$PIPELINE_GIVEN" ] && [ "$PIPELINE_GIVEN" != tools ]; then
+      echo "run_all.sh: TASK=tools runs its own pipeline (SFT -> GRPO with the calculator tool, no reward model):" \
+           "PIPELINE=$PIPELINE_GIVEN does not apply to it; drop PIPELINE, or drop TASK=tools" >&2; exit 2
+    fi
     PIPELINE=tools
     TOOL_DATA=(data.eval_prompts_path=data/tools/eval_tools.jsonl)
     # data.max_len=112: a tool demonstration is ~93 tokens (the default 64 would cut its answer turn off);
@@ -237,6 +244,56 @@ stage() {  # stage <module> <title> <overrides...>: skip, resume or run it, and 
   esac
 }
 
+member_overrides() {  # member_overrides <k> [quiet]: MEMBER_OVR = reward model k's overrides (its stage's, after reward:'s)
+  # Member k: seed + 1000 x (k - 1), on pairs of its own: on the embedded default the shipped independent samples
+  # data/default/pairs_train_<k>.jsonl (k = 2, 3; scripts/make_default_data.py), with your data what
+  # reward_<k>:data.path=... names. Members trained on the same pairs share their blind spots (docs/algorithms.md,
+  # "The over-optimisation case").
+  local k="$1" base=1234 own_data="" member_data="" a
+  local MEMBER=() DATA=() OWN=()
+  for a in ${RM[@]+"${RM[@]}"}; do
+    case "$a" in seed=*) base="${a#seed=}" ;; *) MEMBER+=("$a") ;; esac
+    case "$a" in data.path=*) own_data=1 ;; esac
+  done
+  for a in ${MEMBER_ARGS[@]+"${MEMBER_ARGS[@]}"}; do [ "${a%%:*}" = "$k" ] && OWN+=("${a#*:}"); done
+  for a in ${OWN[@]+"${OWN[@]}"}; do case "$a" in data.path=*) member_data=1 ;; esac; done
+  if [ -z "$own_data$member_data" ] && [ -f "data/default/pairs_train_$k.jsonl" ]; then
+    DATA=("data.path=data/default/pairs_train_$k.jsonl" data.eval_path=data/default/pairs_eval.jsonl)
+  elif [ -z "$member_data" ] && [ -z "${2:-}" ]; then
+    echo "run_all.sh: reward model $k of $RM_ENSEMBLE trains on the first member's pairs (give it its own with" \
+         "reward_$k:data.path=...; the embedded default ships three samples of its pairs): it shares their blind spots"
+  fi
+  MEMBER_OVR=("model.name_or_path=$ROOT/sft" model.fallback_to_config=false ${DATA[@]+"${DATA[@]}"}
+              ${MEMBER[@]+"${MEMBER[@]}"} "seed=$(( base + 1000 * (k - 1) ))" ${OWN[@]+"${OWN[@]}"})
+}
+
+if [ "$PIPELINE" = ppo ] && [ "$RM_ENSEMBLE" -gt 1 ]; then  # PPO scores with every member (reward.ensemble_models)
+  members=()
+  for k in $(seq 2 "$RM_ENSEMBLE"); do members+=("$ROOT/reward_$k"); done
+  PPO+=("reward.ensemble_models=[$(IFS=,; echo "${members[*]}")]")
+fi
+
+# Every stage's config is checked before the first stage runs (python -m rlhf.check: keys, types, group choices,
+# ranges, batch arithmetic, the choices that conflict), DRY_RUN=1 included: a pipeline that would stop at its
+# third stage stops here, naming the stage and the key, before the first has spent a minute.
+WORLD=1
+if [[ "$LAUNCH" =~ --nproc[_-]per[_-]node[=\ ]+([0-9]+) ]]; then WORLD="${BASH_REMATCH[1]}"; fi
+CHECK=(sft "output_dir=$ROOT/sft" ${SFT[@]+"${SFT[@]}"})
+if [ "$PIPELINE" = dpo ]; then
+  CHECK+=(--- dpo "output_dir=$ROOT/dpo" "model.name_or_path=$ROOT/sft" ${DPO[@]+"${DPO[@]}"})
+elif [ "$PIPELINE" = tools ]; then
+  CHECK+=(--- ppo "output_dir=$ROOT/ppo" "actor.model=$ROOT/sft" "critic.model=$ROOT/sft" ${PPO[@]+"${PPO[@]}"})
+else
+  CHECK+=(--- reward "output_dir=$ROOT/reward" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false
+          ${RM[@]+"${RM[@]}"})
+  for k in $(seq 2 "$RM_ENSEMBLE"); do
+    member_overrides "$k" quiet
+    CHECK+=(--- reward "output_dir=$ROOT/reward_$k" "${MEMBER_OVR[@]}")
+  done
+  CHECK+=(--- ppo "output_dir=$ROOT/ppo" "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" ${PPO[@]+"${PPO[@]}"})
+fi
+python -m rlhf.check --world "$WORLD" "${CHECK[@]}" || exit $?
+
 start=$(date +%s)
 stage sft SFT "${SFT[@]}"
 if [ "$PIPELINE" = dpo ]; then
@@ -245,33 +302,10 @@ elif [ "$PIPELINE" = tools ]; then  # no critic (GRPO) and no reward model: crit
   stage ppo "RL with the calculator tool" "actor.model=$ROOT/sft" "critic.model=$ROOT/sft" "${PPO[@]}"
 else
   stage reward "reward model" "model.name_or_path=$ROOT/sft" model.fallback_to_config=false "${RM[@]}"
-  if [ "$RM_ENSEMBLE" -gt 1 ]; then  # the ensemble's other members: the same stage, seed + 1000 x (k - 1),
-    # each on pairs of its own: on the embedded default the shipped independent samples data/default/pairs_train_<k>.jsonl
-    # (k = 2, 3; scripts/make_default_data.py), with your data what reward_<k>:data.path=... names. Members trained
-    # on the same pairs share their blind spots (docs/results-log.md, "The over-optimisation case").
-    base=1234 MEMBER=() members=() own_data=""
-    for a in "${RM[@]}"; do
-      case "$a" in seed=*) base="${a#seed=}" ;; *) MEMBER+=("$a") ;; esac
-      case "$a" in data.path=*) own_data=1 ;; esac
-    done
-    for k in $(seq 2 "$RM_ENSEMBLE"); do
-      DATA=() OWN=()
-      for a in ${MEMBER_ARGS[@]+"${MEMBER_ARGS[@]}"}; do [ "${a%%:*}" = "$k" ] && OWN+=("${a#*:}"); done
-      member_data=""
-      for a in ${OWN[@]+"${OWN[@]}"}; do case "$a" in data.path=*) member_data=1 ;; esac; done
-      if [ -z "$own_data$member_data" ] && [ -f "data/default/pairs_train_$k.jsonl" ]; then
-        DATA=("data.path=data/default/pairs_train_$k.jsonl" data.eval_path=data/default/pairs_eval.jsonl)
-      elif [ -z "$member_data" ]; then
-        echo "run_all.sh: reward model $k of $RM_ENSEMBLE trains on the first member's pairs (give it its own with" \
-             "reward_$k:data.path=...; the embedded default ships three samples of its pairs): it shares their blind spots"
-      fi
-      STAGE_DIR="reward_$k" stage reward "reward model $k of $RM_ENSEMBLE" "model.name_or_path=$ROOT/sft" \
-        model.fallback_to_config=false ${DATA[@]+"${DATA[@]}"} ${MEMBER[@]+"${MEMBER[@]}"} \
-        "seed=$(( base + 1000 * (k - 1) ))" ${OWN[@]+"${OWN[@]}"}
-      members+=("$ROOT/reward_$k")
-    done
-    PPO+=("reward.ensemble_models=[$(IFS=,; echo "${members[*]}")]")
-  fi
+  for k in $(seq 2 "$RM_ENSEMBLE"); do  # the ensemble's other members: the same stage (member_overrides)
+    member_overrides "$k"
+    STAGE_DIR="reward_$k" stage reward "reward model $k of $RM_ENSEMBLE" "${MEMBER_OVR[@]}"
+  done
   stage ppo PPO "actor.model=$ROOT/sft" "critic.model=$ROOT/reward" "${PPO[@]}"
 fi
 [ "${DRY_RUN:-0}" = 1 ] && exit 0  # nothing ran: no report

@@ -24,7 +24,9 @@ from rlhf.config import LoggerConfig
 from rlhf.config.validate import LOGGER_LIBRARIES, validate_logger
 from rlhf.core.errors import ConfigError
 from rlhf.report import main as report_main
-from rlhf.run.explorer import config_diff, curves, find_runs, fired_alarms, load_run, page_data
+from rlhf.run.explorer import (
+    KEY_METRICS, config_diff, curves, find_runs, fired_alarms, load_run, page_data, summary_rows,
+)
 from rlhf.run.loggers import markdown_table, mlflow_file_name, scalar_values
 from rlhf.run.runlog import TIES, RunLog, make_figure, read_samples, series
 
@@ -279,10 +281,12 @@ def test_explorer_data_is_the_runs_files(two_runs):
     assert [r["samples"] for r in data["runs"]] == [read_samples(dirs[0])] * 2
 
 
+class R:  # what curves() and summary_rows() read of a run
+    def __init__(self, name, metrics, summary=None, path="/runs/x"):
+        self.name, self.metrics, self.summary, self.path = name, metrics, summary or {}, path
+
+
 def test_explorer_curves_log_scale_ties_and_alarms():
-    class R:  # what curves() reads of a run
-        def __init__(self, name, metrics):
-            self.name, self.metrics = name, metrics
     runs = [R("x", [{"step": 0, "kind": "eval", "accuracy": 0.0, "ties": 1.0, "loss": 5.0},
                     {"step": 1, "kind": "eval", "accuracy": 0.5, "ties": 0.0, "loss": 0.01}])]
     charts = {c["name"]: c for c in curves(runs)}
@@ -292,6 +296,41 @@ def test_explorer_curves_log_scale_ties_and_alarms():
             {"step": 30, "alarm_kl": 1, "alarm_kl_slope": 1.2}]
     assert fired_alarms(rows) == [{"name": "kl", "step": 20, "records": 2, "figures": {"slope": 0.9}}]
     assert config_diff({"a": 1, "b": 2}, {"a": 1, "c": 3}) == [["b", 2, "(absent)"], ["c", "(absent)", 3]]
+
+
+def test_explorer_reads_at_a_glance_stages_apart_key_metrics_first_constants_folded():
+    """A pipeline's SFT (2,000 steps) and PPO (31) runs, given out of order: the summary rows and the chart
+    sections in pipeline order, every chart of one stage only, the key metrics first, constants folded."""
+    sft = R("seed_1/sft", [{"step": 0, "kind": "eval", "gold_score": 10.0, "loss": 3.0},
+                           {"step": 1000, "kind": "train", "loss": 2.0, "skipped_steps": 0, "lr": 1e-3},
+                           {"step": 2000, "kind": "train", "loss": 1.0, "skipped_steps": 0, "lr": 1e-3},
+                           {"step": 2000, "kind": "eval", "gold_score": 60.0, "loss": 1.5}],
+            {"stage": "sft", "gold_score_before": 10.0, "gold_score_after": 60.0, "steps": 2000}, "/r/seed_1/sft")
+    ppo = R("seed_1/ppo", [{"step": 0, "kind": "eval", "gold_score": 60.0, "kl": 0.0, "reward": 0.2},
+                           {"step": 1, "kind": "train", "response_len": 5.0, "kl": 0.0, "reward": 0.1,
+                            "reward_errors": 0},
+                           {"step": 31, "kind": "train", "response_len": 4.0, "kl": 0.3, "reward": 0.9,
+                            "reward_errors": 0},
+                           {"step": 31, "kind": "eval", "gold_score": 95.0, "kl": 0.4, "reward": 0.8}],
+            {"stage": "ppo", "gold_score_after": 95.0, "kl": 0.4}, "/r/seed_1/ppo")
+    reward = R("seed_1/reward_2", [{"step": 0, "kind": "eval", "accuracy": 0.5}, {"step": 5, "kind": "eval",
+                                                                                  "accuracy": 0.9}], {},
+               "/r/seed_1/reward_2")  # unfinished: no summary.json, its stage from the directory's name
+    charts = curves([ppo, reward, sft])
+    assert [c["id"] for c in charts if not c["constant"]] == [
+        "sft:eval/gold_score", "sft:eval/loss", "sft:train/loss", "reward:eval/accuracy",
+        "ppo:eval/gold_score", "ppo:eval/reward", "ppo:train/reward", "ppo:eval/kl", "ppo:train/kl",
+        "ppo:train/response_len"]
+    assert {c["id"]: c["value"] for c in charts if c["constant"]} == {
+        "sft:train/skipped_steps": 0, "sft:train/lr": 1e-3, "ppo:train/reward_errors": 0}
+    for c in charts:  # a chart holds one stage's runs: SFT's steps never squash PPO's
+        assert list(c["runs"]) == [{"sft": "seed_1/sft", "reward": "seed_1/reward_2", "ppo": "seed_1/ppo"}[c["stage"]]]
+    assert charts[0]["name"].split("/")[1] in KEY_METRICS
+    rows = summary_rows([ppo, reward, sft])
+    assert [(r["run"], r["stage"]) for r in rows] == [("seed_1/sft", "sft"), ("seed_1/reward_2", "reward"),
+                                                      ("seed_1/ppo", "ppo")]
+    assert (rows[0]["gold_score_after"], rows[2]["gold_score_after"], rows[2]["kl"]) == (60.0, 95.0, 0.4)
+    assert rows[1]["eval_accuracy"] is None and rows[0]["kl"] is None
 
 
 EXTERNAL = re.compile(r"""<(?:script|link|img|iframe)[^>]+(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I)
@@ -339,7 +378,20 @@ def test_explorer_in_headless_chromium(two_runs, tmp_path):
         page.goto(url)
         page.wait_for_function("window.EXPLORER && document.querySelectorAll('.js-plotly-plot').length > 0")
         charts = page.evaluate("window.EXPLORER.charts")
+        folded = page.evaluate("window.EXPLORER.folded")
         n_plots = page.evaluate("document.querySelectorAll('.js-plotly-plot').length")
+        summary_rows = page.eval_on_selector_all("#summary-table tr.summary-row",
+                                                 "rows => rows.map(r => [...r.cells].map(c => c.textContent))")
+        drawn = page.eval_on_selector_all(".js-plotly-plot", "ds => ds.map(d => d.dataset.stage + ':' + d.dataset.metric)")
+        page.hover(".js-plotly-plot")  # the first chart's mode bar shown, as a person pointing at it sees it
+        # what a person sees of each chart's title: inside its chart, clear of the mode bar (shown or not)
+        titles = page.eval_on_selector_all(".js-plotly-plot", """ds => ds.map(d => {
+            const b = d.getBoundingClientRect(), t = d.querySelector('.gtitle').getBoundingClientRect(),
+                  m = d.querySelector('.modebar').getBoundingClientRect();
+            return {text: d.querySelector('.gtitle').textContent, width: t.width,
+                    inside: t.left >= b.left && t.right <= b.right && t.top >= b.top && t.bottom <= b.bottom,
+                    clear: t.right <= m.left || m.right <= t.left || t.bottom <= m.top || m.bottom <= t.top};
+        })""")
         # the samples browser at step 1: its 4 prompts, each run's response
         page.evaluate("s => { const el = document.getElementById('samples-step'); "
                       "el.value = window.EXPLORER.steps.indexOf(s); el.dispatchEvent(new Event('input')); }", 1)
@@ -350,17 +402,97 @@ def test_explorer_in_headless_chromium(two_runs, tmp_path):
         filtered = page.eval_on_selector_all("#samples-grid tr.prompt-row", "rows => rows.length")
         if os.environ.get("EXPLORER_SCREENSHOT"):  # the docs' screenshot (docs/looking-at-runs.md)
             page.fill("#samples-filter", "")
+            page.evaluate("document.getElementById('run-1').scrollIntoView()")  # a run's summary, then the samples
             page.screenshot(path=os.environ["EXPLORER_SCREENSHOT"], full_page=False)
         browser.close()
     assert errors == [], errors
     assert requests == [url], f"the page fetched more than itself: {requests}"
     want = metrics(two_runs / "a" / "sft")
-    assert n_plots == len(charts) == len({n for r in want for n in scalar_values(r)})
-    for name, traces in charts.items():
-        kind, key = name.split("/", 1)
+    names = {n for r in want for n in scalar_values(r)}
+    assert n_plots == len(charts) and len(charts) + len(folded) == len(names)
+    assert {i.split(":", 1)[1] for i in [*charts, *folded]} == names and folded  # every series: drawn or folded
+    for i, value in folded.items():  # folded: the same value at every record of both runs
+        kind, key = i.split(":", 1)[1].split("/", 1)
+        assert {r[key] for r in want if r["kind"] == kind and key in r} == {value}, i
+    assert drawn == list(charts)  # the page's order: the key metrics first
+    key_drawn = [f"sft:{k}/{m}" for m in KEY_METRICS for k in ("eval", "train") if f"sft:{k}/{m}" in charts]
+    assert drawn[:len(key_drawn)] == key_drawn and drawn[0] == "sft:eval/loss"  # gold 0 throughout: folded
+    assert folded["sft:eval/gold_score"] == 0
+    assert [t["text"] for t in titles] == [d.split(":", 1)[1] for d in drawn]
+    assert all(t["inside"] and t["clear"] and t["width"] > 0 for t in titles), titles
+    assert [row[:2] for row in summary_rows] == [["a/sft", "sft"], ["b/sft", "sft"]]
+    assert summary_rows[0][2:] == summary_rows[1][2:] and len(summary_rows[0]) > 2  # the same run copied
+    for chart_id, traces in charts.items():
+        kind, key = chart_id.split(":", 1)[1].split("/", 1)
         rows = [r for r in want if r["kind"] == kind and isinstance(r.get(key), (int, float))]
         assert [t["run"] for t in traces] == ["a/sft", "b/sft"]
         assert all(t["x"] == [r["step"] for r in rows] and t["y"] == [r[key] for r in rows] for t in traces)
     step1 = read_samples(str(two_runs / "a" / "sft"), 1)
     assert shown == [s["prompt"] for s in step1] and cells == [s["response"] for s in step1]
     assert filtered == 0
+
+
+def copy_run(src, dst) -> None:
+    """A stage's output_dir without its model and checkpoints (what the explorer reads)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model", "checkpoints", "critic", "wandb", "mlruns"))
+
+
+@pytest.mark.skipif(CHROMIUM is None or importlib.util.find_spec("playwright") is None,
+                    reason="needs Chromium (apt-get install chromium) and playwright (pip install -e '.[browser]')")
+def test_explorer_of_a_pipeline_and_of_two_ppo_runs_as_a_person_sees_them(tiny_stages, tmp_path):
+    """A pipeline (SFT, reward, PPO) and two PPO runs compared, in Chromium: the summary rows and the stage sections
+    in pipeline order, each section's charts its own stage's runs (no shared step axis), its first chart a key
+    metric, titles clear of the mode bar. EXPLORER_SCREENSHOTS=<dir> writes the docs' two screenshots there
+    (docs/looking-at-runs.md: explorer-pipeline.png, explorer-ppo-compare.png)."""
+    from playwright.sync_api import sync_playwright
+
+    pipeline, compare = tmp_path / "pipeline", tmp_path / "compare"
+    for stage in ("sft", "reward"):
+        copy_run(tiny_stages / stage, pipeline / stage)
+    for name, kl in (("kl_0.05", 0.05), ("kl_0.5", 0.5)):
+        run_stage("ppo", f"output_dir={compare / name}", f"actor.model={tiny_stages / 'sft'}",
+                  f"critic.model={tiny_stages / 'reward'}", "train.max_steps=4", "train.eval_every=2", "train.save_every=0",
+                  "rollout.prompts_per_step=8", "rollout.mini_batch_size=8", "rollout.micro_batch_size=8",
+                  "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.num_eval_prompts=4", "alarms.enabled=false",
+                  f"ppo.kl_coef={kl}", "ppo.adaptive_kl=false", timeout=300)
+    copy_run(compare / "kl_0.05", pipeline / "ppo")
+    shots = os.environ.get("EXPLORER_SCREENSHOTS")
+    seen = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        for what, root, shot in (("pipeline", pipeline, "explorer-pipeline.png"),
+                                 ("compare", compare, "explorer-ppo-compare.png")):
+            out = tmp_path / f"{what}.html"
+            report_main([str(root), "--out", str(out)])
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(out.as_uri())
+            page.wait_for_function("window.EXPLORER && document.querySelectorAll('.js-plotly-plot').length > 0")
+            seen[what] = page.evaluate("""() => ({
+                rows: [...document.querySelectorAll('#summary-table tr.summary-row')].map(r => r.cells[0].textContent),
+                sections: [...document.querySelectorAll('#charts div.charts')].map(g => g.dataset.stage),
+                first: [...document.querySelectorAll('#charts div.charts')].map(
+                    g => g.querySelector('.js-plotly-plot').dataset.metric),
+                traces: Object.fromEntries(Object.entries(window.EXPLORER.charts).map(([k, t]) => [k, t.map(x => x.run)])),
+                clear: [...document.querySelectorAll('.js-plotly-plot')].every(d => {
+                    const t = d.querySelector('.gtitle').getBoundingClientRect(),
+                          m = d.querySelector('.modebar').getBoundingClientRect();
+                    return t.width > 0 && (t.right <= m.left || m.right <= t.left || t.bottom <= m.top || m.bottom <= t.top);
+                }),
+            })""")
+            assert errors == [], errors
+            if shots:
+                os.makedirs(shots, exist_ok=True)
+                page.screenshot(path=os.path.join(shots, shot), full_page=False)
+            page.close()
+        browser.close()
+    pipe, comp = seen["pipeline"], seen["compare"]
+    assert pipe["rows"] == ["sft", "reward", "ppo"] and pipe["sections"] == ["sft", "reward", "ppo"]
+    for chart_id, runs in pipe["traces"].items():  # a stage's chart holds that stage's run alone
+        assert runs == [chart_id.split(":")[0]], chart_id
+    assert all(m.split("/", 1)[1] in KEY_METRICS for m in pipe["first"]), pipe["first"]
+    assert pipe["first"][2] == "eval/gold_score" or pipe["first"][2].endswith(("/reward", "/kl"))
+    assert comp["rows"] == ["kl_0.05", "kl_0.5"] and comp["sections"] == ["ppo"]
+    assert all(runs == ["kl_0.05", "kl_0.5"] for runs in comp["traces"].values())  # compared on every chart
+    assert pipe["clear"] and comp["clear"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -314,6 +315,11 @@ def test_faults_end_their_episode_masked_and_counted_and_the_step_goes_on(embedd
     with pytest.raises(TrainingError, match=r"rollout.env=tests:Faulty: 2 of 3 episodes .* boom"):
         multiturn.check_failures(rec, stats, settings)
     multiturn.check_failures(rec, stats, multiturn.Settings(max_turns=2, max_new_tokens=4, max_failure_fraction=0.7))
+    # every episode faulted: the step teaches nothing, so even a fraction of 1 stops (as a step without rewards)
+    every = {**rec, "env_errors": 3}
+    with pytest.raises(TrainingError, match=r"rollout.env=tests:Faulty: 3 of 3 episodes of the step faulted"):
+        multiturn.check_failures(every, stats, multiturn.Settings(max_turns=2, max_new_tokens=4, max_failure_fraction=1.0,
+                                                                  env_name="tests:Faulty"))
 
 
 class Slow(Tool):
@@ -499,9 +505,13 @@ def test_ppo_with_a_one_turn_environment_logs_the_single_turn_numbers(tiny_stage
     assert (s["env_errors"], s["env_timeouts"]) == (0, 0)
     proc = run_stage("ppo", f"output_dir={tmp_path / 'broken'}", *common, "rollout.env=mt_envs:Broken",
                      "rollout.env_workers=0", env=env, check=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "rollout.env=mt_envs:Broken: 8 of 8 episodes of the step faulted" in proc.stderr + proc.stdout
     assert "the tool is down" in proc.stderr + proc.stdout
+    # stopped before the step trained, as a step without rewards: the state before it kept, nothing exported
+    broken = tmp_path / "broken"
+    assert os.listdir(broken / "checkpoints") == ["step_0000000"] and metrics(broken, "train") == []
+    assert not (broken / "summary.json").exists() and not (broken / "model").exists()
 
 
 def test_alarm_key_is_validated():

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import ROOT, SMALL_MODEL, cli_env, metrics, run_stage, summary
+from conftest import ROOT, SMALL_MODEL, cli_env, comparable, metrics, run_stage, summary
 
 pytest.importorskip("fastapi", reason="rlhf.serve needs the serve extra (fastapi, uvicorn)")
 
@@ -228,7 +228,12 @@ class Fake:
 
     def __init__(self):
         self.mode, self.calls, self.seen, self.inflight, self.most = "ok", 0, [], 0, 0
+        self.health: dict | None = None  # what GET /health answers (None: 404, as a service that is no reward server)
         app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({"detail": "Not Found"}, status_code=404) if self.health is None else self.health
 
         @app.post("/score")
         async def score(request: Request):
@@ -342,6 +347,73 @@ def test_a_server_down_longer_than_down_timeout_stops_naming_the_url():
         client.score(ROWS4)
     assert str(e.value).startswith(f"the reward server at {url} (reward.url) has refused connections for ")
     assert "longer than reward.down_timeout_s=0.05: start it again" in str(e.value)
+
+
+def test_a_reward_that_cannot_arrive_is_refused_at_start_naming_the_url(fake):
+    """GET /health before a run: nothing listening, https:// to a plain-HTTP server, a URL that is not a reward
+    server's (404) and a server taking fewer rows than request_rows are one line each naming reward.url."""
+    closed = f"http://127.0.0.1:{free_port()}"
+    for url, rows, message in [
+        (closed, 4, f"reward.url={closed}: nothing answers there (ConnectError: "),
+        (f"https://127.0.0.1:{fake.port}", 4, f"reward.url=https://127.0.0.1:{fake.port}: the TLS handshake failed ("),
+        (fake.url, 4, f"reward.url={fake.url} is not a reward server: GET /health answered HTTP 404: Not Found, not "
+                      "a reward server's"),
+    ]:
+        with pytest.raises(RewardServiceError) as e:
+            RewardClient(url, request_rows=rows).check_server()
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    fake.health = {"status": "ok", "source": "judge", "max_rows": 2}
+    try:
+        assert RewardClient(fake.url, request_rows=2).check_server()["source"] == "judge"
+        with pytest.raises(RewardServiceError) as e:
+            RewardClient(fake.url, request_rows=3).check_server()
+        assert str(e.value) == (f"reward.request_rows=3 is more than the server at {fake.url} takes per request "
+                                "(server.max_rows=2): lower reward.request_rows")
+    finally:
+        fake.health = None
+
+
+def test_answers_no_retry_changes_stop_at_once_naming_the_url(fake):
+    """A 404 on POST /score (the URL of another service) and a TLS mismatch are not retried: the call raises."""
+    fake.mode, fake.calls = "ok", 0
+    for url, start in [(f"{fake.url}/elsewhere", f"reward.url={fake.url}/elsewhere: POST /score answered HTTP 404: "
+                                                 "Not Found; every request would"),
+                       (f"https://127.0.0.1:{fake.port}", f"reward.url=https://127.0.0.1:{fake.port}: the TLS "
+                                                          "handshake failed")]:
+        client = RewardClient(url, retries=3, backoff_s=0.5, request_rows=4)
+        t0 = time.perf_counter()
+        with pytest.raises(RewardServiceError) as e:
+            client.score(ROWS4)
+        assert str(e.value).startswith(start), str(e.value)
+        assert client.stats()["retries"] == 0 and client.stats()["failed_rows"] == 4
+        assert time.perf_counter() - t0 < 0.5  # no backoff waited
+    assert fake.calls == 0  # the 404 came from the missing route, the TLS one never reached the app
+
+
+def test_a_step_without_any_reward_stops_naming_the_source():
+    """The run-level rule (rewards.check_step): every row non-finite stops, naming the failing part's key and its
+    first error; one finite row is enough to go on."""
+    from rlhf.rl.rewards import RewardsStopped, WeightedSum, check_step
+
+    class Part:
+        def __init__(self, key, errors, first):
+            self.key, self.errors, self.first_error = key, errors, first
+
+    nan = float("nan")
+    check_step(Part("reward.url=http://x", 3, "down"), torch.tensor([nan, 1.0, nan, nan]), "step 2")
+    source = WeightedSum([(1.0, Part("reward.sources=[judge]", 0, None)),
+                          (0.5, Part("reward.url=http://127.0.0.1:9", 4, "http http://127.0.0.1:9: 4 row(s) "
+                                                                         "unscored after 3 retries: ConnectError"))],
+                         ["judge", "http"])
+    with pytest.raises(RewardsStopped) as e:
+        check_step(source, torch.tensor([nan, nan, float("inf"), nan]), "step 2")
+    assert str(e.value) == ("reward.url=http://127.0.0.1:9: none of the 4 rows of step 2 got a reward (first: http "
+                            "http://127.0.0.1:9: 4 row(s) unscored after 3 retries: ConnectError); a step without "
+                            "rewards teaches nothing, so the run stops: fix the reward source, then resume with "
+                            "train.resume=true")
+    with pytest.raises(RewardsStopped, match=r"^reward.sources=\[model\]: none of the 2 rows of the held-out "
+                                             r"evaluation got a reward \(every score NaN or infinite\)"):
+        check_step(object(), torch.tensor([nan, nan]), "the held-out evaluation")
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -461,4 +533,53 @@ def test_ppo_with_its_server_gone_checkpoints_and_stops_naming_the_url(tiny_stag
     assert f"error (training): the reward server at {url} (reward.url) has refused connections for" in p.stderr
     assert len(metrics(out, "train")) == 1 and os.listdir(out / "checkpoints") == ["step_0000001"]
     assert not os.path.exists(out / "summary.json")
-    assert f"the reward server is down: checkpoint {out / 'checkpoints' / 'step_0000001'} written" in p.stdout + p.stderr
+    assert f"step 2 cannot train (no reward, or its episodes faulted): checkpoint {out / 'checkpoints' / 'step_0000001'} written" in p.stdout + p.stderr
+
+
+def test_rewards_that_stop_mid_run_checkpoint_and_a_resume_continues_exactly(tiny_stages, tmp_path):
+    """The run-level rule on a real server: killed once step 1 is logged, the next step gets no reward at all, so
+    the run writes the checkpoint of the step before (its RNG as that step began), exits 2 naming reward.url and
+    leaves no model or summary. With the server back, train.resume=true ends with the metrics of a run that was
+    never interrupted (the in-process judge: the same scores)."""
+    steps = [a for a in PPO if not a.startswith("train.max_steps")] + ["train.max_steps=3"]
+    run = lambda out, *extra, check=True: run_stage(  # noqa: E731
+        "ppo", f"output_dir={out}", f"actor.model={tiny_stages / 'sft'}", *steps, *extra, check=check, timeout=300)
+    run(tmp_path / "whole", "reward.sources=[judge]")
+    port = free_port()
+    proc, url = start_server(tmp_path / "serve.log", "reward.source=judge", port=port)
+    out, http = tmp_path / "cut", ["reward.sources=[http]", f"reward.url={url}", "reward.retries=1",
+                                   "reward.backoff_s=0.05", "reward.down_timeout_s=600"]
+    killer = threading.Thread(target=lambda: (_wait_for_a_train_record(out), proc.kill()), daemon=True)
+    killer.start()
+    try:
+        cut = run(out, *http, check=False)
+    finally:
+        killer.join(timeout=60)
+        proc.kill()
+    assert cut.returncode == 2, cut.stderr[-3000:]
+    done = len(metrics(out, "train"))  # 1, or 2 when step 2 was scored before the kill landed
+    last = cut.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error (training): reward.url={url}: none of the 8 rows of step {done + 1} got a reward "
+                           "(first: http "), last
+    assert os.listdir(out / "checkpoints") == [f"step_{done:07d}"]
+    assert not (out / "summary.json").exists() and not (out / "model").exists()
+    proc, _ = start_server(tmp_path / "serve2.log", "reward.source=judge", port=port)
+    try:
+        run(out, *http, "train.resume=true")
+    finally:
+        stop(proc)
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("http_")} for r in comparable(rows)]  # noqa: E731
+    assert drop(metrics(out)) == drop(metrics(tmp_path / "whole"))
+    assert [r["step"] for r in metrics(out, "train")] == [1, 2, 3]
+    assert summary(out)["gold_score_after"] == summary(tmp_path / "whole")["gold_score_after"]
+
+
+def _wait_for_a_train_record(out, limit_s: float = 240) -> None:
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        try:
+            if metrics(out, "train"):
+                return
+        except (OSError, ValueError):  # not written yet, or a line being written
+            pass
+        time.sleep(0.02)

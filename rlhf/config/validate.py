@@ -81,6 +81,38 @@ def _need(ok: bool, msg: str) -> None:
 ATTN_IMPLEMENTATIONS = (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
+# What engine.deterministic=true can honour: flash attention's backward and flex attention's compiled kernels
+# have no deterministic mode that torch.use_deterministic_algorithms reaches.
+DETERMINISTIC_ATTENTION = (None, "eager", "sdpa")
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def validate_attention(m: ModelConfig, e: EngineConfig, info, prefix: str = "model") -> None:
+    """model.attn_implementation against this run: flash attention needs CUDA and its package (else
+    transformers' ImportError deep in the load), and engine.deterministic=true only the implementations it
+    can make deterministic (DETERMINISTIC_ATTENTION); eval.greedy=false under it: `deterministic_notes`."""
+    attn, key = m.attn_implementation, f"{prefix}.attn_implementation"
+    _need(not e.deterministic or attn in DETERMINISTIC_ATTENTION,
+          f"engine.deterministic=true cannot make {key}={attn} deterministic (no deterministic kernels reach it): "
+          f"use {key}=sdpa or eager, or engine.deterministic=false")
+    if attn in FLASH_PACKAGES:
+        _need(info.device.type == "cuda", f"{key}={attn} runs on CUDA only, and this run is on "
+              f"{info.device.type}: use sdpa or eager (or null, transformers' default)")
+        _need(importlib.util.find_spec(FLASH_PACKAGES[attn]) is not None,
+              f"{key}={attn} needs the {FLASH_PACKAGES[attn]} package, which is not installed: install it, or use "
+              "sdpa or eager")
+
+
+def deterministic_notes(e: EngineConfig, g: GenerationConfig, prefix: str = "eval") -> None:
+    """engine.deterministic=true with a sampled evaluation (`{prefix}.greedy=false`): repeatable, but its row
+    seeds come from torch's RNG, so not batch-invariant (docs/engine.md, "Not covered"): said once, as a warning."""
+    if e.deterministic and not g.greedy:
+        logging.getLogger("rlhf").warning(
+            "engine.deterministic=true with %s.greedy=false: the sampled evaluation repeats on this machine and "
+            "world size, but is not batch-invariant (its row seeds come from torch's RNG): another world size or "
+            "%s.batch_size samples other responses; %s.greedy=true is covered", prefix, prefix, prefix)
+
+
 def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     _need(m.attn_implementation in ATTN_IMPLEMENTATIONS,
           f"{prefix}.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {m.attn_implementation!r}")
@@ -253,6 +285,7 @@ def validate_stage(cfg: StageConfig, info) -> int:
     _need(cfg.engine.placement == "colocated", f"engine.placement={cfg.engine.placement}: a split placement (ranks that "
           "only generate) is for RL, python -m rlhf.ppo; this stage trains on every rank")
     validate_model(cfg.model)
+    validate_attention(cfg.model, cfg.engine, info)
     validate_data(cfg.data)
     validate_logger(cfg.logger)
     check_optim(cfg.train)
@@ -273,6 +306,7 @@ def validate_sft(cfg: SFTConfig, info) -> int:
 
 def _validate_generating_stage(cfg: SFTConfig, info) -> int:
     validate_generation(cfg.eval, "eval")
+    deterministic_notes(cfg.engine, cfg.eval)
     return validate_stage(cfg, info)
 
 
@@ -301,6 +335,8 @@ def pair_shared_prompts(d: DataConfig, e: EngineConfig) -> bool | None:
 
 def validate_reward(cfg: RewardConfig, info) -> int:
     """Everything a reward run needs, checked before any model loads; returns accumulation steps."""
+    _need(math.isfinite(cfg.reward.margin), f"reward.margin must be a finite number (the pairwise loss's margin), "
+          f"got {cfg.reward.margin}")
     _need(cfg.reward.score_reg >= 0, f"reward.score_reg must be >= 0, got {cfg.reward.score_reg}")
     std = cfg.reward.head_init_std
     _need(std is None or std >= 0, f"reward.head_init_std must be >= 0 (0 = zeros) or null, got {std}")
@@ -380,6 +416,8 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
     validate_data(cfg.data, needs_response=False)
     validate_logger(cfg.logger)
     validate_generation(cfg.eval, "eval")
+    validate_attention(cfg.model, cfg.engine, info)
+    deterministic_notes(cfg.engine, cfg.eval)
     p, r = cfg.ppo, cfg.rollout
     _need(p.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {p.kl_coef}")
     _need(p.kl_estimator in KL_ESTIMATORS, f"ppo.kl_estimator must be one of {KL_ESTIMATORS}, got {p.kl_estimator!r}")
@@ -680,9 +718,11 @@ def validate_evaluate(cfg: EvaluateConfig, info) -> None:
                                     "not one built with random weights")
     _need(m.lora.r == 0, f"model.lora.r must be 0 (an adapter directory is loaded merged), got {m.lora.r}")
     validate_model(m)
+    validate_attention(m, cfg.engine, info)
     validate_data(cfg.data, needs_path=False)
     validate_logger(cfg.logger)
     validate_generation(cfg.eval, "eval")
+    deterministic_notes(cfg.engine, cfg.eval)
     engine_config(cfg.engine, info)
 
 
@@ -712,6 +752,7 @@ def validate_serve(cfg: ServeConfig, info, api_key: str | None) -> str:
                              "e.g. outputs/reward, a HF directory or a hub name)")
         check_model_path(r.model, "reward.model")
         validate_model(dataclasses_replace(cfg.model, name_or_path=r.model, fallback_to_config=False), prefix="model")
+        validate_attention(cfg.model, cfg.engine, info)
         validate_data(cfg.data, needs_path=False)
         engine_config(cfg.engine, info, frozen=True)
     _need(isinstance(s.host, str) and bool(s.host), f"server.host must be an address to bind, got {s.host!r}")

@@ -184,6 +184,37 @@ def check_causal_lm(path: str | None, key: str) -> None:
                           "policy, e.g. the SFT stage's output_dir or a *ForCausalLM model")
 
 
+def causal_lm_reason(path: str) -> str | None:
+    """Why the local model directory `path` (or a stage's output_dir) is a causal LM rather than a reward
+    model, read from its files before any weights load: its outermost adapter's task_type is CAUSAL_LM, or
+    its config.json's architectures name a *ForCausalLM. None otherwise (a hub name, no model there)."""
+    if not os.path.isdir(path):
+        return None
+    path = resolve_model_path(path, require_model=False)
+    if _is_adapter(path):
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            task = json.load(f).get("task_type")
+        return f"{path}/adapter_config.json has task_type {task!r}" if task == "CAUSAL_LM" else None
+    if not os.path.exists(os.path.join(path, "config.json")):
+        return None
+    with open(os.path.join(path, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    if archs and all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return f"{path}/config.json has architectures {archs}"
+    return None
+
+
+def check_reward_model(path: str | None, key: str) -> None:
+    """A model that scores (the served reward model, PPO's reward model and ensemble members, rlhf.evaluate's
+    mode=reward) must be a reward model: a policy's directory would load with a random score head and score
+    every row as noise, as if nothing were wrong. `key`: the whole config key (reward.model, ...)."""
+    why = causal_lm_reason(path) if path else None
+    if why:
+        raise ConfigError(f"{key}={path!r} is a causal LM (a policy: {why}), not a reward model: its score head "
+                          f"would be random; {key} must be a reward model, e.g. the reward stage's output_dir or a "
+                          "*ForSequenceClassification model")
+
+
 # ----------------------------------------------------------------------------- models
 
 

@@ -468,12 +468,17 @@ def step_env_metrics(stats: EpisodeStats, device) -> dict[str, float]:
             "template_checked": int(s[7]), "template_mismatch": int(s[8]), "episodes": int(s[0])}
 
 
+class EpisodesFailed(TrainingError):
+    """A step whose episodes faulted beyond rollout.max_env_failure_fraction (or all of them): the run stops."""
+
+
 def check_failures(rec: dict[str, Any], stats: EpisodeStats, settings: Settings) -> None:
-    """Stop the run (TrainingError naming rollout.env) when more than max_env_failure_fraction of the step's
-    episodes faulted (every rank reads the same summed figures, so every rank stops)."""
+    """Stop the run (EpisodesFailed naming rollout.env) when more than max_env_failure_fraction of the step's
+    episodes faulted, or every one did (whatever the fraction: a step without one whole episode teaches
+    nothing, as a step without rewards; every rank reads the same summed figures, so every rank stops)."""
     failed = rec["env_errors"] + rec["env_timeouts"]
-    if rec["episodes"] and failed / rec["episodes"] > settings.max_failure_fraction:
-        raise TrainingError(
+    if rec["episodes"] and (failed / rec["episodes"] > settings.max_failure_fraction or failed == rec["episodes"]):
+        raise EpisodesFailed(
             f"rollout.env={settings.env_name}: {failed} of {rec['episodes']} episodes of the step faulted "
             f"({rec['env_errors']} errors, {rec['env_timeouts']} timeouts), more than "
             f"rollout.max_env_failure_fraction={settings.max_failure_fraction}; first on this rank: "

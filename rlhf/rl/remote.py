@@ -24,8 +24,13 @@ What the client does with what comes back, per request of at most `request_rows`
   - after the last retry its rows are NaN, counted (`errors`), the first cause kept (`first_error`);
   - a null or non-finite score in a good answer is NaN for that row alone (counted);
   - 401/403 raise `RewardServiceError` at once: a wrong key is a configuration error, not a flaky row;
+    so do the answers no retry can change: another 4xx but 400 (a bad row), 408 and 429 (a 404: the URL is
+    not a reward server's) and a failed TLS handshake (an https:// URL for a plain-HTTP server);
   - connections refused since `down_since` for longer than `down_timeout_s` raise `RewardServerDown`
     (naming the URL) at the end of the call that notices: the RL stage checkpoints and stops.
+`check_server()` asks GET /health once before a run loads any model: nothing listening, a TLS error, an
+answer that is not a reward server's, or a server taking fewer rows per request than `request_rows`
+raise `RewardServiceError` naming reward.url (a run never starts against a reward that cannot arrive).
 Figures (`stats()`): requests, rows, retries, timeouts, failed rows, and latency p50/p99 of the
 successful requests, since the last `stats(reset=True)`.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import ssl
 import threading
 import time
 import uuid
@@ -55,6 +61,21 @@ class RewardServiceError(ConfigError):
 
 class RewardServerDown(TrainingError):
     """The reward server was unreachable for longer than reward.down_timeout_s."""
+
+
+# Statuses a retry cannot change, beyond the key's 401/403: the rows of a 400 alone fail (counted), a 408 or
+# 429 is retried; any other 4xx (404: not a reward server's URL, 405, 413: rows over server.max_rows ...) stops.
+RETRIED_4XX = (408, 429)
+
+
+def tls_error(e: BaseException) -> bool:
+    """Whether an httpx error was a failed TLS handshake (e.g. https:// to a plain-HTTP server)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ssl.SSLError):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -137,6 +158,41 @@ class RewardClient:
         r.raise_for_status()
         return r.json()
 
+    def check_server(self) -> dict:
+        """GET /health before a run: the server's description, or RewardServiceError naming reward.url when
+        nothing answers there, it answers other than a reward server, or takes fewer rows than request_rows."""
+        where = f"reward.url={self.url}"
+        try:
+            r = self.http.get(f"{self.url}/health")
+        except httpx.TimeoutException:
+            raise RewardServiceError(f"{where}: GET /health got no answer within reward.timeout_s={self.timeout_s:g} "
+                                     "s; is the server up (python -m rlhf.serve ...)?") from None
+        except httpx.TransportError as e:
+            raise RewardServiceError(self._transport(e)) from None
+        if r.status_code in (401, 403):
+            raise RewardServiceError(self._refusal(r))
+        try:
+            body = r.json() if r.status_code == 200 else None
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or body.get("status") != "ok":
+            got = f"HTTP {r.status_code}" + (f": {_message(r)[:80]}" if r.text.strip() else "")
+            raise RewardServiceError(f"{where} is not a reward server: GET /health answered {got}, not a reward "
+                                     "server's {\"status\": \"ok\", ...} (python -m rlhf.serve); check the URL")
+        most = body.get("max_rows")
+        if isinstance(most, int) and most < self.request_rows:
+            raise RewardServiceError(f"reward.request_rows={self.request_rows} is more than the server at {self.url} "
+                                     f"takes per request (server.max_rows={most}): lower reward.request_rows")
+        return body
+
+    def _transport(self, e: httpx.TransportError) -> str:
+        """The one line for a connection that failed before any answer: a TLS mismatch, or nothing there."""
+        if tls_error(e):
+            return (f"reward.url={self.url}: the TLS handshake failed ({' '.join(str(e).split())}): an https:// URL "
+                    "for a server that speaks plain HTTP? (python -m rlhf.serve serves http://)")
+        return (f"reward.url={self.url}: nothing answers there ({type(e).__name__}: {e}); start the server first "
+                "(python -m rlhf.serve ...) or fix reward.url")
+
     def submit(self, rows: Sequence[dict]) -> Pending:
         """Send `rows` as requests of at most request_rows rows, concurrently; returns at once."""
         parts = []
@@ -151,7 +207,8 @@ class RewardClient:
         return scores
 
     def check(self) -> None:
-        """Raise what the last requests found fatal: a refused key, or a server down for too long."""
+        """Raise what the last requests found fatal: a refused key, an answer no retry changes, or a server
+        down for too long."""
         if self.refused is not None:
             raise self.refused
         down = self.down_since
@@ -184,6 +241,10 @@ class RewardClient:
                 why = f"timed out after reward.timeout_s={self.timeout_s:g} s ({type(e).__name__})"
                 continue
             except httpx.TransportError as e:  # refused, reset, unreachable
+                if tls_error(e):  # the same handshake fails every time: the URL's scheme is wrong
+                    self.refused = RewardServiceError(self._transport(e))
+                    why = "TLS handshake failed"
+                    break
                 with self.lock:
                     self.down_since = self.down_since or time.monotonic()
                 why = f"{type(e).__name__}: {e}"
@@ -196,10 +257,16 @@ class RewardClient:
                 self.refused = RewardServiceError(self._refusal(r))
                 why = f"HTTP {r.status_code}"
                 break
-            if r.status_code == 429 or r.status_code >= 500:
+            if r.status_code in RETRIED_4XX or r.status_code >= 500:
                 why = f"HTTP {r.status_code}: {_message(r)}"
                 continue
-            if r.status_code != 200:  # a 4xx other than the key: this request will not get better
+            if r.status_code != 400 and r.status_code != 200:  # no request to this URL will get better
+                why = f"HTTP {r.status_code}: {_message(r)}"
+                self.refused = RewardServiceError(
+                    f"reward.url={self.url}: POST /score answered {why[:160]}; every request would (not a reward "
+                    "server's URL, or rows beyond its server.max_rows): check reward.url and reward.request_rows")
+                break
+            if r.status_code != 200:  # a 400: these rows will not get better
                 why = f"HTTP {r.status_code}: {_message(r)}"
                 break
             scores, bad = _scores(r, n)

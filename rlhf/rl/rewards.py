@@ -38,6 +38,14 @@ the source was built with. The sources (`reward.sources`, weights `reward.weight
               tokens an in-process one would; sent when the step's scoring begins (`begin`), concurrently with
               the other forwards; a row unscored after `reward.retries` is NaN (counted in reward_errors)
 
+When rewards stop arriving (the run-level rule, `check_step`): a step or held-out evaluation none of
+whose rows got a finite reward (a server gone, a function failing on every row, a reward model giving
+NaN) teaches nothing, so the run stops there (`RewardsStopped`, naming the source's key: reward.url,
+reward.function, ...), after a checkpoint of the state before the step (`train.resume=true` redoes it; an
+evaluation's stop leaves the last regular checkpoint).
+The http source is asked GET /health before any model loads (`check_http`): nothing listening, an
+https:// URL for a plain-HTTP server, or a URL that is not a reward server's stops the run there.
+
 A function that raises, or returns something that is not a finite number, is an error for that row
 (batched: a call that raises, or returns other than one number per completion, fails all its rows):
 its score is NaN, so `mask_nonfinite` drops the row from the step's update, and the step logs one
@@ -61,14 +69,15 @@ from typing import Any, Protocol
 import torch
 
 from engine import FrozenEngine
+from engine.distributed import all_reduce_sum
 from rlhf.algos.reward_model import sequence_scores
 from rlhf.config import REWARD_SOURCES, RewardSourcesConfig
 from rlhf.config.schema import REWARD_ENSEMBLE_AGGREGATES
-from rlhf.core.errors import ConfigError
+from rlhf.core.errors import ConfigError, TrainingError
 from rlhf.core.plugins import as_score, load_function
 from rlhf.core.task import judge, parse_prompt
 from rlhf.modeling.forward import position_ids_from_mask, row_values
-from rlhf.rl.remote import API_KEY_ENV, RewardClient
+from rlhf.rl.remote import API_KEY_ENV, RewardClient, RewardServerDown, RewardServiceError
 from rlhf.rl.rollout import Rollout
 
 logger = logging.getLogger("rlhf.rewards")
@@ -248,8 +257,10 @@ class TextReward:
     not a finite number gives NaN for that row (counted in `errors`, the first kept in `first_error`);
     unguarded, it propagates (the built-in judges, which a failure would make a bug)."""
 
-    def __init__(self, name: str, fn: RewardFn, tokenizer: Any, rows: Sequence[dict], *, guarded: bool = False):
+    def __init__(self, name: str, fn: RewardFn, tokenizer: Any, rows: Sequence[dict], *, guarded: bool = False,
+                 key: str | None = None):
         self.name, self.fn, self.tok, self.rows, self.guarded = name, fn, tokenizer, rows, guarded
+        self.key = key or f"reward.sources=[{name}]"  # the config key an error names
         self.errors, self.first_error = 0, None
 
     def texts(self, rollout) -> list[str]:
@@ -316,7 +327,7 @@ class FunctionReward(TextReward):
     failure is NaN for its rows, counted (see TextReward)."""
 
     def __init__(self, spec: str, fn: Callable, tokenizer: Any, rows: Sequence[dict]):
-        super().__init__(spec, fn, tokenizer, rows, guarded=True)
+        super().__init__(spec, fn, tokenizer, rows, guarded=True, key=f"reward.function={spec}")
         self.convention = calling_convention(fn, spec)
         sig = None if self.convention == PER_ROW else inspect.signature(fn)
         self.accepts = None if sig is None or any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) else \
@@ -411,7 +422,7 @@ class HttpReward(TextReward):
     connections for longer than reward.down_timeout_s raises RewardServerDown (a TrainingError)."""
 
     def __init__(self, cfg: RewardSourcesConfig, tokenizer: Any, rows: Sequence[dict], *, seed: int | None = None):
-        super().__init__(f"http {cfg.url}", None, tokenizer, rows, guarded=True)
+        super().__init__(f"http {cfg.url}", None, tokenizer, rows, guarded=True, key=f"reward.url={cfg.url}")
         self.client = RewardClient(cfg.url, api_key=os.environ.get(API_KEY_ENV) or None, timeout_s=cfg.timeout_s,
                                    max_concurrency=cfg.max_concurrency, retries=cfg.retries, backoff_s=cfg.backoff_s,
                                    request_rows=cfg.request_rows, down_timeout_s=cfg.down_timeout_s, seed=seed)
@@ -460,6 +471,48 @@ class HttpReward(TextReward):
         self.first_error = f"{self.name}: {self.client.first_error}" if self.errors else None
         self.client.check()  # a refused key, or a server down too long: the run stops
         return torch.tensor(scores, dtype=torch.float32, device=rollout.sequences.device)
+
+
+def check_http(cfg: RewardSourcesConfig) -> dict:
+    """reward.sources has http: GET /health once, before any model loads (RewardClient.check_server); the
+    server's description, or RewardServiceError (a ConfigError) naming reward.url."""
+    client = RewardClient(cfg.url, api_key=os.environ.get(API_KEY_ENV) or None, timeout_s=cfg.timeout_s,
+                          max_concurrency=1, request_rows=cfg.request_rows)
+    try:
+        return client.check_server()
+    finally:
+        client.close()
+
+
+class RewardsStopped(TrainingError):
+    """A step (or held-out evaluation) none of whose rows got a finite reward: the run stops."""
+
+
+# What stops a run for want of rewards; the RL stage writes a checkpoint of the state before the step first.
+STOPS = (RewardsStopped, RewardServerDown, RewardServiceError)
+
+
+def source_key(source: RewardSource) -> tuple[str, str | None]:
+    """(the config key that names what failed, its first error) for the last `score` call: the first part
+    with failed rows (reward.url=..., reward.function=...), else the reward model's sources."""
+    for _, part in getattr(source, "parts", [(1.0, source)]):
+        if getattr(part, "errors", 0):
+            return part.key, part.first_error
+    names = getattr(source, "names", None) or ["model"]
+    return f"reward.sources=[{','.join(names)}]", None
+
+
+def check_step(source: RewardSource, scores: torch.Tensor, what: str) -> None:
+    """The run-level rule (module docstring): RewardsStopped when no row of `what` (e.g. "step 3"), on any rank,
+    has a finite score in `scores` [B]. Collective: every rank reads the same sums, so every rank stops."""
+    bad = all_reduce_sum(torch.tensor([float((~torch.isfinite(scores)).sum()), float(scores.numel())],
+                                      device=scores.device))
+    if bad[1] > 0 and bad[0] == bad[1]:
+        key, first = source_key(source)
+        why = f" (first: {' '.join(first.split())})" if first else " (every score NaN or infinite)"
+        raise RewardsStopped(f"{key}: none of the {int(bad[1])} rows of {what} got a reward{why}; a step without "
+                             "rewards teaches nothing, so the run stops: fix the reward source, then resume with "
+                             "train.resume=true")
 
 
 def begin(source: RewardSource, rollout) -> None:

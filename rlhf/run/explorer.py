@@ -6,10 +6,17 @@
 A run is a stage's output_dir: metrics.jsonl (the curves), config.yaml (the config diff against the
 first run), summary.json (the summary figures), samples.jsonl (the samples browser). The page needs
 no network: the charting library (plotly's own bundled plotly.min.js, MIT licence, ~4.8 MB) and the
-data are inside it. What it shows:
-  - the curves, one chart per metric (`kind/name`), every run overlaid, hover values; x (the step)
-    shared: zooming one chart zooms all; a log y axis where the values span two decades or more
-    (all positive); a pair accuracy whose pairs all tied is marked "ties" (rlhf/run/runlog.py `series`);
+data are inside it. What it shows, read at a glance:
+  - a summary row per run first, stages in pipeline order: its stage, steps, time and the figures a
+    person opens the page for (gold score before -> after, held-out pair accuracy, reward, KL);
+  - the curves, one section per stage (stages never share a step axis: SFT's 2,000 steps would squash
+    PPO's 31 to a sliver), one chart per metric (`kind/name`) with the runs of that stage overlaid, the
+    key metrics first (gold score, reward, KL, accuracy, loss; held-out before training), hover values;
+    x (the step) shared within a stage: zooming one chart zooms its stage's; a log y axis where the
+    values span two decades or more (all positive); a pair accuracy whose pairs all tied is marked
+    "ties" (rlhf/run/runlog.py `series`); a series that never changes (in every run) is folded into
+    one line under its stage instead of a chart; titles left-aligned, the mode bar vertical at the
+    right, so neither covers the other;
   - each run's config keys that differ from the first run's, its summary.json, the alarms that fired;
   - the samples browser: a step slider over the evaluations, a filter on task / text and on a minimum
     score, each prompt's samples side by side across runs; a prompt's row opens it across every step.
@@ -108,17 +115,46 @@ def fired_alarms(rows: list[dict]) -> list[dict[str, Any]]:
             for name, hits in sorted(fired.items(), key=lambda x: x[1][0]["step"])]
 
 
+STAGES = ("sft", "reward", "dpo", "ppo", "evaluate", "serve")  # a pipeline's order (the summary rows', the sections')
+# The figures a person opens the page for, first among a stage's charts (held-out before training at each).
+KEY_METRICS = ("gold_score", "reward", "kl", "accuracy", "loss")
+KINDS = ("eval", "train")
+# summary.json's headline figures, in the summary row (a stage has those of them it writes)
+SUMMARY_KEYS = ("gold_score_before", "gold_score_after", "eval_accuracy", "reward_after", "kl", "steps", "time_s")
+
+
+def stage_of(run: RunData) -> str:
+    """The stage a run is: its summary.json's `stage`, else its directory's name (reward_2 -> reward) when
+    that names a stage, else "run"."""
+    if run.summary.get("stage"):
+        return str(run.summary["stage"])
+    base = os.path.basename(run.path.rstrip(os.sep)).split("_")[0]
+    return base if base in STAGES else "run"
+
+
+def chart_order(chart: dict[str, Any]) -> tuple:
+    """Key metrics first (KEY_METRICS' order, held-out before train), then the rest as first seen."""
+    kind, key = chart["name"].split("/", 1)
+    rank = KEY_METRICS.index(key) if key in KEY_METRICS else len(KEY_METRICS)
+    return (rank, KINDS.index(kind) if rank < len(KEY_METRICS) and kind in KINDS else 0, chart["seen"])
+
+
 def curves(runs: list[RunData]) -> list[dict[str, Any]]:
-    """One chart per `kind/name` (in first-seen order): per run its steps and values; `log` where every value
-    is positive and they span two decades or more; `ties`: the steps where a pair accuracy's pairs all tied."""
-    charts: dict[str, dict[str, Any]] = {}
+    """One chart per stage and `kind/name`: per run its steps and values; `stage` (`stage_of`: runs of different
+    stages never share a chart); `log` where every value is positive and they span two decades or more; `ties`:
+    the steps where a pair accuracy's pairs all tied; `constant`: True when every run's values are one and the
+    same (or none is finite), `value` that value, so the page folds the chart away. Ordered by stage (STAGES),
+    then `chart_order` (the key metrics first)."""
+    charts: dict[tuple[str, str], dict[str, Any]] = {}
     for i, run in enumerate(runs):
+        stage = stage_of(run)
         for r in run.metrics:
             for k, v in r.items():
                 if k in ("step", "kind") or isinstance(v, bool) or not isinstance(v, (int, float)):
                     continue
                 name = f"{r.get('kind', 'train')}/{k}"
-                chart = charts.setdefault(name, {"name": name, "runs": {}})
+                chart = charts.setdefault((stage, name), {"name": name, "stage": stage, "id": f"{stage}:{name}",
+                                                          "runs": {}, "seen": len(charts)})
                 xs = chart["runs"].setdefault(run.name, {"x": [], "y": [], "ties": []})
                 xs["x"].append(r["step"])
                 xs["y"].append(v)
@@ -127,7 +163,22 @@ def curves(runs: list[RunData]) -> list[dict[str, Any]]:
     for chart in charts.values():
         values = [y for s in chart["runs"].values() for y in s["y"] if math.isfinite(y)]
         chart["log"] = bool(values) and min(values) > 0 and max(values) / min(values) >= 100
-    return list(charts.values())
+        chart["constant"] = len(set(values)) <= 1 and not any(s["ties"] for s in chart["runs"].values())
+        chart["value"] = values[0] if chart["constant"] and values else None
+    stages = [st for st in STAGES if any(c["stage"] == st for c in charts.values())]
+    stages += sorted({c["stage"] for c in charts.values()} - set(stages))
+    out = sorted(charts.values(), key=lambda c: (stages.index(c["stage"]), *chart_order(c)))
+    for c in out:
+        del c["seen"]
+    return out
+
+
+def summary_rows(runs: list[RunData]) -> list[dict[str, Any]]:
+    """One row per run, stages in pipeline order (STAGES, then the rest; runs of a stage as given): run,
+    stage, and the SUMMARY_KEYS its summary.json has (None for those it lacks)."""
+    order = {st: i for i, st in enumerate(STAGES)}
+    ranked = sorted(enumerate(runs), key=lambda x: (order.get(stage_of(x[1]), len(STAGES)), x[0]))
+    return [{"run": r.name, "stage": stage_of(r), **{k: r.summary.get(k) for k in SUMMARY_KEYS}} for _, r in ranked]
 
 
 def page_data(runs: list[RunData]) -> dict[str, Any]:
@@ -136,6 +187,8 @@ def page_data(runs: list[RunData]) -> dict[str, Any]:
         "runs": [{"name": r.name, "path": r.path, "summary": r.summary, "config_diff": config_diff(first.config, r.config),
                   "alarms": fired_alarms(r.metrics), "samples": r.samples} for r in runs],
         "first": first.name,
+        "summary_rows": summary_rows(runs),
+        "summary_keys": list(SUMMARY_KEYS),
         "charts": curves(runs),
     }
 
@@ -169,7 +222,7 @@ def write_explorer(paths: list[str], out: str) -> tuple[str, list[RunData]]:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(explorer_html(runs, f"RLHF runs: {', '.join(r.name for r in runs)}"))
+        f.write(explorer_html(runs, f"RLHF runs: {', '.join(r['run'] for r in summary_rows(runs))}"))  # pipeline order
     os.replace(tmp, out)
     return out, runs
 
@@ -180,7 +233,7 @@ h1{font-size:1.4em} h2{font-size:1.15em;margin-top:1.6em;border-bottom:1px solid
 table{border-collapse:collapse;font-size:.85em;margin:.4em 0} td,th{border:1px solid #ddd;padding:2px 6px;
 vertical-align:top;text-align:left} th{background:#f3f3f3}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:6px}
-.chart{height:260px} .kind{grid-column:1/-1;font-weight:bold;margin-top:.6em}
+.chart{height:260px} h3.stage{margin:.8em 0 .2em} details.folded{font-size:.85em;margin:.2em 0 .6em}
 .resp{white-space:pre-wrap;font-family:monospace} .fig{color:#555;font-size:.9em}
 #controls{display:flex;gap:1.2em;align-items:center;flex-wrap:wrap;margin:.5em 0}
 tr.prompt-row{cursor:pointer} tr.prompt-row:hover{background:#f6f9ff}
@@ -191,9 +244,10 @@ PAGE = """<!DOCTYPE html>
 <script>{plotly}</script></head>
 <body>
 <h1>{title}</h1>
-<nav><a href="#curves">curves</a> · <a href="#runs">runs: config diff, summary, alarms</a> ·
-<a href="#samples">samples</a></nav>
-<h2 id="curves">Curves</h2><div id="charts" class="charts"></div>
+<nav><a href="#summary-title">summary</a> · <a href="#curves">curves</a> ·
+<a href="#runs">runs: config diff, summary, alarms</a> · <a href="#samples">samples</a></nav>
+<h2 id="summary-title">Summary</h2><div id="summary"></div>
+<h2 id="curves">Curves</h2><div id="charts"></div>
 <h2 id="runs">Runs</h2><div id="run-tables"></div>
 <h2 id="samples">Samples</h2>
 <div id="controls">
@@ -218,38 +272,61 @@ const esc = s => String(s === null || s === undefined ? '' : s).replace(/[&<>"]/
 const fmt = v => typeof v === 'number' ? (Number.isInteger(v) ? String(v) : v.toPrecision(4)) : esc(v);
 window.EXPLORER = {data: DATA, charts: {}};
 
-// ---- curves: one chart per metric, every run a trace; x shared (zoom one, zoom all)
+// ---- summary: one row per run, stages in pipeline order, the headline figures its summary.json has
+const sumKeys = DATA.summary_keys.filter(k => DATA.summary_rows.some(r => r[k] !== null && r[k] !== undefined));
+document.getElementById('summary').innerHTML = '<table id="summary-table"><tr><th>run</th><th>stage</th>' +
+  sumKeys.map(k => '<th>' + esc(k) + '</th>').join('') + '</tr>' + DATA.summary_rows.map(r =>
+    '<tr class="summary-row" data-stage="' + esc(r.stage) + '"><td>' + esc(r.run) + '</td><td>' + esc(r.stage) + '</td>' +
+    sumKeys.map(k => '<td>' + (r[k] === null || r[k] === undefined ? '–' : fmt(r[k])) + '</td>').join('') + '</tr>').join('') +
+  '</table>';
+
+// ---- curves: a section per stage (stages never share a step axis), one chart per metric with the stage's runs
+// overlaid, key metrics first (the data's order); a series constant in every run folded into one line
 const chartsDiv = document.getElementById('charts');
-let lastKind = null, syncing = false;
-const plots = [];
-DATA.charts.forEach((c, i) => {
-  const kind = c.name.split('/')[0];
-  if (kind !== lastKind) {
-    const h = document.createElement('div'); h.className = 'kind'; h.textContent = kind; chartsDiv.appendChild(h);
-    lastKind = kind;
+window.EXPLORER.folded = {};
+let syncing = false;
+[...new Set(DATA.charts.map(c => c.stage))].forEach(stage => {
+  const mine = DATA.charts.filter(c => c.stage === stage);
+  const h = document.createElement('h3'); h.className = 'stage'; h.id = 'stage-' + stage;
+  h.textContent = stage + ' (' + RUNS.filter(n => mine.some(c => c.runs[n])).length + ' run(s))';
+  chartsDiv.appendChild(h);
+  const grid = document.createElement('div'); grid.className = 'charts'; grid.dataset.stage = stage;
+  chartsDiv.appendChild(grid);
+  const flat = mine.filter(c => c.constant);
+  if (flat.length) {
+    const d = document.createElement('details'); d.className = 'folded'; d.dataset.stage = stage;
+    d.innerHTML = '<summary>' + flat.length + ' series that never change (folded)</summary><p class="fig">' +
+      flat.map(c => esc(c.name) + ' = ' + (c.value === null ? 'no finite value' : fmt(c.value))).join('; ') + '</p>';
+    chartsDiv.appendChild(d);
+    flat.forEach(c => { window.EXPLORER.folded[c.id] = c.value; });
   }
-  const div = document.createElement('div'); div.className = 'chart'; div.id = 'chart-' + i;
-  div.dataset.metric = c.name; chartsDiv.appendChild(div);
-  const traces = RUNS.filter(n => c.runs[n]).map(n => {
-    const s = c.runs[n];
-    return {x: s.x, y: s.y, name: n, type: 'scatter', mode: s.x.length < 30 ? 'lines+markers' : 'lines',
-            text: s.x.map(x => s.ties.includes(x) ? 'ties' : ''),
-            marker: {symbol: s.x.map(x => s.ties.includes(x) ? 'x' : 'circle'), size: 6},
-            hovertemplate: '%{y}%{text}<extra>' + esc(n) + '</extra>'};
-  });
-  window.EXPLORER.charts[c.name] = traces.map(t => ({run: t.name, x: t.x, y: t.y}));
-  const layout = {title: {text: c.name, font: {size: 13}}, margin: {l: 50, r: 10, t: 30, b: 30},
-                  hovermode: 'x unified', showlegend: RUNS.length > 1, legend: {font: {size: 9}},
-                  xaxis: {title: {text: 'step'}}, yaxis: {type: c.log ? 'log' : 'linear'}};
-  Plotly.newPlot(div, traces, layout, {displaylogo: false, responsive: true});
-  plots.push(div);
-  div.on('plotly_relayout', ev => {
-    if (syncing) return;
-    const upd = {};
-    if ('xaxis.range[0]' in ev) { upd['xaxis.range'] = [ev['xaxis.range[0]'], ev['xaxis.range[1]']]; }
-    else if ('xaxis.autorange' in ev) { upd['xaxis.autorange'] = true; } else return;
-    syncing = true;
-    Promise.all(plots.filter(p => p !== div).map(p => Plotly.relayout(p, upd))).then(() => { syncing = false; });
+  const plots = [];  // this stage's charts: zooming one zooms them, never another stage's
+  mine.filter(c => !c.constant).forEach(c => {
+    const div = document.createElement('div'); div.className = 'chart'; div.id = 'chart-' + c.id;
+    div.dataset.metric = c.name; div.dataset.stage = stage; grid.appendChild(div);
+    const traces = RUNS.filter(n => c.runs[n]).map(n => {
+      const s = c.runs[n];
+      return {x: s.x, y: s.y, name: n, type: 'scatter', mode: s.x.length < 30 ? 'lines+markers' : 'lines',
+              text: s.x.map(x => s.ties.includes(x) ? 'ties' : ''),
+              marker: {symbol: s.x.map(x => s.ties.includes(x) ? 'x' : 'circle'), size: 6},
+              hovertemplate: '%{y}%{text}<extra>' + esc(n) + '</extra>'};
+    });
+    window.EXPLORER.charts[c.id] = traces.map(t => ({run: t.name, x: t.x, y: t.y}));
+    // the title left-aligned and the mode bar upright in the right margin: neither covers the other
+    const layout = {title: {text: c.name, font: {size: 13}, x: 0.02, xanchor: 'left', xref: 'container'},
+                    margin: {l: 50, r: 36, t: 30, b: 30}, modebar: {orientation: 'v'},
+                    hovermode: 'x unified', showlegend: traces.length > 1, legend: {font: {size: 9}},
+                    xaxis: {title: {text: 'step'}}, yaxis: {type: c.log ? 'log' : 'linear'}};
+    Plotly.newPlot(div, traces, layout, {displaylogo: false, responsive: true});
+    plots.push(div);
+    div.on('plotly_relayout', ev => {
+      if (syncing) return;
+      const upd = {};
+      if ('xaxis.range[0]' in ev) { upd['xaxis.range'] = [ev['xaxis.range[0]'], ev['xaxis.range[1]']]; }
+      else if ('xaxis.autorange' in ev) { upd['xaxis.autorange'] = true; } else return;
+      syncing = true;
+      Promise.all(plots.filter(p => p !== div).map(p => Plotly.relayout(p, upd))).then(() => { syncing = false; });
+    });
   });
 });
 
