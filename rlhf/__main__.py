@@ -33,6 +33,7 @@ COMMANDS = {
     "env": "versions, devices and the paths a run would take (--check: the fast paths vs references)",
     "report": "the run explorer: one HTML page over runs",
     "serve": "serve a reward over HTTP",
+    "check": "check stages' configs without running them (what run_all.sh runs before its first stage)",
 }
 
 
