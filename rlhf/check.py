@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--world", type=int, default=1, help="the ranks the stages will run on (torchrun's)")
     ap.add_argument("stages", nargs=argparse.REMAINDER, help="stage overrides... [--- stage overrides...]")
     args = ap.parse_args(argv)
+    os.environ["WORLD_SIZE"] = str(max(args.world, 1))  # what engine.ds_config's mapping reads, as under torchrun
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     info = DistInfo(rank=0, world_size=max(args.world, 1), local_rank=0, device=device, is_main=True)
