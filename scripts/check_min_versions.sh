@@ -14,7 +14,7 @@ VENV="${VENV:-/tmp/minvenv}"
 if [ "${FRESH:-0}" = 1 ]; then rm -rf "$VENV"; fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
-mapfile -t PINS < <(grep -v '^#' constraints-min.txt | grep -v '^$')
+mapfile -t PINS < <(grep -v '^#' constraints-min.txt | grep -v '^$' | grep -v '^vllm==')  # vllm: see the file
 "$PY" -m pip install -q --only-binary=:all: --no-binary=antlr4-python3-runtime "${PINS[@]}"
 "$PY" -m pip list 2>/dev/null | grep -iE '^(torch|transformers|datasets|peft|hydra-core|wandb|tqdm|matplotlib|pyarrow|pytest|triton|numpy|tokenizers|huggingface.hub|omegaconf) '
 

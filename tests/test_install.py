@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, SMALL_MODEL, cli_env, same_run, summary
+from rlhf.__main__ import COMMANDS
 
 pytestmark = pytest.mark.slow
 
@@ -162,7 +163,7 @@ def test_installed_from_an_empty_directory_the_command_and_the_api_give_the_same
     assert run([venv / "bin" / "rlhf", "--version"], tmp_path).stdout == "rlhf-pipeline 0.1.0 (no checkout)\n"
     wrong = run([venv / "bin" / "rlhf", "pipeline"], tmp_path, check=False)
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines() == [
-        "rlhf: unknown command 'pipeline' (commands: sft, reward, ppo, dpo, evaluate, plan, env, report, serve; "
+        f"rlhf: unknown command 'pipeline' (commands: {', '.join(COMMANDS)}; "
         "rlhf --help; the whole pipeline is bash scripts/run_all.sh in a checkout)"]
     # a user's relative path resolves against their working directory, as in the checkout
     rows = (assets / "data/default/sft_train.jsonl").read_text().splitlines(keepends=True)[:200]
