@@ -316,6 +316,12 @@ class VLLMRollout:
             kwargs["max_model_len"] = settings.max_model_len
         if cpu:
             kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * (1 << 30))
+            # NOTE: no chunked prefill on CPU: a prefill split over steps discards the token sampled in its partial
+            # step and rewinds a seeded request's generator by an offset, which CPU generators do not have
+            # (vLLM 0.32 raised "CPU Generator does not use offset" on the first rollout of 128 rows); so every
+            # prefill runs whole, as vLLM itself configures its CPU backend for MLA models
+            kwargs.update(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(settings.max_model_len or config.max_position_embeddings, 8192))
         else:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = settings.sleep

@@ -160,6 +160,19 @@ def test_row_seeds_repeat_a_rollout_and_a_new_seed_changes_its_row(rollout):
     assert not torch.equal(a.responses[:, :T], c.responses[:, :T])
 
 
+def test_a_batch_of_many_seeded_rows_samples_whole_prefills(rollout):
+    """A rollout whose prompts together exceed one scheduler step (240 seeded rows): vLLM's CPU backend would
+    split a prefill and rewind its seeded generator (an offset CPU generators lack); every row comes back."""
+    tok = make_user_tokenizer()
+    ids, mask = prompts(tok)
+    ids, mask = ids.repeat(48, 1), mask.repeat(48, 1)  # 240 rows, ~6k prompt tokens
+    g = VLLMGenerator(rollout).generate(ids, mask, SamplingParams(max_new_tokens=4, temperature=1.0),
+                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                        return_logprobs=True, row_seeds=torch.arange(240))
+    assert g.sequences.shape[0] == 240 and (g.response_mask.sum(1) >= 1).all()
+    assert torch.isfinite(g.logprobs).all()
+
+
 def test_too_long_a_request_is_refused_naming_the_key(rollout):
     tok = make_user_tokenizer()
     ids, mask = prompts(tok)
