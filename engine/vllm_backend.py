@@ -329,8 +329,16 @@ class VLLMRollout:
         start = time.perf_counter()
         # NOTE: the worker reseeds torch's global RNG (the run's streams are kept: fork_rng) and, on CPU,
         # replaces torch.set_num_threads by a no-op (put back: training owns its thread count)
+        # and its CPU platform rewrites LD_PRELOAD (tcmalloc, for processes it would spawn: here, the run's
+        # environment workers would inherit it) and LOCAL_WORLD_SIZE (torchrun's): both put back as they were
+        saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.llm = LLM(**kwargs)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
         self.build_s = time.perf_counter() - start
