@@ -38,6 +38,10 @@ NOT_RUN = {
     "https://download.pytorch.org/whl/cpu && pip install -e \".[test]\" "
     "&& bash scripts/run_all.sh": "installs packages; its last command, bash scripts/run_all.sh, is run",
     "python -m pytest -q -n 2 --dist loadfile": "the test suite itself",
+    "python -m rlhf.ppo actor.model=outputs/sft algorithm=grpo ppo.kl_loss_coef=0.4 ppo.adaptive_kl=true "
+    "ppo.kl_target=0.3 ppo.kl_horizon=64 ppo.kl_coef_min=null train.kl_budget=0.5 rollout.prompts_per_step=16 "
+    "rollout.temperature=1.2 reward.sources=[judge] ppo.old_logprobs=recompute engine.generation=vllm": "a measurement "
+    "in the vLLM venv (docs/engine.md's table); tests/vllm_lane runs GRPO on vLLM at smoke size, via tests/test_vllm_lane.py",
     ". .venv-vllm/bin/activate": "the vLLM venv (scripts/vllm_cpu_venv.sh), which tests/test_vllm_lane.py builds and runs in",
     "python -m rlhf.ppo algorithm=grpo engine.generation=vllm": "needs vLLM (its own venv): tests/vllm_lane/"
     "test_vllm_rollout.py::test_grpo_on_vllm_samples_under_the_trainers_distribution runs it, via tests/test_vllm_lane.py",
