@@ -153,25 +153,29 @@ def _path_key(key: str) -> str:
     return f"{key}.model" if key in ("actor", "critic", "reference", "reward_model", "teacher") else f"{key}.name_or_path"
 
 
-def value_model_reason(path: str) -> str | None:
-    """Why the local model directory `path` (or a stage's output_dir) is a reward / value model rather
-    than a causal LM, read from its files before any weights load: its outermost adapter's task_type is
-    SEQ_CLS, or its config.json's architectures name a *ForSequenceClassification. None otherwise (and
-    for what cannot be read here: a hub name, a directory without a model)."""
+def _role_evidence(path: str, task_type: str, archs_say) -> str | None:
+    """What in the local model directory `path` (or a stage's output_dir) declares a role, read from its files
+    before any weights load: its outermost adapter's task_type equal to `task_type`, or its config.json's
+    architectures for which `archs_say(archs)` holds. None otherwise (and for what cannot be read here: a hub
+    name, a directory without a model)."""
     if not os.path.isdir(path):
         return None
     path = resolve_model_path(path, require_model=False)
     if _is_adapter(path):
         with open(os.path.join(path, "adapter_config.json")) as f:
             task = json.load(f).get("task_type")
-        return f"{path}/adapter_config.json has task_type {task!r}" if task == "SEQ_CLS" else None
+        return f"{path}/adapter_config.json has task_type {task!r}" if task == task_type else None
     if not os.path.exists(os.path.join(path, "config.json")):
         return None
     with open(os.path.join(path, "config.json")) as f:
         archs = json.load(f).get("architectures") or []
-    if any(a.endswith("ForSequenceClassification") for a in archs):
-        return f"{path}/config.json has architectures {archs}"
-    return None
+    return f"{path}/config.json has architectures {archs}" if archs_say(archs) else None
+
+
+def value_model_reason(path: str) -> str | None:
+    """Why `path` is a reward / value model rather than a causal LM (`_role_evidence`): an adapter of task_type
+    SEQ_CLS, or architectures naming a *ForSequenceClassification."""
+    return _role_evidence(path, "SEQ_CLS", lambda archs: any(a.endswith("ForSequenceClassification") for a in archs))
 
 
 def check_causal_lm(path: str | None, key: str) -> None:
@@ -185,23 +189,10 @@ def check_causal_lm(path: str | None, key: str) -> None:
 
 
 def causal_lm_reason(path: str) -> str | None:
-    """Why the local model directory `path` (or a stage's output_dir) is a causal LM rather than a reward
-    model, read from its files before any weights load: its outermost adapter's task_type is CAUSAL_LM, or
-    its config.json's architectures name a *ForCausalLM. None otherwise (a hub name, no model there)."""
-    if not os.path.isdir(path):
-        return None
-    path = resolve_model_path(path, require_model=False)
-    if _is_adapter(path):
-        with open(os.path.join(path, "adapter_config.json")) as f:
-            task = json.load(f).get("task_type")
-        return f"{path}/adapter_config.json has task_type {task!r}" if task == "CAUSAL_LM" else None
-    if not os.path.exists(os.path.join(path, "config.json")):
-        return None
-    with open(os.path.join(path, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
-    if archs and all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        return f"{path}/config.json has architectures {archs}"
-    return None
+    """Why `path` is a causal LM rather than a reward model (`_role_evidence`): an adapter of task_type CAUSAL_LM,
+    or architectures that are all *ForCausalLM / *LMHeadModel."""
+    return _role_evidence(path, "CAUSAL_LM",
+                          lambda archs: bool(archs) and all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs))
 
 
 def check_reward_model(path: str | None, key: str) -> None:
