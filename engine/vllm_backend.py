@@ -48,6 +48,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from kernels.testing import TOLERANCES
 
 from .config import VLLMConfig
 from .generation import Generated, response_mask_from_eos
@@ -110,8 +113,6 @@ def architectures(config) -> list[str]:
     yet saved) the causal-LM class transformers maps its model_type to."""
     archs = list(getattr(config, "architectures", None) or [])
     if not archs:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
         name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
         archs = [name] if isinstance(name, str) else []
     return archs
@@ -191,8 +192,6 @@ def check_model(model: torch.nn.Module, expected: ExpectedWeights) -> tuple[list
     dtype's tolerance), since a packed copy can be stale while the parameter is not. A tied LM head is
     checked by what it computes against the embedding (vLLM's CPU reload re-packs the embedding's
     layer, not the head's: `load` re-packs it, and this check is what found it)."""
-    from kernels.testing import TOLERANCES
-
     params = dict(model.named_parameters())
     bad: list[str] = []
     compared = 0
