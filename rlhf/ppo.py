@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -208,17 +209,43 @@ def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
 
 
 def run(cfg: PPOConfig) -> dict[str, Any]:
+    """The RL stage, top to bottom: open the run, refuse what cannot run before anything loads (`check_inputs`),
+    the prompts (`Prompts`), the reward source (`reward_source`) and the environment (`environment`), then
+    the models and the loop's state (`RLLoop`), one `RLLoop.step` per training step, and `RLLoop.finish`."""
     placement = split_placement(cfg)  # engine.placement=split: this rank trains or only generates
     if placement is not None and placement.role == "generate":
         return generation_rank(cfg, placement)
     run, _ = Run.open("ppo", "PPO", cfg, cfg.train, validate_ppo)
-    info, r, p = run.info, cfg.rollout, cfg.ppo
+    check_inputs(cfg)
+    tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
+    check_generation_backend(cfg.engine.generation, model_cfg(cfg, cfg.actor.model), tok, "actor", run.info.device.type)
+    if distill.is_distill(cfg):  # a local causal LM with the student's tokenizer, before the data and any weights
+        distill.check_teacher(cfg, tok, model_cfg)
+    data = Prompts.load(cfg, run, tok)
+    source = reward_source(cfg, tok, data)
+    env = environment(cfg, tok, data)
+    loop = RLLoop(cfg, run, tok, data, source, env, placement)
+    for step in run.steps():
+        loop.step(step)
+    return loop.finish()
+
+
+# ----------------------------------------------------------------------------- before any weights load
+
+
+def needs_reward_model(cfg: PPOConfig) -> bool:
+    """The `model` reward source (alone or in a weighted sum) loads a reward model; distillation has none."""
+    return "model" in cfg.reward.sources and not distill.is_distill(cfg)
+
+
+def check_inputs(cfg: PPOConfig) -> None:
+    """The model paths that will load exist (naming the stage to run first) and each model is of its role: a
+    reward model as the policy or a policy as the reward model is refused before the data and any weights."""
     if cfg.model.name_or_path is not None:
         raise ConfigError("model.name_or_path is not used by PPO: set actor.model and critic.model "
                           "(reference.model / reward_model.model default to them)")
-    est = rl_math.advantage_estimator(p.advantage_estimator)
-    distilling = distill.is_distill(cfg)  # the teacher in the reference's place, no reward source (rl/distill.py)
-    needs_rm = "model" in cfg.reward.sources and not distilling
+    est = rl_math.advantage_estimator(cfg.ppo.advantage_estimator)
+    needs_rm = needs_reward_model(cfg)
     # the critic's path is read only for a critic, or as the reward model's default source
     for key, path in (("actor.model", cfg.actor.model), ("critic.model", cfg.critic.model)):
         if key == "actor.model" or est.needs_critic or (needs_rm and cfg.reward_model.model is None):
@@ -227,105 +254,175 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         for i, path in enumerate(cfg.reward.ensemble_models):
             check_local(path, f"reward.ensemble_models[{i}]")
     for key, path in (("actor", cfg.actor.model), ("reference", cfg.reference.model)):
-        check_causal_lm(path, key)  # a reward model as the policy: refused before the data and any weights
-    if needs_rm:  # and a policy as a reward model (the critic may start from one: it learns its head)
+        check_causal_lm(path, key)
+    if needs_rm:  # (the critic may start from a policy: it learns its head)
         check_reward_model(cfg.reward_model.model or cfg.critic.model,
                            "reward_model.model" if cfg.reward_model.model else "critic.model (the reward model's "
                                                                                "default, reward_model.model=null)")
         for i, path in enumerate(cfg.reward.ensemble_models):
             check_reward_model(path, f"reward.ensemble_models[{i}]")
 
-    # ---- data
-    tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
-    check_generation_backend(cfg.engine.generation, model_cfg(cfg, cfg.actor.model), tok, "actor", info.device.type)
-    if distilling:  # a local causal LM with the student's tokenizer, before the data and any weights
-        distill.check_teacher(cfg, tok, model_cfg)
+
+@dataclass
+class Prompts:
+    """The run's prompts: the training prompts (`feats`, tokenized; `table`, the reward source's rows) in the
+    step order, the held-out prompts (`eval_prompts`, `eval_table`: the reward source's rows after the training
+    ones), what the summary says of them (`held_out`, `gold`), the run's length, and the ptx loss's SFT rows."""
+    feats: list
+    table: list
+    order: StepOrder
+    total: int  # training steps
+    n_updates: int  # optimizer steps of the actor (the learning-rate schedule's length)
+    eval_prompts: list
+    eval_table: list
+    eval_source: str
+    held_out: dict[str, Any]
+    gold: dict[str, Any]
+    ptx_feats: list | None
+    ptx_order: StepOrder | None
+
+    @classmethod
+    def load(cls, cfg: PPOConfig, run: Run, tok: Any) -> Prompts:
+        d, r, p, info = cfg.data, cfg.rollout, cfg.ppo, run.info
+        # the held-out prompts: data.eval_prompts_path's, else data.eval_path's or data.eval_size of data.path's
+        rows, held = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
+        feats, stats = tokenize_prompts(parse_prompts(rows, tok), tok, d.max_prompt_len, d.overlong, d.add_bos)
+        if d.eval_prompts_path:
+            held = load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir, key="data.eval_prompts_path")
+            eval_source = f"data.eval_prompts_path={d.eval_prompts_path}"
+        else:
+            eval_source = held_out_source(d, stage=2)
+        held = held[: d.num_eval_prompts] if d.num_eval_prompts else held
+        eval_prompts = eval_prompts_of(held, d, tok)
+        held_out = run.held_out(held, len(eval_prompts), "prompts", eval_source)
+        order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
+        total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
+        # one optimizer step per mini-batch (the batch sizes count rows: prompts x n_samples_per_prompt); online
+        # DPO: one per ppo epoch, over all of the step's pairs
+        minis = 1 if p.objective == "online_dpo" else rollout_rows(r) // r.mini_batch_size
+        n_updates = total * p.ppo_epochs * minis
+        ptx_feats, ptx_order = None, None
+        if p.ptx_coef > 0:
+            if not cfg.ptx_path:
+                raise ConfigError("ppo.ptx_coef > 0 needs ptx_path (SFT data for the pretraining loss)")
+            ptx_feats, _ = tokenize_sft(parse_sft(load_rows(cfg.ptx_path), tok), tok, d.max_len, d.max_prompt_len,
+                                        d.overlong, d.add_bos, d.assistant_only_loss)
+            ptx_order = StepOrder(len(ptx_feats), r.micro_batch_size * info.world_size, cfg.seed + 1, key="ptx_path")
+        est = rl_math.advantage_estimator(p.advantage_estimator)
+        logger.info("%s: %d prompts (%s); %d steps of %d prompts x %d samples, %d actor%s updates",
+                    p.advantage_estimator if p.objective == "rl" else p.objective, len(feats), stats, total,
+                    r.prompts_per_step, r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
+        table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
+        eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
+        return cls(feats=feats, table=table, order=order, total=total, n_updates=n_updates, eval_prompts=eval_prompts,
+                   eval_table=eval_table, eval_source=eval_source, held_out=held_out,
+                   gold=gold_applies(eval_prompts, eval_source, cfg.eval), ptx_feats=ptx_feats, ptx_order=ptx_order)
+
+
+def reward_source(cfg: PPOConfig, tok: Any, data: Prompts) -> Any:
+    """The reward source over the training then held-out prompt rows (rlhf/rl/rewards.py), checked before any
+    weights load (the rows carry what it needs, a function scores the first rows, a server answers /health); None
+    when it includes the reward model, built once the models are loaded (`RLLoop`)."""
     d = cfg.data
-    # the held-out prompts: data.eval_prompts_path's, else data.eval_path's or data.eval_size of data.path's
-    rows, held = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
-    feats, stats = tokenize_prompts(parse_prompts(rows, tok), tok, d.max_prompt_len, d.overlong, d.add_bos)
-    if d.eval_prompts_path:
-        held = load_rows(d.eval_prompts_path, d.eval_split, d.cache_dir, key="data.eval_prompts_path")
-        eval_source = f"data.eval_prompts_path={d.eval_prompts_path}"
-    else:
-        eval_source = held_out_source(d, stage=2)
-    held = held[: d.num_eval_prompts] if d.num_eval_prompts else held
-    eval_prompts = eval_prompts_of(held, d, tok)
-    held_out = run.held_out(held, len(eval_prompts), "prompts", eval_source)
-    gold = gold_applies(eval_prompts, eval_source, cfg.eval)
-    order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
-    total = cfg.train.max_steps or cfg.train.epochs * order.steps_per_epoch
-    minis = rollout_rows(r) // r.mini_batch_size  # the batch sizes count rows: prompts x n_samples_per_prompt
-    if p.objective == "online_dpo":  # one optimizer step per ppo epoch, over all of the step's pairs
-        minis = 1
-    n_updates = total * p.ppo_epochs * minis
-    ptx_feats, ptx_order = None, None
-    if p.ptx_coef > 0:
-        if not cfg.ptx_path:
-            raise ConfigError("ppo.ptx_coef > 0 needs ptx_path (SFT data for the pretraining loss)")
-        ptx_feats, _ = tokenize_sft(parse_sft(load_rows(cfg.ptx_path), tok), tok, d.max_len, d.max_prompt_len,
-                                    d.overlong, d.add_bos, d.assistant_only_loss)
-        ptx_order = StepOrder(len(ptx_feats), r.micro_batch_size * info.world_size, cfg.seed + 1, key="ptx_path")
-    logger.info("%s: %d prompts (%s); %d steps of %d prompts x %d samples, %d actor%s updates",
-                p.advantage_estimator if p.objective == "rl" else p.objective, len(feats), stats, total, r.prompts_per_step,
-                r.n_samples_per_prompt, n_updates, "/critic" if est.needs_critic else " (no critic)")
-
-    # ---- reward source (rlhf/rl/rewards.py): prompt rows of training, then of evaluation (group offset)
-    table = [rewards.prompt_row(f["prompt"], f["answer"], f["meta"]) for f in feats]
-    eval_table = [rewards.prompt_row(e.text, e.answer, {"task": e.task} if e.task else {}) for e in eval_prompts]
-    if distilling:  # the only reward: -kl_coef x the per-token reverse KL to the teacher
-        source = distill.NoReward()
+    if distill.is_distill(cfg):  # the only reward: -kl_coef x the per-token reverse KL to the teacher
         logger.info("reward: -%g x the per-token reverse KL to teacher.model=%s (no reward model loaded)",
-                    p.kl_coef, cfg.teacher.model)
-    else:
-        rewards.check_rows(cfg.reward.sources, table, f"data.path={d.path!r}")
-        rewards.check_rows(cfg.reward.sources, eval_table, f"the held-out prompts ({eval_source})")
-        if "function" in cfg.reward.sources:  # called on the first prompt rows: one that scores nothing stops here
-            rewards.check_function(cfg.reward, tok, table, f"data.path={d.path!r}")
-        if "http" in cfg.reward.sources:  # GET /health: a server that is not there stops the run before any weights
-            health = rewards.check_http(cfg.reward)
-            logger.info("reward server %s: %s", cfg.reward.url, health.get("source"))
-        source = None if needs_rm else rewards.build(cfg.reward, tok, table + eval_table)
-        logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
+                    cfg.ppo.kl_coef, cfg.teacher.model)
+        return distill.NoReward()
+    rewards.check_rows(cfg.reward.sources, data.table, f"data.path={d.path!r}")
+    rewards.check_rows(cfg.reward.sources, data.eval_table, f"the held-out prompts ({data.eval_source})")
+    if "function" in cfg.reward.sources:  # called on the first prompt rows: one that scores nothing stops here
+        rewards.check_function(cfg.reward, tok, data.table, f"data.path={d.path!r}")
+    if "http" in cfg.reward.sources:  # GET /health: a server that is not there stops the run before any weights
+        health = rewards.check_http(cfg.reward)
+        logger.info("reward server %s: %s", cfg.reward.url, health.get("source"))
+    needs_rm = needs_reward_model(cfg)
+    logger.info("reward: %s%s", rewards.describe(cfg.reward), "" if needs_rm else " (no reward model loaded)")
+    return None if needs_rm else rewards.build(cfg.reward, tok, data.table + data.eval_table)
 
-    # ---- the environment (rollout.env: multi-turn episodes, rlhf/rl/multiturn.py), before any weights load
-    env = None
-    if r.env:
-        if p.objective != "rl":
-            raise ConfigError(f"rollout.env works with the RL objective, not ppo.objective={p.objective}")
-        if cfg.engine.placement == "split":  # the generation ranks sample single-turn responses only
-            raise ConfigError("rollout.env (multi-turn episodes) runs with engine.placement=colocated, not split")
-        settings = multiturn.Settings.of(r)
-        runner = make_runner(load_environment(r.env), r.env_workers, r.env_timeout_s)
-        glue = multiturn.template_glue(tok, tuple(r.turn_stop))
-        env = (runner, settings, glue, eval_table)
-        logger.info("multi-turn: rollout.env=%s, up to %d turns of %d tokens, %d tokens per episode; glue: %s; "
-                    "%s", r.env, r.max_turns, r.max_new_tokens, settings.budget, glue.source,
-                    f"{r.env_workers} env workers" if r.env_workers else "environments in this process")
 
-    # ---- models
-    models = Models(cfg, tok, info, n_updates, reward_source=source)
-    if needs_rm:  # the reward model's source, alone or inside a weighted sum
-        models.reward_source = rewards.build(cfg.reward, tok, table + eval_table, reward_model=models.reward_source)
-    # ppo.adaptive_kl moves the coefficient of the KL's placement: the reward penalty (ppo.kl_coef), or the loss
-    # term (ppo.kl_loss_coef) when the reward has none (GRPO's placement)
-    in_loss = p.adaptive_kl and not p.kl_coef and p.kl_loss_coef > 0
-    init = p.kl_loss_coef if in_loss else p.kl_coef
-    floor = init if p.kl_coef_min is None else p.kl_coef_min  # ppo.kl_coef_min=null: a KL budget
-    kl_ctl = rl_math.make_kl_controller(init, p.adaptive_kl, p.kl_target, p.kl_horizon, floor if p.adaptive_kl else 0.0)
-    reward_kl_coef = (lambda: 0.0) if in_loss else (lambda: kl_ctl.value)
-    monitor = alarms.Monitor(cfg.alarms)
-    old_logprobs = OldLogprobs(p, r)  # ppo.old_logprobs: the actor's scoring forward or the sampler's (rl/old_logprobs.py)
+def environment(cfg: PPOConfig, tok: Any, data: Prompts) -> tuple | None:
+    """rollout.env (multi-turn episodes, rlhf/rl/multiturn.py), before any weights load: (runner, settings,
+    glue, the held-out rows); None without one."""
+    r = cfg.rollout
+    if not r.env:
+        return None
+    if cfg.ppo.objective != "rl":
+        raise ConfigError(f"rollout.env works with the RL objective, not ppo.objective={cfg.ppo.objective}")
+    if cfg.engine.placement == "split":  # the generation ranks sample single-turn responses only
+        raise ConfigError("rollout.env (multi-turn episodes) runs with engine.placement=colocated, not split")
+    settings = multiturn.Settings.of(r)
+    runner = make_runner(load_environment(r.env), r.env_workers, r.env_timeout_s)
+    glue = multiturn.template_glue(tok, tuple(r.turn_stop))
+    logger.info("multi-turn: rollout.env=%s, up to %d turns of %d tokens, %d tokens per episode; glue: %s; "
+                "%s", r.env, r.max_turns, r.max_new_tokens, settings.budget, glue.source,
+                f"{r.env_workers} env workers" if r.env_workers else "environments in this process")
+    return runner, settings, glue, data.eval_table
 
-    best = BestEval(cfg.train, "gold_score" if gold["eval_prompts_source"] else "reward")
 
-    def evaluate_and_watch() -> dict[str, Any]:  # the gold alarm is checked at each evaluation
-        step = len(monitor.history)
-        ev = monitor.after_eval(step, evaluate(models, eval_prompts, tok, cfg, len(table),
-                                               gold=bool(gold["eval_prompts_source"]), tools=env))
+# ----------------------------------------------------------------------------- the loop
+
+
+class RLLoop:
+    """The models and the state the steps carry (the KL controller, the alarms, the old log-probs' source, the best
+    evaluation; checkpointed with the models), and the step in its phases:
+
+        generate -> score -> experience -> train -> metrics -> watch
+
+    Built after `Run.open`: it loads the models, then `run.begin` resumes or evaluates before the first step."""
+
+    def __init__(self, cfg: PPOConfig, run: Run, tok: Any, data: Prompts, source: Any, env: tuple | None,
+                 placement: Placement | None):
+        self.cfg, self.run, self.tok, self.data, self.env = cfg, run, tok, data, env
+        p, r, info = cfg.ppo, cfg.rollout, run.info
+        self.models = Models(cfg, tok, info, data.n_updates, reward_source=source)
+        if source is None:  # the reward model's source, alone or inside a weighted sum
+            self.models.reward_source = rewards.build(cfg.reward, tok, data.table + data.eval_table,
+                                                      reward_model=self.models.reward_source)
+        # ppo.adaptive_kl moves the coefficient of the KL's placement: the reward penalty (ppo.kl_coef), or the loss
+        # term (ppo.kl_loss_coef) when the reward has none (GRPO's placement)
+        self.in_loss = p.adaptive_kl and not p.kl_coef and p.kl_loss_coef > 0
+        init = p.kl_loss_coef if self.in_loss else p.kl_coef
+        floor = init if p.kl_coef_min is None else p.kl_coef_min  # ppo.kl_coef_min=null: a KL budget
+        self.kl_ctl = rl_math.make_kl_controller(init, p.adaptive_kl, p.kl_target, p.kl_horizon,
+                                                 floor if p.adaptive_kl else 0.0)
+        self.monitor = alarms.Monitor(cfg.alarms)
+        self.old_logprobs = OldLogprobs(p, r)  # the actor's scoring forward or the sampler's (rl/old_logprobs.py)
+        self.best = BestEval(cfg.train, "gold_score" if data.gold["eval_prompts_source"] else "reward")
+        run.begin(self.models, data.total, self.evaluate_and_watch, _eval_line, memory=self.models,
+                  state_fn=lambda: {"kl_ctl": self.kl_ctl.state_dict(), "alarms": self.monitor.state_dict(),
+                                    "old_logprobs": self.old_logprobs.state_dict(), "best": self.best.state_dict()})
+        for key, part in (("best", self.best), ("kl_ctl", self.kl_ctl), ("alarms", self.monitor),
+                          ("old_logprobs", self.old_logprobs)):
+            if key in run.extra_state:
+                part.load_state_dict(run.extra_state[key])
+        self.side = None  # engine.placement=split: the rollouts come from the generation ranks (rlhf/rl/split.py)
+        if placement is not None:
+            self.side = split.TrainerSide(self.models.actor, placement, cfg, start=run.start, total=data.total)
+            self.side.send_weights(run.start)
+        self.dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
+        self.losses = ((online_dpo.make_loss(cfg) if self.dpo
+                        else actor_loss(cfg, (lambda: self.kl_ctl.value) if self.in_loss else None)),
+                       make_critic_loss(p.cliprange_value))
+        self.micro_per_step = p.ppo_epochs * (1 if self.dpo else rollout_rows(r) // r.mini_batch_size) * (
+            r.mini_batch_size // info.world_size // r.micro_batch_size)
+        self.times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
+        # engine.deterministic: every rollout batch padded to the longest prompt, each row its own sampling stream
+        self.width = max(len(f["input_ids"]) for f in data.feats) if cfg.engine.deterministic else None
+
+    def reward_kl_coef(self) -> float:
+        """The KL penalty's coefficient in the reward (0 when the adaptive coefficient is the loss term's)."""
+        return 0.0 if self.in_loss else self.kl_ctl.value
+
+    def evaluate_and_watch(self) -> dict[str, Any]:
+        """The held-out evaluation, with the gold alarm and what train.export_best / kl_budget / early_stop_patience
+        decide from it."""
+        run, best, monitor, cfg = self.run, self.best, self.monitor, self.cfg
+        step, total = len(monitor.history), self.data.total
+        ev = monitor.after_eval(step, evaluate(self.models, self.data.eval_prompts, self.tok, cfg, len(self.data.table),
+                                               gold=bool(self.data.gold["eval_prompts_source"]), tools=self.env))
         alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
         if best.after_eval(step, ev) and best.keeps_actor:
-            models.snapshot_actor()  # collective
+            self.models.snapshot_actor()  # collective
         if best.over is not None and step < total:  # (the final evaluation ends the run anyway)
             run.stop(f"train.kl_budget: held-out KL {best.over['kl']:.4g} at step {step} is over the budget "
                      f"{cfg.train.kl_budget:g}; the actor of step {best.step} (KL {best.eval.get('kl', 0.0):.4g}) is exported")
@@ -334,159 +431,196 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
                      f"than step {best.step}'s {best.score:.4g}")
         return ev
 
-    run.begin(models, total, evaluate_and_watch, _eval_line, memory=models,
-              state_fn=lambda: {"kl_ctl": kl_ctl.state_dict(), "alarms": monitor.state_dict(),
-                                "old_logprobs": old_logprobs.state_dict(), "best": best.state_dict()})
-    if "best" in run.extra_state:
-        best.load_state_dict(run.extra_state["best"])
-    if "kl_ctl" in run.extra_state:
-        kl_ctl.load_state_dict(run.extra_state["kl_ctl"])
-    if "alarms" in run.extra_state:
-        monitor.load_state_dict(run.extra_state["alarms"])
-    if "old_logprobs" in run.extra_state:
-        old_logprobs.load_state_dict(run.extra_state["old_logprobs"])
-    side = None  # engine.placement=split: the rollouts come from the generation ranks (rlhf/rl/split.py)
-    if placement is not None:
-        side = split.TrainerSide(models.actor, placement, cfg, start=run.start, total=total)
-        side.send_weights(run.start)
+    # ---- one step: generate -> score -> experience -> train -> metrics -> watch
 
-    # ---- the loop: generate -> score -> rewards + advantages -> update -> metrics
-    dpo = p.objective == "online_dpo"  # the pair loss on each step's best-vs-worst responses (rl/online_dpo.py)
-    losses = ((online_dpo.make_loss(cfg) if dpo else actor_loss(cfg, (lambda: kl_ctl.value) if in_loss else None)),
-              make_critic_loss(p.cliprange_value))
-    eos, pad = tok.eos_token_id, tok.pad_token_id
-    micro_per_step = p.ppo_epochs * minis * (r.mini_batch_size // info.world_size // r.micro_batch_size)
-    times: dict[str, list[float]] = {"generation_s": [], "scoring_s": [], "training_s": []}
-    # engine.deterministic: every rollout batch padded to the longest prompt, each row its own sampling stream
-    width = max(len(f["input_ids"]) for f in feats) if cfg.engine.deterministic else None
-    for step in run.steps():
+    def step(self, step: int) -> None:
         t0 = time.time()
         rng = rng_state()  # a step that gets no reward is checkpointed as it began
-        # this rank's prompts, each n_samples_per_prompt times in a row (a group stays on its rank)
-        idx = [i for i in order.rank_rows(step, info.rank, info.world_size, 1)[0] for _ in range(r.n_samples_per_prompt)]
-        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
-        episodes = None
-        if side is None and env is not None:  # one episode per row, over turns with the environment
-            rollout, episodes = multiturn.generate_episodes(
-                models.actor, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx),
-                [table[i] for i in idx], sampling(cfg), tok, env[0], env[1], env[2], seeds)
-            meta = {}
-        elif side is None:
-            rollout, meta = generate(models.actor, collate_prompts([feats[i] for i in idx], pad, width),
-                                     torch.tensor(idx), sampling(cfg), eos, pad, seeds), {}
-        else:  # sampled on a generation rank with these very rows and seeds, with a version <= max_staleness old
-            rollout, meta = side.receive(step)
+        rollout, meta, episodes = self.generate(step)
         t1 = time.time()
-        from_sampler = not old_logprobs.recompute(step)
+        from_sampler = not self.old_logprobs.recompute(step)
+        scored, env_rec = self.score(step, rollout, episodes, from_sampler, rng)
+        reward_errors = rewards.report_errors(self.models.reward_source, step + 1)  # those rows' scores are NaN
+        exp, dropped = self.experience(rollout, scored, episodes)
+        t2 = time.time()
+        a_stats, c_stats, pairs = self.train(step, rollout, scored, exp)
+        t3 = time.time()
+        rec = self.metrics(step, rollout, exp, scored, a_stats, c_stats, pairs, (t0, t1, t2, t3), dropped, from_sampler,
+                           meta=meta, reward_errors=reward_errors, env_rec=env_rec)
+        self.watch(step, rec)
+
+    def generate(self, step: int) -> tuple[Rollout, dict, Any]:
+        """This rank's prompts of `step`, each n_samples_per_prompt times in a row (a group stays on its rank),
+        sampled: single-turn, multi-turn episodes with the environment, or received from a generation rank
+        (split placement: sampled there with these very rows and seeds, a version <= max_staleness old).
+        Returns (rollout, the transfer's metrics, the episodes or None)."""
+        cfg, r, info, feats = self.cfg, self.cfg.rollout, self.run.info, self.data.feats
+        if self.side is not None:
+            rollout, meta = self.side.receive(step)
+            return rollout, meta, None
+        pad = self.tok.pad_token_id
+        idx = [i for i in self.data.order.rank_rows(step, info.rank, info.world_size, 1)[0]
+               for _ in range(r.n_samples_per_prompt)]
+        seeds = rollout_seeds(cfg.seed, step, idx, r.n_samples_per_prompt) if row_streams(cfg) else None
+        prompts = collate_prompts([feats[i] for i in idx], pad, self.width)
+        if self.env is not None:  # one episode per row, over turns with the environment
+            runner, settings, glue, _ = self.env
+            rollout, episodes = multiturn.generate_episodes(
+                self.models.actor, prompts, torch.tensor(idx), [self.data.table[i] for i in idx], sampling(cfg),
+                self.tok, runner, settings, glue, seeds)
+            return rollout, {}, episodes
+        return generate(self.models.actor, prompts, torch.tensor(idx), sampling(cfg), self.tok.eos_token_id, pad,
+                        seeds), {}, None
+
+    def score(self, step: int, rollout: Rollout, episodes: Any, from_sampler: bool, rng: Any) -> tuple[dict, dict | None]:
+        """Old and reference log-probs, values and the reward source's scores (+ the environment's reward parts).
+        A step in which no row gets a reward, or whose episodes faulted past the limit, stops the run after writing
+        the checkpoint of the step before, with the RNG as this step began (a resume redoes the step exactly)."""
         try:
-            scored = models.score(rollout, old_from_sampler=from_sampler)
-            rewards.check_step(models.reward_source, scored["score"], f"step {step + 1}")
+            scored = self.models.score(rollout, old_from_sampler=from_sampler)
+            rewards.check_step(self.models.reward_source, scored["score"], f"step {step + 1}")
+            env_rec = None
             if episodes is not None:  # faulted episodes over the fraction (or all): stopped before the step trains
-                env_rec = multiturn.step_env_metrics(episodes, info.device)
-                multiturn.check_failures(env_rec, episodes, env[1])
-        except (*rewards.STOPS, multiturn.EpisodesFailed):  # the state after `step` steps kept, this step redone
+                env_rec = multiturn.step_env_metrics(episodes, self.run.info.device)
+                multiturn.check_failures(env_rec, episodes, self.env[1])
+        except (*rewards.STOPS, multiturn.EpisodesFailed):
             set_rng_state(rng)  # as it was when the step began, so that the resumed step samples the same
-            if step > run.start or run.resume_path is None:  # (unless resumed from that very checkpoint)
+            if step > self.run.start or self.run.resume_path is None:  # (unless resumed from that very checkpoint)
                 logger.error("step %d cannot train (no reward, or its episodes faulted): checkpoint %s written "
-                             "before stopping", step + 1, run.save(step))
+                             "before stopping", step + 1, self.run.save(step))
             raise
-        reward_errors = rewards.report_errors(models.reward_source, step + 1)  # those rows' scores are NaN
+        return scored, env_rec
+
+    def experience(self, rollout: Rollout, scored: dict, episodes: Any) -> tuple[Any, int]:
+        """Rows with a non-finite value dropped (counted), uniform groups dropped (ppo.dynamic_sampling), then the
+        rewards, advantages and returns (rlhf/rl/experience.py). Returns (experience, groups dropped)."""
+        p, r = self.cfg.ppo, self.cfg.rollout
         if episodes is not None:  # the environment's reward parts, summed per episode, on top of reward.sources
             scored["score"] = scored["score"] + episodes.env_reward.to(scored["score"].device)
         mask_nonfinite(rollout, scored)  # a NaN/inf from any model drops its row, counted and named
         dropped = drop_uniform_groups(rollout, scored["score"]) if p.dynamic_sampling else 0
         exp = build_experience(rollout.sequences, rollout.attention_mask, rollout.response_mask, rollout.prompt_len,
-                               scored, kl_coef=reward_kl_coef(), kl_estimator=p.kl_estimator,
+                               scored, kl_coef=self.reward_kl_coef(), kl_estimator=p.kl_estimator,
                                clip_reward_value=p.clip_reward_value, gamma=p.gamma, lam=p.lam,
                                estimator=p.advantage_estimator, group=rollout.group, whiten=p.whiten_advantages,
                                norm_by_std=p.norm_by_std, max_len=r.max_new_tokens,
                                overlong_buffer=p.overlong_buffer, overlong_penalty=p.overlong_penalty)
-        t2 = time.time()
-        ptx = None if ptx_feats is None else ptx_batches(ptx_feats, ptx_order, step * micro_per_step, info, pad)
-        if dpo:
+        return exp, dropped
+
+    def train(self, step: int, rollout: Rollout, scored: dict, exp: Any) -> tuple[list, list, Any]:
+        """The update (`ppo.ppo_epochs` passes of mini-batches, rlhf/rl/update.py; online DPO: the pair loss on
+        each group's best vs worst), then, on split placement, the new weights on their way to the generators.
+        Returns (actor stats, critic stats, online DPO's pairs or None)."""
+        data, pairs = self.data, None
+        ptx = None if data.ptx_feats is None else ptx_batches(data.ptx_feats, data.ptx_order, step * self.micro_per_step,
+                                                              self.run.info, self.tok.pad_token_id)
+        if self.dpo:
             pairs = online_dpo.pairs_of(rollout, scored["score"])
-            a_stats, c_stats = online_dpo.update(models, rollout, scored, pairs, cfg, losses[0], run), []
+            a_stats, c_stats = online_dpo.update(self.models, rollout, scored, pairs, self.cfg, self.losses[0], self.run), []
         else:
-            a_stats, c_stats = update(models, exp, cfg, losses, ptx, run)
-        if side is not None:  # the new version on its way to the generators while this step's metrics are made
-            side.after_step(step)
-        t3 = time.time()
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, reward_kl_coef(), (t0, t1, t2, t3), dropped, from_sampler)
-        if in_loss:  # the coefficient this step's loss used
-            rec["kl_loss_coef"] = kl_ctl.value
-        old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
+            a_stats, c_stats = update(self.models, exp, self.cfg, self.losses, ptx, self.run)
+        if self.side is not None:  # while this step's metrics are made
+            self.side.after_step(step)
+        return a_stats, c_stats, pairs
+
+    def metrics(self, step: int, rollout: Rollout, exp: Any, scored: dict, a_stats: list, c_stats: list, pairs: Any,
+                times: tuple, dropped: int, from_sampler: bool, *, meta: dict, reward_errors: int,
+                env_rec: dict | None) -> dict[str, Any]:
+        """The step's record (rlhf/rl/metrics.py): rewards, KL, lengths, losses, phase times, the sampler's gap,
+        the split placement's transfer (`meta`), the generation engine's sync and memory, the reward sources'
+        errors, latency and disagreement, the environment's figures; the KL controller and the old log-probs'
+        source move on it."""
+        cfg, r, info = self.cfg, self.cfg.rollout, self.run.info
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, self.reward_kl_coef(), times, dropped, from_sampler)
+        if self.in_loss:  # the coefficient this step's loss used
+            rec["kl_loss_coef"] = self.kl_ctl.value
+        self.old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source
         rec.update(meta)  # split: policy_version, staleness, the weight transfer's bytes / s / GB/s
-        rec.update(models.actor.generation_metrics())  # vLLM's sync bytes / s / GB/s, the phases' peak memory
-        if dpo:
+        rec.update(self.models.actor.generation_metrics())  # vLLM's sync bytes / s / GB/s, the phases' peak memory
+        if self.dpo:
             rec.update(online_dpo.pair_metrics(pairs, scored["score"], a_stats))
-        for key in times:
-            times[key].append(rec[key])
-        kl_ctl.update(rec["kl"], rollout_rows(r))
+        for key in self.times:
+            self.times[key].append(rec[key])
+        self.kl_ctl.update(rec["kl"], rollout_rows(r))
         rec["reward_errors"] = int(all_reduce_sum(torch.tensor([float(reward_errors)], device=info.device)).item())
-        rec.update(rewards.http_stats(models.reward_source))  # this rank's http requests, p50/p99 latency
-        if episodes is not None:  # turns, tool calls, observation tokens, env seconds, faults (summed over ranks)
+        source = self.models.reward_source
+        rec.update(rewards.http_stats(source))  # this rank's http requests, p50/p99 latency
+        if env_rec is not None:  # turns, tool calls, observation tokens, env seconds, faults (summed over ranks)
             rec.update(env_rec)
-        if (std := rewards.disagreement(models.reward_source)) is not None:  # a reward ensemble: its members' std
+        if (std := rewards.disagreement(source)) is not None:  # a reward ensemble: its members' std
             ok = torch.isfinite(std).double()
             d = all_reduce_sum(torch.stack([std.double().nan_to_num() @ ok, ok.sum()]))
             rec["reward_disagreement"] = (d[0] / d[1]).item() if d[1] > 0 else float("nan")
-        rec.update(monitor.after_step(step + 1, rec))  # reward-hacking alarms (rlhf/rl/alarms.py)
-        alarms.stop_run(run, monitor, cfg.train.stop_on_alarm)
+        return rec
+
+    def watch(self, step: int, rec: dict[str, Any]) -> None:
+        """The reward-hacking alarms (rlhf/rl/alarms.py; train.stop_on_alarm), then the step's line."""
+        run, monitor = self.run, self.monitor
+        rec.update(monitor.after_step(step + 1, rec))
+        alarms.stop_run(run, monitor, self.cfg.train.stop_on_alarm)
         if run.logs(step) or monitor.fired:
             run.log_train(step, rec, dict(reward=f"{rec['reward']:.3f}", kl=f"{rec['kl']:.3f}",
                                           len=f"{rec['response_len']:.1f}"))
 
-    # ---- final evaluation, export, summary
-    if side is not None:  # the generators stopped; what they sampled past the last step trained is discarded
-        side.stop()
-    last = run.evaluate_after()
-    if env is not None:
-        env[0].close()  # every episode's environment
-        env[0].shutdown()  # and the process pool's workers (rollout.env_workers > 0)
-    exported = best.exported(run.total, last)  # train.export_best: the best evaluation's step, else the last
-    after = exported["eval"]
-    out_dir = cfg.output_dir
-    model_dir = models.export(tok, cfg, models.best_actor if exported["step"] != run.total else None)
-    if cfg.train.export_best or best.over is not None:
-        logger.info("%s: exported the actor of step %d (held-out %s %.4g, KL %.4g; the last step %d's: %.4g, KL %.4g) "
-                    "as %s", best.exported_by(), exported["step"], best.metric, after.get(best.metric, float("nan")),
-                    after.get("kl", float("nan")), run.total, last.get(best.metric, float("nan")),
-                    last.get("kl", float("nan")), model_dir)
-    before, n = run.before, max(len(times["generation_s"]), 1)
-    return run.finish({
-        **held_out,
-        **gold,
-        **gold_summary(before, after),
-        **({"gold_score_tool_before": before.get("gold_score_tool"), "gold_score_tool_after": after.get("gold_score_tool"),
-            "tool_calls_eval_after": after.get("tool_calls_eval"), "turns_eval_after": after.get("turns_eval"),
-            **{k: sum(x.get(k, 0) for x in read_metrics(out_dir, "train")) for k in ("env_errors", "env_timeouts",
-                                                                                  "template_mismatch")},
-            } if env else {}),
-        "exported_step": exported["step"],  # the step whose actor is model/ (train.export_best: the best evaluation's)
-        **({"exported_by": best.exported_by(), "last_step_eval": without_samples(last)}
-           if cfg.train.export_best or cfg.train.kl_budget is not None else {}),
-        **({"kl_budget": cfg.train.kl_budget, "kl_budget_exceeded": best.over} if cfg.train.kl_budget is not None else {}),
-        **({"reward_disagreement": after.get("reward_disagreement")} if "reward_disagreement" in after else {}),
-        "kl": after.get("kl"),
-        "reward_before": before.get("reward"),
-        "reward_after": after.get("reward"),
-        ("kl_loss_coef_final" if in_loss else "kl_coef_final"): kl_ctl.value,
-        "advantage_estimator": p.advantage_estimator,
-        "objective": p.objective,
-        **({"teacher": cfg.teacher.model} if distilling else {}),
-        **({"pairs": sum(x.get("pairs", 0) for x in read_metrics(out_dir, "train")),
-            "tied_groups": sum(x.get("tied_groups", 0) for x in read_metrics(out_dir, "train"))} if dpo else {}),
-        "samples_per_step": rollout_rows(r),
-        "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
-        "reward_sources": list(cfg.reward.sources),
-        "reward_errors": sum(x.get("reward_errors", 0) for x in read_metrics(out_dir, "train")),
-        "alarms_fired": monitor.first_fired,  # name -> the first step it fired
-        "stopped_early": run.stop_reason,
-        "generation_path": models.actor.generation_path,
-        "placement": cfg.engine.placement,
-        **({"rollout_mode": r.mode, "max_staleness": split.staleness_bound(r), **side.summary()} if side else {}),
-        **{f"step_{k}": sum(v) / n for k, v in times.items()},
-    }, model_dir, plot(p.kl_estimator), last.get("samples", []))
+    # ---- after the last step
+
+    def finish(self) -> dict[str, Any]:
+        """The final evaluation, the export (train.export_best: the best evaluation's actor) and summary.json."""
+        cfg, run, p, r, best, env, models = self.cfg, self.run, self.cfg.ppo, self.cfg.rollout, self.best, self.env, self.models
+        if self.side is not None:  # the generators stopped; what they sampled past the last step trained is discarded
+            self.side.stop()
+        last = run.evaluate_after()
+        if env is not None:
+            env[0].close()  # every episode's environment
+            env[0].shutdown()  # and the process pool's workers (rollout.env_workers > 0)
+        exported = best.exported(run.total, last)  # train.export_best: the best evaluation's step, else the last
+        after = exported["eval"]
+        out_dir = cfg.output_dir
+        model_dir = models.export(self.tok, cfg, models.best_actor if exported["step"] != run.total else None)
+        if cfg.train.export_best or best.over is not None:
+            logger.info("%s: exported the actor of step %d (held-out %s %.4g, KL %.4g; the last step %d's: %.4g, "
+                        "KL %.4g) as %s", best.exported_by(), exported["step"], best.metric,
+                        after.get(best.metric, float("nan")), after.get("kl", float("nan")), run.total,
+                        last.get(best.metric, float("nan")), last.get("kl", float("nan")), model_dir)
+        before, n, times = run.before, max(len(self.times["generation_s"]), 1), self.times
+        train_rows = read_metrics(out_dir, "train")
+
+        def total(key: str) -> Any:
+            return sum(x.get(key, 0) for x in train_rows)
+
+        return run.finish({
+            **self.data.held_out,
+            **self.data.gold,
+            **gold_summary(before, after),
+            **({"gold_score_tool_before": before.get("gold_score_tool"), "gold_score_tool_after": after.get("gold_score_tool"),
+                "tool_calls_eval_after": after.get("tool_calls_eval"), "turns_eval_after": after.get("turns_eval"),
+                **{k: total(k) for k in ("env_errors", "env_timeouts", "template_mismatch")},
+                } if env else {}),
+            "exported_step": exported["step"],  # the step whose actor is model/ (train.export_best: the best evaluation's)
+            **({"exported_by": best.exported_by(), "last_step_eval": without_samples(last)}
+               if cfg.train.export_best or cfg.train.kl_budget is not None else {}),
+            **({"kl_budget": cfg.train.kl_budget, "kl_budget_exceeded": best.over} if cfg.train.kl_budget is not None else {}),
+            **({"reward_disagreement": after.get("reward_disagreement")} if "reward_disagreement" in after else {}),
+            "kl": after.get("kl"),
+            "reward_before": before.get("reward"),
+            "reward_after": after.get("reward"),
+            ("kl_loss_coef_final" if self.in_loss else "kl_coef_final"): self.kl_ctl.value,
+            "advantage_estimator": p.advantage_estimator,
+            "objective": p.objective,
+            **({"teacher": cfg.teacher.model} if distill.is_distill(cfg) else {}),
+            **({"pairs": total("pairs"), "tied_groups": total("tied_groups")} if self.dpo else {}),
+            "samples_per_step": rollout_rows(r),
+            "empty_responses": total("empty_responses"),
+            "reward_sources": list(cfg.reward.sources),
+            "reward_errors": total("reward_errors"),
+            "alarms_fired": self.monitor.first_fired,  # name -> the first step it fired
+            "stopped_early": run.stop_reason,
+            "generation_path": models.actor.generation_path,
+            "placement": cfg.engine.placement,
+            **({"rollout_mode": r.mode, "max_staleness": split.staleness_bound(r), **self.side.summary()}
+               if self.side else {}),
+            **{f"step_{k}": sum(v) / n for k, v in times.items()},
+        }, model_dir, plot(p.kl_estimator), last.get("samples", []))
 
 
 class BestEval:
