@@ -79,6 +79,12 @@ class EngineConfig:
     # Fused kernels (kernels/) in the model's forwards: norms, SwiGLU, rotary, and log-probs/entropy
     # straight from hidden states (engine/kernel_injection.py). Triton on CUDA, references elsewhere.
     kernels: bool = False  # fused kernels: norms, SwiGLU, rotary, log-probs from hidden states
+    # A policy forward whose [rows, length, vocab] float32 logits would exceed this many MiB takes its log-probs
+    # and entropy from the hidden states instead, a [chunk, vocab] slice of at most this size at a time
+    # (kernels.fused_logprobs_entropy: chunked PyTorch on CPU, Triton on CUDA), so long responses never hold the
+    # whole logits. null = the model's own logits always (engine.kernels=true chunks at 256 MiB anyway).
+    # The default is measured (scripts/bench_logits.py, docs/engine.md).
+    max_logits_mb: float | None = 256.0  # MiB of fp32 logits a policy forward may materialise; above: chunked log-probs
     # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
     # for training) instead of keeping them for the next phase (an in-place weight refresh).
     release_inference_cache: bool = False  # free the injected weights/KV cache/graphs after each generation phase
@@ -184,6 +190,9 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
     if isinstance(cfg.generation_ranks, bool) or not isinstance(cfg.generation_ranks, int) or cfg.generation_ranks < 1:
         raise ValueError(f"engine.generation_ranks must be an integer >= 1 (ranks that generate under "
                          f"engine.placement=split), got {cfg.generation_ranks!r}")
+    if cfg.max_logits_mb is not None and not (isinstance(cfg.max_logits_mb, (int, float)) and cfg.max_logits_mb > 0):
+        raise ValueError(f"engine.max_logits_mb must be null (the model's logits always) or > 0 (MiB of float32 logits "
+                         f"a policy forward may hold), got {cfg.max_logits_mb!r}")
     if not (isinstance(cfg.weight_bucket_mb, (int, float)) and cfg.weight_bucket_mb > 0):
         raise ValueError(f"engine.weight_bucket_mb must be > 0 (MiB per bucket of the weight stream), "
                          f"got {cfg.weight_bucket_mb!r}")

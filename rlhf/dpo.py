@@ -249,7 +249,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     unit = data.unit
 
     # ---- policy (+ reference) and engines
-    model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels)
+    model = Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed)), fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb)
     check_context(model, d.max_len, "data.max_len")
     # the training batches are packed (data.packing); the reference tables and held-out figures are
     # computed on padded batches (equal to rounding: tests/test_packing.py)
@@ -265,7 +265,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     if needs_ref and online:  # with LoRA the policy's own base; else a frozen copy of the starting model
         ref_engine = engine if lora else FrozenEngine(
             Policy(disable_dropout(load_causal_lm(cfg.model, tok, seed=cfg.seed, key="model", lora=False)),
-                   fused=cfg.engine.kernels), engine_config(cfg.engine, info, frozen=True), info)
+                   fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb), engine_config(cfg.engine, info, frozen=True), info)
     elif needs_ref and run.resume_path is None:  # the untrained policy is the reference, on the pairs the run reads
         used = sorted({i for s in range(data.total) for i in data.order.global_rows(s)})
         state.tables = {"train": table_of(engine, data.train, pad, mb, base=lora, rows=used, shared=shared),

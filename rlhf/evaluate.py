@@ -116,7 +116,7 @@ def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any]
     logger.info(held_out_line(len(feats), "rows", source if rows else None))
     gold = gold_applies(prompts, f"data.eval_prompts_path={d.eval_prompts_path}" if d.eval_prompts_path else None,
                         cfg.eval)
-    engine = eval_engine(Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), fused=cfg.engine.kernels),
+    engine = eval_engine(Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed, lora=False), fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb),
                          cfg, info)
     out: dict[str, Any] = {"eval_prompts": len(prompts), "eval_prompts_source": gold["eval_prompts_source"],
                            "gold_score": None, "eval_source": source if rows else None, "eval_rows": len(feats),

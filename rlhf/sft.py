@@ -63,7 +63,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
 
     def build(seed: int) -> TrainEngine:
         nonlocal pack_len
-        model = Policy(load_causal_lm(cfg.model, tok, seed=seed), fused=cfg.engine.kernels)
+        model = Policy(load_causal_lm(cfg.model, tok, seed=seed), fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb)
         check_context(model, d.max_len, "data.max_len")
         pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
         return TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,

@@ -88,12 +88,29 @@ class Policy(ModuleView):
       reduction="sum"  -> the summed negative log-likelihood of the targets (IGNORE_INDEX skipped).
     `fused` (engine.kernels): the backbone's hidden states go through `kernels.fused_logprobs_entropy`
     with the output embedding, chunked over the vocabulary, so [B, T, vocab] logits never exist;
-    otherwise the model's logits (temperature-scaled in float32) go through log_softmax.
+    otherwise the model's logits (temperature-scaled in float32) go through log_softmax, unless they
+    would exceed `max_logits_mb` (engine.max_logits_mb): then the hidden states go through the fused
+    op as well, a [chunk, vocab] slice of at most that size at a time (on CUDA its Triton kernel,
+    checked on first use). The model's own logits stay where the head is not a plain linear layer
+    (an adapter on it) and for top-k / top-p truncated log-probs (`truncate`).
     """
 
-    def __init__(self, lm: nn.Module, *, fused: bool = False):
+    def __init__(self, lm: nn.Module, *, fused: bool = False, max_logits_mb: float | None = None):
         super().__init__(lm)
         self.fused = fused
+        self.max_logits_bytes = None if max_logits_mb is None else int(max_logits_mb * 2**20)
+
+    def _chunked(self, rows: int, T: int) -> int | None:
+        """Rows per [chunk, vocab] slice when this forward's fp32 logits would exceed max_logits_mb, else None."""
+        if self.max_logits_bytes is None:
+            return None
+        head = hf_base_model(self).get_output_embeddings()
+        if not isinstance(head, nn.Linear):  # an adapter on the head: its own forward, the model's logits
+            return None
+        per_row = head.weight.shape[0] * 4
+        if rows * T * per_row <= self.max_logits_bytes:
+            return None
+        return max(1, self.max_logits_bytes // per_row)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None,
                 *, targets: torch.Tensor, start: int = 0, temperature: float = 1.0, with_entropy: bool = False,
@@ -109,6 +126,11 @@ class Policy(ModuleView):
                                  "forward (engine.kernels=false)")
             return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
                                reduction, prompt_len)
+        chunk = None if truncate is not None else self._chunked(targets.numel() // max(T, 1), T)
+        if chunk is not None:  # engine.max_logits_mb: no [B, T, vocab] logits
+            impl = "auto" if input_ids.device.type == "cuda" else "chunked"
+            return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
+                               reduction, prompt_len, impl=impl, chunk_size=chunk)
         logits = None if prompt_len is None else shared_prompt_forward(
             self.inner, "logits", input_ids, attention_mask, position_ids, prompt_len, keep_from=start)
         if logits is None:
@@ -130,7 +152,7 @@ class Policy(ModuleView):
         return logp[..., 0].clone(), entropy_from_logits(logits.detach()) if with_entropy else None
 
     def _fused(self, input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy, reduction,
-               prompt_len=None):
+               prompt_len=None, impl="auto", chunk_size=None):
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
         hidden = None if prompt_len is None else shared_prompt_forward(
@@ -141,7 +163,8 @@ class Policy(ModuleView):
         hidden = hidden[:, : targets.shape[1]]
         head = base.get_output_embeddings()
         logp, entropy = fused_logprobs_entropy(hidden, head.weight.to(hidden.dtype), targets, bias=head.bias,
-                                               temperature=temperature, compute_entropy=with_entropy)
+                                               temperature=temperature, compute_entropy=with_entropy, impl=impl,
+                                               chunk_size=chunk_size)
         if reduction == "sum":  # ignored targets have log-prob 0
             return -logp.sum()
         # NOTE: the op returns its flat [B*T] results `.view`ed to [B, T]; FSDP2 warns when a module

@@ -64,13 +64,13 @@ class Models:
                     raise ConfigError(f"{key if '[' in key else key + '.model'}={path!r} was saved with another "
                                       f"tokenizer than actor.model "
                                       f"({why}): the PPO models must share one (set model.tokenizer to force one)")
-        fused = cfg.engine.kernels
+        fused = {"fused": cfg.engine.kernels, "max_logits_mb": cfg.engine.max_logits_mb}
         actor = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, cfg.actor.model, cfg.actor.lora), tok,
-                                                      seed=cfg.seed, key="actor")), fused=fused)
+                                                      seed=cfg.seed, key="actor")), **fused)
         critic = ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, cfg.critic.model, cfg.critic.lora), tok, seed=cfg.seed, key="critic"))) if needs_critic else None
         ref = Policy(disable_dropout(load_causal_lm(model_cfg(cfg, ref_path), tok, seed=cfg.seed, key=ref_key,
-                                                    lora=False)), fused=fused)
+                                                    lora=False)), **fused)
         rm = None if reward_source else ValueModel(disable_dropout(load_value_model(
             model_cfg(cfg, rm_path), tok, seed=cfg.seed, key="reward_model", lora=False)))
         member_models = [(key, ValueModel(disable_dropout(load_value_model(

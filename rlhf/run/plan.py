@@ -19,7 +19,8 @@ width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute 
                          input, gate, up, silu(gate), their product)
     + checkpointing      L*b*s*h*e (block inputs) + one block's share above, recomputed in backward
     logits (policies)    b*s*V*(e + 8): the head's output, its fp32 copy, log_softmax's output;
-                         engine.kernels=true: two chunks of at most 256 MiB (no [b, s, V] logits)
+                         engine.kernels=true: two chunks of at most 256 MiB (no [b, s, V] logits);
+                         past engine.max_logits_mb of fp32 logits: two chunks of at most that size
     gathered params      stage 2: Psi*e for forward + backward (no reshard after forward); stage 3:
                          2 blocks*e (one computing, one prefetched); stage 0/1 in bf16: Psi*e
                          (autocast's cached casts); an offloaded frozen model at stage 0/1: + its
@@ -229,8 +230,7 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         # a frozen model's forwards run under no_grad: nothing is kept for a backward
         act = 0 if not m.trained else a.layers * tokens * (7 * a.hidden + 2 * a.kv + 4 * a.inter) * e
         act_ckpt = 0 if not m.trained else a.layers * tokens * a.hidden * e + act / a.layers
-        logits = 0 if not m.logits else (min(tokens * a.vocab * 4, 256 * 2**20) * 2 if ecfg.kernels
-                                         else tokens * a.vocab * (e + 8))
+        logits = 0 if not m.logits else logits_bytes(tokens, a.vocab, e, ecfg)
         gathered = {2: a.total * e, 3: 2 * a.block * e}.get(ecfg.stage, a.total * e if e == 2 else 0)
         if m.offload and not m.trained and ecfg.stage < 2:  # stage 0/1 moves the whole model in for each forward
             gathered += a.total * a.storage_bytes
@@ -266,6 +266,18 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         worst = max(worst, g["peak_bytes"])
     report["fits"] = None if budget_gib <= 0 else worst <= budget_gib * GiB
     return report
+
+
+def logits_bytes(tokens: int, vocab: int, e: int, ecfg) -> float:
+    """A policy forward's log-prob memory: the head's [tokens, V] output, its fp32 copy and log_softmax's
+    output; or, from the hidden states (engine.kernels=true: chunks of at most 256 MiB; past engine.max_logits_mb:
+    chunks of at most that size), two [chunk, V] fp32 buffers."""
+    full = tokens * vocab * 4
+    if ecfg.kernels:
+        return min(full, 256 * 2**20) * 2
+    if ecfg.max_logits_mb is not None and full > ecfg.max_logits_mb * 2**20:
+        return min(full, ecfg.max_logits_mb * 2**20) * 2
+    return tokens * vocab * (e + 8)
 
 
 def split_generation_rank(cfg, a: Arch, *, trainers: int, e: int, gen_len: int) -> dict:
