@@ -3,7 +3,7 @@ time (forward + backward) and the memory each way takes, per size - the measurem
 `engine.max_logits_mb` (docs/engine.md).
 
     PYTHONPATH=. python scripts/bench_logits.py                       # 25M (h 512, V 4k) and 1B-like (h 2048, V 32k)
-    PYTHONPATH=. python scripts/bench_logits.py --shapes 512x4096 --tokens 4096 65536 --repeat 3
+    python scripts/bench_logits.py --shapes 64x512 --tokens 256 4096 --repeat 1    # seconds: a smoke run
 
 For each shape (hidden x vocabulary) and token count N (rows x response length), two ways, each in a fresh
 subprocess (so that its peak resident memory is its own):

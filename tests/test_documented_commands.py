@@ -67,6 +67,8 @@ NOT_RUN = {
     "--clock cpu": "profiles whole stage runs; tests/test_bench_rl.py checks its Profiler's tables on values",
     "python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none":
         "tests/test_bench_rl.py runs it (checking the phases and the counted FLOPs on values)",
+    "PYTHONPATH=. python scripts/bench_logits.py": "tens of minutes of 1B-shaped log-prob passes, the measurement "
+                                                   "behind engine.max_logits_mb (docs/engine.md); its smoke form is run",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
                                            "reproduces them",
     "python scripts/make_tool_data.py": "rewrites the shipped tool data; tests/test_multiturn.py checks that it "

@@ -120,6 +120,9 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
+    # on CPU the plan is of the process's RSS: the process itself (torch and transformers loaded) counts too
+    assert 100 * 2**20 < grpo["runtime_bytes"] < 4 * 2**30 and ppo["runtime_bytes"] == 0
+    assert grpo["peak_bytes"] == grpo["runtime_bytes"] + grpo["resident_bytes"] + max(grpo["phases"].values())
     # multi-turn: rows of prompt + the episode budget (48 + 64), the KV cache every turn's new tokens
     # (48 + 3 x 16 + 2 x 64 = 224 slots, a multiple of 32) for 8 prompts x 8 samples
     tools, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]",

@@ -32,8 +32,10 @@ width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute 
     generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
 Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
 gathered params of the trained model that needs most), scoring (logits + gathered params of one
-no-grad forward) or generation (KV cache + generation weights). Not counted: the CUDA context
-(~0.5 GiB), allocator fragmentation, communication buffers.
+no-grad forward) or generation (KV cache + generation weights); device=cpu adds the process itself
+(Python with torch and transformers loaded: the planner's own resident memory, as it imports what a
+stage does), so the plan is of the run's peak RSS. Not counted: the CUDA context (~0.5 GiB), allocator
+fragmentation, communication buffers.
 """
 from __future__ import annotations
 
@@ -258,7 +260,11 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
             phases["generation"] = kv + weights
             actor = a
     resident = sum(m["device_bytes"] for m in report["models"].values())
-    report.update(phases=phases, resident_bytes=resident, peak_bytes=resident + max(phases.values()))
+    # on CPU the process's own memory counts too: Python with torch and transformers loaded (this planner's, which
+    # imports what a stage does); on CUDA the context is left out (see the module's notes)
+    runtime = process_rss() if device == "cpu" else 0
+    report.update(phases=phases, resident_bytes=resident, runtime_bytes=runtime,
+                  peak_bytes=runtime + resident + max(phases.values()))
     worst = report["peak_bytes"]
     if split:
         report["generation_rank"] = g = split_generation_rank(cfg, actor, trainers=world, e=e, gen_len=gen_len)
@@ -266,6 +272,18 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         worst = max(worst, g["peak_bytes"])
     report["fits"] = None if budget_gib <= 0 else worst <= budget_gib * GiB
     return report
+
+
+def process_rss() -> int:
+    """This process's resident memory in bytes (Linux /proc; 0 where it cannot be read)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def logits_bytes(tokens: int, vocab: int, e: int, ecfg) -> float:
@@ -385,7 +403,8 @@ def format_plan(report: dict, change: list[str] | None) -> str:
     if "kv_cache_bytes" in r:
         lines.append(f"  generation: {r['generation_path']} path ({r['generation_why']}): KV cache {_g(r['kv_cache_bytes'])}"
                      f" | weights {_g(r['generation_weight_bytes'])}")
-    lines.append(f"  resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
+    runtime = f"the process {_g(r['runtime_bytes'])} + " if r.get("runtime_bytes") else ""
+    lines.append(f"  {runtime}resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
         f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
     if "generation_rank" in r:
         g = r["generation_rank"]
