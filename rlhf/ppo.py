@@ -411,7 +411,8 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         if side is not None:  # the new version on its way to the generators while this step's metrics are made
             side.after_step(step)
         t3 = time.time()
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, reward_kl_coef(), (t0, t1, t2, t3), dropped, from_sampler)
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, reward_kl_coef(), (t0, t1, t2, t3), dropped, from_sampler,
+                           models.score_batching)
         if in_loss:  # the coefficient this step's loss used
             rec["kl_loss_coef"] = kl_ctl.value
         old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source

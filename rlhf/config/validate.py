@@ -458,6 +458,10 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
           f"ppo.old_logprobs=sampler takes the old log-probs from the sampler, so ppo.is_correction={p.is_correction} "
           "would weigh every token by exp(logp_gen - logp_gen) = 1: the correction needs the trainer's log-probs "
           "beside the sampler's (ppo.old_logprobs=recompute, or auto, which then recomputes every step)")
+    longest = cfg.data.max_prompt_len + r.max_new_tokens
+    _need(r.micro_batch_tokens is None or r.micro_batch_tokens >= longest,
+          f"rollout.micro_batch_tokens must be null (row counts) or >= data.max_prompt_len + rollout.max_new_tokens "
+          f"= {longest} (one whole row per forward), got {r.micro_batch_tokens}")
     _need(r.score_batch_size is None or r.score_batch_size >= 1,
           f"rollout.score_batch_size must be >= 1 (null = 2 x rollout.micro_batch_size), got {r.score_batch_size}")
     _need(0 <= p.overlong_buffer < r.max_new_tokens,

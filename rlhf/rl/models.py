@@ -94,6 +94,9 @@ class Models:
         # the no-grad scoring forwards run on rollout.score_batch_size rows (2 x the training micro-batch by
         # default): half the forwards of the default step, each on a fuller batch
         self.score_batch_size, self.temperature = score_batch_size(cfg.rollout, info.world_size), cfg.rollout.temperature
+        # rollout.micro_batch_tokens: the scoring forwards by that token budget too (rlhf/rl/rollout.py);
+        # score_batching: this rank's counts of the last scoring pass (micro-batches, computed and real tokens)
+        self.micro_batch_tokens, self.score_batching = cfg.rollout.micro_batch_tokens, {}
         self.truncate = trainer_truncation(cfg)  # ppo.trainer_logprobs=sampler: (top_k, top_p), else None
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
@@ -145,7 +148,8 @@ class Models:
                                critic=self.critic.model if self.critic else None,
                                micro_batch_size=self.score_batch_size, temperature=self.temperature,
                                pack_length=self.pack_length, shared_prompts=self.shared_prompts,
-                               truncate=self.truncate)
+                               truncate=self.truncate, micro_batch_tokens=self.micro_batch_tokens,
+                               group=rollout.group, batching=self.score_batching)
         if old_from_sampler:
             scored["logp_old"] = rollout.logp_gen
         scored["score"] = self.reward_source.score(rollout)
