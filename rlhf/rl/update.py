@@ -62,7 +62,7 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
         # KL and ptx terms are this micro-batch's means, weighted by the policy's units.
         glob = mb.get("global_weights")
         coef = kl_loss_coef() if callable(kl_loss_coef) else kl_loss_coef
-        total = loss * n
+        total, kl_n = loss * n, None
         if coef:
             kl_sum, kl_n = rl_math.aggregate_loss(rl_math.kl_loss_tokens(logp, mb["logp_ref"], mask, kl_loss_estimator),
                                                    mask, loss_agg, horizon)
@@ -80,6 +80,15 @@ def make_actor_loss(cliprange: float, temperature: float, ptx_coef: float, *, cl
             scale = glob["policy"] / max(glob["ptx"], 1.0) if glob else n / ptx_n.clamp(min=1)
             total = total + ptx_coef * ptx_sum * scale  # its mean enters the mini-batch mean like a token loss
             stats["ptx_loss"] = (ptx_sum / ptx_n.clamp(min=1)).detach()
+        if glob:
+            # NOTE: the engine averages a stat weighted by `n`; scaled here to its share of the mini-batch's mean
+            # over its own units (tokens, rows, KL units, ptx tokens), each stat is that mean exactly whatever the
+            # micro-batching (a micro-batch with n = 0, every response empty, adds only its ptx rows' share: lost)
+            tokens, valid = mask.sum(), rl_math.loss_weight(mask, "seq_mean_token_mean")
+            for k in stats:
+                units, whole = ((valid, glob["rows"]) if k in pl.row_stats else (kl_n, glob["kl"]) if k == "kl_loss"
+                                else (ptx_n, glob["ptx"]) if k == "ptx_loss" else (tokens, glob["tokens"]))
+                stats[k] = stats[k] * units / n.clamp(min=1) * (glob["policy"] / max(whole, 1.0))
         return total, n, stats
 
     actor_loss.weight_agg = weight_agg  # the units `update` all-reduces for the policy term
@@ -120,15 +129,17 @@ def ptx_tokens(ptx) -> float:
 
 def global_weights(micro: list[dict], weight_agg: str, loss_agg: str) -> dict[str, float]:
     """The mini-batch's weight of each loss term over every rank, all-reduced once (a collective): policy (the
-    actor loss's units, `weight_agg`), kl (ppo.loss_agg's), ptx (SFT target tokens), tokens (the critic's)."""
-    local = torch.zeros(4, dtype=torch.float64, device=micro[0]["response_mask"].device)
+    actor loss's units, `weight_agg`), kl (ppo.loss_agg's), ptx (SFT target tokens), tokens (the critic's and
+    the token stats'), rows (with a response token: the row stats')."""
+    local = torch.zeros(5, dtype=torch.float64, device=micro[0]["response_mask"].device)
     for mb in micro:
         m = mb["response_mask"]
         local += torch.stack([rl_math.loss_weight(m, weight_agg).double(), rl_math.loss_weight(m, loss_agg).double(),
                               torch.tensor(ptx_tokens(mb["ptx"]) if "ptx" in mb else 0.0, dtype=torch.float64,
-                                           device=local.device), m.sum().double()])
-    policy, kl, ptx, tokens = all_reduce_sum(local).tolist()
-    return {"policy": policy, "kl": kl, "ptx": ptx, "tokens": tokens}
+                                           device=local.device), m.sum().double(),
+                              rl_math.loss_weight(m, "seq_mean_token_mean").double()])
+    policy, kl, ptx, tokens, rows = all_reduce_sum(local).tolist()
+    return {"policy": policy, "kl": kl, "ptx": ptx, "tokens": tokens, "rows": rows}
 
 
 def micro_batches(exp: Experience, rows: list[int], r, models: Models) -> list[list[int]]:

@@ -10,7 +10,8 @@ tiny seeded Llama actor and critic (engine.stage=3, fp32, clipping off) take one
 (ragged left-padded prompts, responses of several lengths, an empty one, a multi-turn row with an
 observation inside its response, rows 2k and 2k+1 sharing a prompt). The full gradients are read in an
 optimizer pre-hook; rank 0 saves {case: {batching: {"actor": grads, "critic": grads, "loss": float,
-"critic_loss": float, "micro_batches": int}}} to <out>/budget_w<world>.pt.
+"critic_loss": float, "micro_batches": int, "computed": int, "stats": {stat: float}}}, "local_bins": [each
+rank's {batching: micro-batches before equalising}]} to <out>/budget_w<world>.pt.
 """
 from __future__ import annotations
 
@@ -19,17 +20,20 @@ import sys
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed  # noqa: E402
 from rlhf.config import PPOConfig  # noqa: E402
+from rlhf.data.microbatch import row_extents, token_budget_bins  # noqa: E402
 from rlhf.modeling.forward import position_ids_from_mask  # noqa: E402
 from rlhf.modeling.roles import Policy, ValueModel  # noqa: E402
 from rlhf.rl.experience import Experience  # noqa: E402
 from rlhf.rl.update import make_actor_loss, make_critic_loss, update  # noqa: E402
 
 VOCAB, P, T, GLOBAL = 64, 6, 9, 8
+STATS = ("entropy", "clipfrac", "approx_kl", "ratio_mean", "kl_loss", "ptx_loss")
 CASES = {"clip token_mean": ("clip", "token_mean"), "clip seq_mean_token_mean": ("clip", "seq_mean_token_mean"),
          "clip seq_mean_token_sum": ("clip", "seq_mean_token_sum"), "gspo": ("gspo", "token_mean"),
          "cispo": ("cispo", "token_mean")}
@@ -114,8 +118,14 @@ def run(info, exp_rows: Experience, case: tuple[str, str], batching: tuple) -> d
               make_critic_loss(0.2))
     a, c = update(models, exp_rows, cfg, losses, ptx_source(info), SimpleNamespace(check=lambda *s: None))
     out.update(loss=a[0]["loss"], critic_loss=c[0]["loss"], micro_batches=a[0]["micro_batches"],
-               computed=a[0]["computed_tokens"])
+               computed=a[0]["computed_tokens"], stats={k: a[0][k] for k in STATS})
     return out
+
+
+def local_bins(exp: Experience, budget: int) -> int:
+    """This rank's micro-batches by first-fit decreasing alone, before the ranks' counts are equalised."""
+    prompt, extent = row_extents(exp.attention_mask, exp.prompt_len)
+    return len(token_budget_bins(prompt, extent, budget))
 
 
 def main(out_dir: str) -> None:
@@ -128,6 +138,9 @@ def main(out_dir: str) -> None:
     result = {}
     for name, case in CASES.items():
         result[name] = {b[0]: run(info, mine, case, b) for b in (ONE if info.world_size == 1 else TWO)}
+    every = [None] * info.world_size
+    dist.all_gather_object(every, {b[0]: local_bins(mine, b[1]) for b in TWO if not b[3]})
+    result["local_bins"] = every
     if info.is_main:
         torch.save(result, os.path.join(out_dir, f"budget_w{info.world_size}.pt"))
 
