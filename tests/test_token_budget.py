@@ -308,27 +308,32 @@ def test_minibatch_loss_and_gradients_are_the_same_however_micro_batched(tmp_pat
 
 @pytest.mark.slow
 def test_grpo_with_token_budgets_on_two_ranks_equals_one_process(tiny_stages, tmp_path):
-    """`python -m rlhf.ppo algorithm=grpo` (tiny) with rollout.micro_batch_tokens: 1 process and torchrun 2
-    ranks (ZeRO-3, fp32, per-row sampling streams) log the same metrics at every step, to rounding, though each
-    rank forms its own micro-batches; only the batching figures (per rank) differ."""
-    args = ["algorithm=grpo", "reward.sources=[judge]", f"actor.model={tiny_stages / 'sft'}", "engine=zero3",
-            "engine.precision=fp32", "engine.deterministic=true", "train.max_steps=2", "train.save_every=0",
-            "train.eval_every=0", "data.num_eval_prompts=4", "eval.max_new_tokens=6", "rollout.max_new_tokens=12",
-            "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.mini_batch_size=8",
-            "rollout.micro_batch_size=2", "rollout.micro_batch_tokens=200", "actor.lr=1e-2"]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_stage("ppo", f"output_dir={one}", *args)
-    run_stage("ppo", f"output_dir={two}", *args, torchrun=2)
-    a, b = comparable(metrics(one, "train")), comparable(metrics(two, "train"))
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-    per_rank = ("update_micro_batches", "update_computed_per_real", "scoring_micro_batches", "scoring_computed_per_real")
-    for x, y in zip(a, b):
-        assert x.keys() == y.keys() and set(per_rank) <= set(x)
-        assert 1.0 <= x["update_computed_per_real"] < 2.0 and x["update_micro_batches"] >= 2
+    """`python -m rlhf.ppo algorithm=grpo` (tiny; the reward model's scores, one mini-batch of the step's 16 rows)
+    with rollout.micro_batch_tokens: 1 process and torchrun 2 ranks (ZeRO-3, fp32, per-row sampling streams) log
+    the same metrics at every step as 1 process by row counts, to rounding, though each rank forms its own
+    micro-batches; only the batching figures differ (per rank, and fewer tokens computed than row counts)."""
+    args = ["algorithm=grpo", f"actor.model={tiny_stages / 'sft'}", f"critic.model={tiny_stages / 'reward'}",
+            "engine=zero3", "engine.precision=fp32", "engine.deterministic=true", "train.max_steps=2",
+            "train.save_every=0", "train.eval_every=0", "data.num_eval_prompts=4", "eval.max_new_tokens=6",
+            "rollout.max_new_tokens=12", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+            "rollout.mini_batch_size=16", "rollout.micro_batch_size=2", "actor.lr=1e-2"]
+    rows, one, two = tmp_path / "rows", tmp_path / "one", tmp_path / "two"
+    run_stage("ppo", f"output_dir={rows}", *args)
+    run_stage("ppo", f"output_dir={one}", *args, "rollout.micro_batch_tokens=200")
+    run_stage("ppo", f"output_dir={two}", *args, "rollout.micro_batch_tokens=200", torchrun=2)
+    r, a, b = (comparable(metrics(d, "train")) for d in (rows, one, two))
+    assert [x["step"] for x in r] == [x["step"] for x in a] == [x["step"] for x in b] == [1, 2]
+    batching = ("update_micro_batches", "update_computed_per_real", "scoring_micro_batches", "scoring_computed_per_real")
+    for w, x, y in zip(r, a, b):
+        assert w.keys() == x.keys() == y.keys() and set(batching) <= set(x)
+        assert w["actor_grad_norm"] > 0.1 and w["reward"] != 0  # a step that learns something
+        assert (w["update_micro_batches"], x["update_micro_batches"], y["update_micro_batches"]) == (8, 4, 2)
+        assert 1.0 <= x["update_computed_per_real"] < w["update_computed_per_real"]
         for k in x:
-            if k in per_rank:
+            if k in batching:
                 continue
-            if isinstance(x[k], float):
-                assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-6), (x["step"], k, x[k], y[k])
-            else:
-                assert x[k] == y[k], (x["step"], k)
+            for got in (x, y):
+                if isinstance(w[k], float):
+                    assert got[k] == pytest.approx(w[k], rel=1e-4, abs=1e-6), (w["step"], k, w[k], got[k])
+                else:
+                    assert got[k] == w[k], (w["step"], k)
