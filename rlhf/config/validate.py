@@ -367,6 +367,14 @@ def score_batch_size(r: RolloutConfig, world_size: int) -> int:
     return min(r.score_batch_size or 2 * r.micro_batch_size, max(per_rank, 1))
 
 
+def score_batch_tokens(r: RolloutConfig) -> int | None:
+    """Tokens per no-grad scoring forward on one rank with rollout.micro_batch_tokens (None: row counts): the
+    update's budget times the rows' ratio, rollout.score_batch_size / rollout.micro_batch_size (null: 2)."""
+    if r.micro_batch_tokens is None:
+        return None
+    return r.micro_batch_tokens * (r.score_batch_size or 2 * r.micro_batch_size) // r.micro_batch_size
+
+
 def shared_prompts(cfg) -> bool:
     """rollout.shared_prompt_forward resolved: null = on unless data.packing=true packs the RL forwards."""
     flag = cfg.rollout.shared_prompt_forward
