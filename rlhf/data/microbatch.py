@@ -42,9 +42,10 @@ def token_budget_bins(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     prompt runs once). Units are placed longest first into the first micro-batch where they fit (first-fit
     decreasing: similar lengths together); a unit over the budget alone gets a micro-batch of its own. Then,
     while there are fewer than `min_bins`, the costliest micro-batch of more than one unit is split into its
-    longer and shorter halves (a part never costs more than the whole). Returns the micro-batches (each
-    row exactly once, rows of a unit together, in their original order within a micro-batch); ValueError
-    when `min_bins` exceeds the number of units."""
+    longer and shorter halves (a part never costs more than the whole); when every micro-batch is one unit
+    and more are asked for (another rank's rows come from more groups), the largest group's rows go apart.
+    Returns the micro-batches (each row exactly once, a unit's rows together unless so split, in their
+    original order within a micro-batch); ValueError when `min_bins` exceeds the number of rows."""
     B = len(prompt_lens)
     if len(response_lens) != B or (groups is not None and len(groups) != B):
         raise ValueError(f"prompt_lens, response_lens and groups must have one entry per row, got "
@@ -56,8 +57,8 @@ def token_budget_bins(prompt_lens: Sequence[int], response_lens: Sequence[int], 
     units: dict[int, list[int]] = {}
     for i in range(B):
         units.setdefault(i if groups is None else int(groups[i]), []).append(i)
-    if min_bins > len(units):
-        raise ValueError(f"cannot make {min_bins} micro-batches of {len(units)} rows/groups")
+    if min_bins > B:
+        raise ValueError(f"cannot make {min_bins} micro-batches of {B} rows")
 
     def length(u: list[int]) -> tuple[int, int]:
         return max(prompt_lens[i] + response_lens[i] for i in u), max(prompt_lens[i] for i in u)
@@ -72,6 +73,10 @@ def token_budget_bins(prompt_lens: Sequence[int], response_lens: Sequence[int], 
         else:
             bins.append([u])
     while len(bins) < min_bins:
+        if all(len(b) == 1 for b in bins):  # more micro-batches asked than units: the largest group's rows go apart
+            k = max(range(len(bins)), key=lambda j: len(bins[j][0]))
+            bins[k] = sorted(([i] for i in bins[k][0]), key=length, reverse=True)  # each row a unit of its own
+            continue
         costs = [bin_cost(prompt_lens, response_lens, [i for u in b for i in u], packed) if len(b) > 1 else -1
                  for b in bins]
         k = max(range(len(bins)), key=costs.__getitem__)
