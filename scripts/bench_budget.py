@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     from rlhf.config import PPOConfig
     from rlhf.modeling.roles import Policy
     from rlhf.rl.experience import build_experience
-    from rlhf.rl.rollout import score_rollout
+    from rlhf.rl.rollout import batching_counts, score_rollout
     from rlhf.rl.update import make_actor_loss, update
 
     T, B, M = args.max_new_tokens, args.rows, args.micro_batch_size
@@ -87,11 +87,13 @@ def worker(args: argparse.Namespace) -> None:
     t2 = time.perf_counter()
     a_stats, _ = update(models, exp, ppo, (loss, None), None, SimpleNamespace(check=lambda *s: None))
     t3 = time.perf_counter()
+    counts = a_stats[0] if budget else batching_counts(attn, PROMPT, [list(range(i, i + M)) for i in range(0, B, M)],
+                                                       trimmed=False)  # row counts log none: the same figures here
     print(json.dumps({"score_s": t1 - t0, "update_s": t3 - t2, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "score_micro_batches": batching["micro_batches"],
                       "score_computed_per_real": batching["computed_tokens"] / batching["real_tokens"],
-                      "update_micro_batches": a_stats[0]["micro_batches"],
-                      "update_computed_per_real": a_stats[0]["computed_tokens"] / a_stats[0]["real_tokens"],
+                      "update_micro_batches": counts["micro_batches"],
+                      "update_computed_per_real": counts["computed_tokens"] / counts["real_tokens"],
                       "loss": a_stats[0]["loss"]}))
 
 

@@ -21,7 +21,7 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
     empty, finite); kl and response_len: over the rows in the update (those less the dropped groups').
     `old_from_sampler` (ppo.old_logprobs reused the sampler's log-probs): no trainer log-probs to set
     against the sampler's, so the sampler_gap figures are left out; `old_logprobs_sampler` says which.
-    The forwards' batching (rollout.micro_batch_tokens or row counts): update_micro_batches (per rank, the
+    With token budgets (rollout.micro_batch_tokens), the forwards' batching: update_micro_batches (per rank, the
     step's optimizer steps together; equal on every rank), update_computed_per_real (the tokens the update's
     forwards computed over the real ones, every rank: 1 = no padding), and the same of the scoring pass from
     `scoring` (rlhf/rl/rollout.py batching_counts) as scoring_micro_batches, scoring_computed_per_real."""

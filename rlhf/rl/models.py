@@ -97,7 +97,7 @@ class Models:
         self.score_batch_size, self.temperature = score_batch_size(cfg.rollout, info.world_size), cfg.rollout.temperature
         # rollout.micro_batch_tokens: the scoring forwards by a token budget too, as many times the update's as
         # score_batch_size is micro_batch_size (rlhf/rl/rollout.py); score_batching: this rank's counts of the
-        # last scoring pass (micro-batches, computed and real tokens)
+        # last scoring pass (micro-batches, computed and real tokens; with a budget only)
         self.micro_batch_tokens, self.score_batching = score_batch_tokens(cfg.rollout), {}
         self.truncate = trainer_truncation(cfg)  # ppo.trainer_logprobs=sampler: (top_k, top_p), else None
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
@@ -151,7 +151,7 @@ class Models:
                                micro_batch_size=self.score_batch_size, temperature=self.temperature,
                                pack_length=self.pack_length, shared_prompts=self.shared_prompts,
                                truncate=self.truncate, micro_batch_tokens=self.micro_batch_tokens,
-                               group=rollout.group, batching=self.score_batching)
+                               group=rollout.group, batching=None if self.micro_batch_tokens is None else self.score_batching)
         if old_from_sampler:
             scored["logp_old"] = rollout.logp_gen
         scored["score"] = self.reward_source.score(rollout)

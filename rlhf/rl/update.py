@@ -160,8 +160,8 @@ def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_b
     actor (and critic) optimizer step per mini-batch; `ptx_batches()` gives the SFT rows of the ptx loss,
     mini_batch_size / world size / micro_batch_size batches per mini-batch whatever the micro-batching
     (with token budgets they are dealt round-robin to the micro-batches). Every loss term is normalised by
-    its global weight, all-reduced once per mini-batch (`global_weights`). The actor's stats get this rank's
-    micro_batches, computed_tokens and real_tokens of the mini-batch (rlhf/rl/metrics.py padding_share)."""
+    its global weight, all-reduced once per mini-batch (`global_weights`). With token budgets the actor's stats
+    get this rank's micro_batches, computed_tokens and real_tokens of the mini-batch (rlhf/rl/metrics.py)."""
     r, p, info = cfg.rollout, cfg.ppo, models.info
     rows = rollout_rows(r)  # prompts_per_step x n_samples_per_prompt; the batch sizes count rows
     per_rank, mini_rows = rows // info.world_size, r.mini_batch_size // info.world_size
@@ -190,8 +190,8 @@ def update(models: Models, exp: Experience, cfg: PPOConfig, losses: tuple, ptx_b
                     mb["global_weights"] = gw
                 known = gw
             a_stats.append(models.actor.train_step(micro, losses[0], None if known is None else known["policy"]))
-            a_stats[-1].update(batching_counts(exp.attention_mask, exp.prompt_len, bins,
-                                               trimmed=r.micro_batch_tokens is not None, packed=packed))
+            if r.micro_batch_tokens is not None:  # the budgets' figures (row counts log none: as before)
+                a_stats[-1].update(batching_counts(exp.attention_mask, exp.prompt_len, bins, packed=packed))
             if models.critic is not None:
                 c_stats.append(models.critic.train_step(micro, losses[1], None if known is None else known["tokens"]))
             run.check(a_stats[-1], *c_stats[-1:])  # the critic's skips count toward the limit too
