@@ -117,8 +117,10 @@ def run(info, exp_rows: Experience, case: tuple[str, str], batching: tuple) -> d
     losses = (make_actor_loss(0.2, 0.7, 0.5, loss_agg=agg, horizon=T, kl_loss_coef=0.3, policy_loss=policy_loss),
               make_critic_loss(0.2))
     a, c = update(models, exp_rows, cfg, losses, ptx_source(info), SimpleNamespace(check=lambda *s: None))
-    out.update(loss=a[0]["loss"], critic_loss=c[0]["loss"], micro_batches=a[0]["micro_batches"],
-               computed=a[0]["computed_tokens"], stats={k: a[0][k] for k in STATS})
+    # row counts log no batching figures: GLOBAL / world / micro forwards of the full width
+    rows = len(exp_rows.group)
+    out.update(loss=a[0]["loss"], critic_loss=c[0]["loss"], micro_batches=a[0].get("micro_batches", rows // micro),
+               computed=a[0].get("computed_tokens", rows * (P + T)), stats={k: a[0][k] for k in STATS})
     return out
 
 
