@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -151,7 +151,8 @@ class Models:
                                micro_batch_size=self.score_batch_size, temperature=self.temperature,
                                pack_length=self.pack_length, shared_prompts=self.shared_prompts,
                                truncate=self.truncate, micro_batch_tokens=self.micro_batch_tokens,
-                               group=rollout.group, batching=None if self.micro_batch_tokens is None else self.score_batching)
+                               group=rollout.group,
+                               batching=None if self.micro_batch_tokens is None else self.score_batching)
         if old_from_sampler:
             scored["logp_old"] = rollout.logp_gen
         scored["score"] = self.reward_source.score(rollout)
