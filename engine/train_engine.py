@@ -1,7 +1,8 @@
 """TrainEngine (a model + its optimizer over the ranks) and FrozenEngine (a model without gradients).
 
 One optimizer step (`train_step`), for this rank's micro-batches mb_1..mb_k:
-    forward mb_1 -> all-reduce its weight once: normaliser Z = k * sum_ranks(w_1)   (before any backward)
+    forward mb_1 -> all-reduce its weight once: normaliser Z = k * sum_ranks(w_1)   (before any backward;
+                    Z = W exactly when the caller passes the global weight, `total_weight`)
     for each mb_i: forward, backward of loss_sum_i * (N * loss_scale / Z)   (gradient sync on the last only)
     all-reduce [sum loss_sum, sum w, metrics * w] -> W = global weight
     grads *= (Z / W) / loss_scale            exact normalisation by the global weight, and fp16 unscale
@@ -273,7 +274,8 @@ class TrainEngine(_ShardedModule):
             for m, t in zip(self._checkpointed, was):
                 m.training = t
 
-    def train_step(self, micro_batches: list[dict], loss_fn: LossFn) -> dict[str, Any]:
+    def train_step(self, micro_batches: list[dict], loss_fn: LossFn, total_weight: float | None = None
+                   ) -> dict[str, Any]:
         """Forward + backward over `micro_batches` (this rank's share of one step), then one update.
 
         loss_fn(model, micro_batch) -> (loss_sum, weight, metrics): the loss *summed* over `weight`
@@ -283,6 +285,10 @@ class TrainEngine(_ShardedModule):
         (pre-clip), lr (used by this step), skipped (non-finite gradients, or `empty`: a global weight
         of 0; either way nothing was updated), empty, loss_scale, weight (global) and the metrics'
         means weighted by `weight`. Collective: every rank calls it with the same number of micro-batches.
+        `total_weight`: the step's global weight (every rank's micro-batches), when the caller knows it
+        before the forwards (a function of the inputs, e.g. token counts all-reduced once): the gradients
+        are normalised by it exactly (Z = W, no estimate and no correction), and a sum of the returned
+        weights that differs from it raises (the loss and its caller disagree on the units).
         """
         if not micro_batches:
             raise ValueError("train_step needs at least one micro-batch")
@@ -290,7 +296,7 @@ class TrainEngine(_ShardedModule):
         loss_scale = self.scaler.scale
         acc = torch.zeros(2, dtype=torch.float64, device=dev)  # [sum loss_sum, sum weight]
         metric_sums: dict[str, torch.Tensor] = {}
-        normaliser = None
+        normaliser = None if total_weight is None else (float(total_weight) if total_weight > 0 else 1.0)
         for i, mb in enumerate(micro_batches):
             with self._grad_sync(i == n - 1), self._checkpointing():
                 loss_sum, weight, metrics = loss_fn(self.model, self._to_device(mb))
@@ -309,9 +315,14 @@ class TrainEngine(_ShardedModule):
         names = sorted(metric_sums)
         totals = all_reduce_sum(torch.cat([acc, torch.stack([metric_sums[k] for k in names])]) if names else acc)
         totals = totals.tolist()
-        total_weight = totals[1]
+        known, total_weight = total_weight, totals[1]
+        if known is not None and abs(total_weight - known) > 1e-6 * max(abs(known), 1.0):
+            raise ValueError(f"train_step: the loss's weights sum to {total_weight} over the ranks, but "
+                             f"total_weight={known} was given")
         grads = [p.grad for p in self._trainable if p.grad is not None]
         correction = normaliser / total_weight if total_weight > 0 else 0.0
+        if known is not None and total_weight > 0:
+            correction = 1.0  # normalised by the exact global weight already
         scale_grads_(grads, correction / loss_scale)  # skipped when exactly 1 (one micro-batch, no fp16)
         grad_norm = global_grad_norm(grads, sharded=self._sharded)
         overflow = not math.isfinite(grad_norm)

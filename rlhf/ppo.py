@@ -531,7 +531,8 @@ class RLLoop:
         errors, latency and disagreement, the environment's figures; the KL controller and the old log-probs'
         source move on it."""
         cfg, r, info = self.cfg, self.cfg.rollout, self.run.info
-        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, self.reward_kl_coef(), times, dropped, from_sampler)
+        rec = step_metrics(rollout, exp, a_stats, c_stats, cfg, self.reward_kl_coef(), times, dropped, from_sampler,
+                           self.models.score_batching)
         if self.in_loss:  # the coefficient this step's loss used
             rec["kl_loss_coef"] = self.kl_ctl.value
         self.old_logprobs.after_step(step, rec)  # a recomputed step's gap decides the next steps' source

@@ -61,6 +61,8 @@ NOT_RUN = {
     "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
     "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "
                                                  "form (the tiny default) is run",
+    "PYTHONPATH=. python scripts/bench_budget.py --max-new-tokens 128 512 --reps 2": "minutes of a ~25M-parameter "
+        "model's GRPO scoring and update; its --small form (the script's header) is run",
     "PYTHONPATH=. python scripts/bench_rl.py --reps 3 --steps 5": "a benchmark of whole stage runs against a baseline "
                                                                   "checkout; its smoke form is run by tests/test_bench_rl.py",
     "OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/bench_rl.py --profile outputs/bench_rl/profile.txt --steps 4 "

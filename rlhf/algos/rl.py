@@ -451,16 +451,20 @@ class PolicyLoss:
     fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
     options: tuple[str, ...]  # keyword arguments it takes, from POLICY_LOSS_OPTIONS
     per_sequence: bool = False  # a mean over rows (its weight units are rows, not tokens)
+    row_stats: tuple[str, ...] = ()  # its stats that are means over the valid rows (the others: over tokens)
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, *, options: tuple[str, ...] = (), per_sequence: bool = False):
+def register_policy_loss(name: str, *, options: tuple[str, ...] = (), per_sequence: bool = False,
+                         row_stats: tuple[str, ...] = ()):
     """Register `fn(logp, logp_old, advantages, mask, **options) -> (loss, stats)` as `name`
     (`ppo.policy_loss=name`). `options` names the keyword arguments it takes, among
     POLICY_LOSS_OPTIONS: cliprange_low / cliprange_high (ppo.cliprange_low / _high, resolved),
-    loss_agg (ppo.loss_agg) and horizon (rollout.max_new_tokens, for seq_mean_token_sum)."""
+    loss_agg (ppo.loss_agg) and horizon (rollout.max_new_tokens, for seq_mean_token_sum). `row_stats`: the
+    stats that are means over the valid rows (the others are means over the masked tokens), so that a
+    mini-batch's stat is the mean of its rows or tokens whatever the micro-batching (rlhf/rl/update.py)."""
     unknown = set(options) - set(POLICY_LOSS_OPTIONS)
     if unknown:
         raise ValueError(f"policy loss {name!r}: unknown options {sorted(unknown)}; valid: {POLICY_LOSS_OPTIONS}")
@@ -468,7 +472,7 @@ def register_policy_loss(name: str, *, options: tuple[str, ...] = (), per_sequen
     def deco(fn):
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(fn, tuple(options), per_sequence)
+        POLICY_LOSSES[name] = PolicyLoss(fn, tuple(options), per_sequence, tuple(row_stats))
         return fn
     return deco
 
@@ -553,7 +557,8 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Te
                             cliprange_high=cliprange_high, loss_agg=loss_agg, horizon=horizon)
 
 
-@register_policy_loss("gspo", options=("cliprange_low", "cliprange_high"), per_sequence=True)
+@register_policy_loss("gspo", options=("cliprange_low", "cliprange_high"), per_sequence=True,
+                      row_stats=("clipfrac", "ratio_mean"))
 def gspo_policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                      mask: torch.Tensor, *, cliprange_low: float = 3e-4, cliprange_high: float | None = 4e-4,
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -415,6 +415,11 @@ class RolloutConfig:
     # the old log-probs): no gradient, no activations kept, so larger than the training micro-batch; null =
     # 2 x micro_batch_size (at most the step's rows per rank)
     score_batch_size: int | None = None  # rows per no-grad scoring forward on one rank (null = 2 x micro_batch_size)
+    # Micro-batches by a budget of computed tokens instead of rows, for the update's and the scoring's forwards
+    # on each rank: rows grouped by length, each forward trimmed to its own width (packed: its real tokens),
+    # a prompt's samples together under shared_prompt_forward; micro_batch_size and score_batch_size then only
+    # size nothing but the ptx batches. null = row counts (rlhf/data/microbatch.py; docs/algorithms.md)
+    micro_batch_tokens: int | None = None  # tokens (rows x trimmed width) per forward on one rank; null = rows
     # Rows of one forward that share a prompt (GRPO/RLOO's n samples of each prompt) run the prompt once,
     # its KV cache gathered for each row, and only their responses on it: the scoring and update forwards
     # of every model give the same values up to rounding with fewer tokens (rlhf/modeling/roles.py

@@ -367,6 +367,14 @@ def score_batch_size(r: RolloutConfig, world_size: int) -> int:
     return min(r.score_batch_size or 2 * r.micro_batch_size, max(per_rank, 1))
 
 
+def score_batch_tokens(r: RolloutConfig) -> int | None:
+    """Tokens per no-grad scoring forward on one rank with rollout.micro_batch_tokens (None: row counts): the
+    update's budget times the rows' ratio, rollout.score_batch_size / rollout.micro_batch_size (null: 2)."""
+    if r.micro_batch_tokens is None:
+        return None
+    return r.micro_batch_tokens * (r.score_batch_size or 2 * r.micro_batch_size) // r.micro_batch_size
+
+
 def shared_prompts(cfg) -> bool:
     """rollout.shared_prompt_forward resolved: null = on unless data.packing=true packs the RL forwards."""
     flag = cfg.rollout.shared_prompt_forward
@@ -458,6 +466,10 @@ def validate_ppo(cfg: PPOConfig, info) -> None:
           f"ppo.old_logprobs=sampler takes the old log-probs from the sampler, so ppo.is_correction={p.is_correction} "
           "would weigh every token by exp(logp_gen - logp_gen) = 1: the correction needs the trainer's log-probs "
           "beside the sampler's (ppo.old_logprobs=recompute, or auto, which then recomputes every step)")
+    longest = cfg.data.max_prompt_len + r.max_new_tokens
+    _need(r.micro_batch_tokens is None or r.micro_batch_tokens >= longest,
+          f"rollout.micro_batch_tokens must be null (row counts) or >= data.max_prompt_len + rollout.max_new_tokens "
+          f"= {longest} (one whole row per forward), got {r.micro_batch_tokens}")
     _need(r.score_batch_size is None or r.score_batch_size >= 1,
           f"rollout.score_batch_size must be >= 1 (null = 2 x rollout.micro_batch_size), got {r.score_batch_size}")
     _need(0 <= p.overlong_buffer < r.max_new_tokens,

@@ -15,11 +15,16 @@ from rlhf.rl.rollout import Rollout
 
 
 def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list, cfg: PPOConfig, kl_coef: float,
-                times: tuple[float, ...], dropped_groups: int = 0, old_from_sampler: bool = False) -> dict[str, Any]:
+                times: tuple[float, ...], dropped_groups: int = 0, old_from_sampler: bool = False,
+                scoring: dict | None = None) -> dict[str, Any]:
     """One step's metrics over every rank's rows (a collective). reward: over the scored rows (not
     empty, finite); kl and response_len: over the rows in the update (those less the dropped groups').
     `old_from_sampler` (ppo.old_logprobs reused the sampler's log-probs): no trainer log-probs to set
-    against the sampler's, so the sampler_gap figures are left out; `old_logprobs_sampler` says which."""
+    against the sampler's, so the sampler_gap figures are left out; `old_logprobs_sampler` says which.
+    With token budgets (rollout.micro_batch_tokens), the forwards' batching: update_micro_batches (per rank, the
+    step's optimizer steps together; equal on every rank), update_computed_per_real (the tokens the update's
+    forwards computed over the real ones, every rank: 1 = no padding), and the same of the scoring pass from
+    `scoring` (rlhf/rl/rollout.py batching_counts) as scoring_micro_batches, scoring_computed_per_real."""
     p = cfg.ppo
     nonfinite = rollout.nonfinite if rollout.nonfinite is not None else torch.zeros_like(rollout.empty)
     dropped = rollout.dropped if rollout.dropped is not None else torch.zeros_like(rollout.empty)
@@ -30,6 +35,8 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
         masked_sum(exp.kl, exp.response_mask, dim=1).sum(), exp.response_mask.sum(1).sum(), kept.sum(),
         rollout.empty.sum(), rollout.truncated.sum(), rollout.attention_mask.sum(),
         nonfinite.sum(), dropped.sum(), float(dropped_groups),
+        sum(s.get("computed_tokens", 0) for s in a_stats), sum(s.get("real_tokens", 0) for s in a_stats),
+        (scoring or {}).get("computed_tokens", 0), (scoring or {}).get("real_tokens", 0),
     ], exp.score.device).cpu()).tolist()
     n_kept, n_update = max(sums[4], 1.0), max(sums[4] - sums[9], 1.0)
     t0, t1, t2, t3 = times
@@ -46,6 +53,12 @@ def step_metrics(rollout: Rollout, exp: Experience, a_stats: list, c_stats: list
         "generation_s": t1 - t0, "scoring_s": t2 - t1, "training_s": t3 - t2,
         "tokens_per_s": sums[7] / max(t3 - t0, 1e-9),
     }
+    if any("micro_batches" in s for s in a_stats):
+        rec["update_micro_batches"] = sum(s.get("micro_batches", 0) for s in a_stats)
+        rec["update_computed_per_real"] = sums[11] / max(sums[12], 1.0)
+    if scoring:
+        rec["scoring_micro_batches"] = scoring["micro_batches"]
+        rec["scoring_computed_per_real"] = sums[13] / max(sums[14], 1.0)
     if p.ptx_coef:
         rec["ptx_loss"] = _mean(a_stats, "ptx_loss")
     if p.kl_loss_coef:

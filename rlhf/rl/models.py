@@ -20,7 +20,8 @@ from engine.checkpoint import kill_point, published, read_meta
 from engine.ema import ParamEMA
 from rlhf.algos.rl import advantage_estimator
 from rlhf.config import ModelConfig, PPOConfig
-from rlhf.config.validate import engine_config, optim_config, score_batch_size, shared_prompts, trainer_truncation
+from rlhf.config.validate import (engine_config, optim_config, score_batch_size, score_batch_tokens, shared_prompts,
+                                  trainer_truncation)
 from rlhf.core.errors import ConfigError
 from rlhf.modeling.export import export_hf
 from rlhf.modeling.load import (
@@ -94,6 +95,10 @@ class Models:
         # the no-grad scoring forwards run on rollout.score_batch_size rows (2 x the training micro-batch by
         # default): half the forwards of the default step, each on a fuller batch
         self.score_batch_size, self.temperature = score_batch_size(cfg.rollout, info.world_size), cfg.rollout.temperature
+        # rollout.micro_batch_tokens: the scoring forwards by a token budget too, as many times the update's as
+        # score_batch_size is micro_batch_size (rlhf/rl/rollout.py); score_batching: this rank's counts of the
+        # last scoring pass (micro-batches, computed and real tokens; with a budget only)
+        self.micro_batch_tokens, self.score_batching = score_batch_tokens(cfg.rollout), {}
         self.truncate = trainer_truncation(cfg)  # ppo.trainer_logprobs=sampler: (top_k, top_p), else None
         self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
@@ -145,7 +150,9 @@ class Models:
                                critic=self.critic.model if self.critic else None,
                                micro_batch_size=self.score_batch_size, temperature=self.temperature,
                                pack_length=self.pack_length, shared_prompts=self.shared_prompts,
-                               truncate=self.truncate)
+                               truncate=self.truncate, micro_batch_tokens=self.micro_batch_tokens,
+                               group=rollout.group,
+                               batching=None if self.micro_batch_tokens is None else self.score_batching)
         if old_from_sampler:
             scored["logp_old"] = rollout.logp_gen
         scored["score"] = self.reward_source.score(rollout)

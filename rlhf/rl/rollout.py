@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
+from engine.distributed import all_reduce_max
 from engine.inference import stream_seed
 from rlhf.algos.rl import uniform_groups
+from rlhf.data.microbatch import bin_cost, pad_response, row_extents, token_budget_bins, trim_columns
 from rlhf.modeling.forward import position_ids_from_mask, token_logprobs, token_values
 
 logger = logging.getLogger("rlhf.ppo")
@@ -148,31 +150,90 @@ def drop_uniform_groups(rollout: Rollout, score: torch.Tensor) -> int:
     return int(torch.unique(rollout.group[uniform]).numel())
 
 
+def budget_micro_batches(attention_mask: torch.Tensor, prompt_len: int, budget: int, *,
+                         groups: torch.Tensor | None = None, packed: bool = False) -> list[list[int]]:
+    """This rank's rows (of a [B, P+T] rollout batch) in micro-batches of at most `budget` computed tokens
+    (rollout.micro_batch_tokens; rlhf/data/microbatch.py token_budget_bins), as many on every rank: the
+    ranks' counts are all-reduced (max) and each rank splits its costliest micro-batches up to it
+    (collective). `groups` [B]: rows kept together (a prompt's samples, rollout.shared_prompt_forward).
+    A unit over the budget runs alone, logged."""
+    prompt, extent = row_extents(attention_mask, prompt_len)
+    g = None if groups is None else groups.tolist()
+    bins = token_budget_bins(prompt, extent, budget, groups=g, packed=packed)
+    count = torch.tensor([len(bins)], dtype=torch.long, device=attention_mask.device)
+    bins = token_budget_bins(prompt, extent, budget, groups=g, packed=packed, min_bins=int(all_reduce_max(count)))
+    over = [b for b in bins if bin_cost(prompt, extent, b, packed) > budget]
+    if over:
+        logger.warning("rollout.micro_batch_tokens=%d: %d micro-batch(es) of one %s over the budget run alone "
+                       "(costs %s tokens)", budget, len(over), "row" if groups is None else "prompt group",
+                       [bin_cost(prompt, extent, b, packed) for b in over])
+    return bins
+
+
+def batching_counts(attention_mask: torch.Tensor, prompt_len: int, bins: list[list[int]], *, trimmed: bool = True,
+                    packed: bool = False) -> dict[str, int]:
+    """{micro_batches, computed_tokens, real_tokens} of this rank's forwards over `bins` (row indices of
+    `attention_mask` [B, P+T]): computed at each micro-batch's trimmed width (rlhf/data/microbatch.py
+    bin_cost), the full width P+T when not `trimmed`, the real tokens when `packed`. What the step's padding
+    share is made of."""
+    prompt, extent = row_extents(attention_mask, prompt_len)
+    real = attention_mask.sum(1).tolist()
+    width = attention_mask.shape[1]
+    computed = sum(sum(real[i] for i in b) if packed else bin_cost(prompt, extent, b) if trimmed else len(b) * width
+                   for b in bins)
+    return {"micro_batches": len(bins), "computed_tokens": int(computed),
+            "real_tokens": int(sum(real[i] for b in bins for i in b))}
+
+
 @torch.no_grad()
 def score_rollout(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, *,
                   actor: torch.nn.Module | None, reference: torch.nn.Module, critic: torch.nn.Module | None,
                   micro_batch_size: int, temperature: float, pack_length: int | None = None,
-                  shared_prompts: bool = False, truncate: tuple[int, float] | None = None) -> dict[str, torch.Tensor]:
+                  shared_prompts: bool = False, truncate: tuple[int, float] | None = None,
+                  micro_batch_tokens: int | None = None, group: torch.Tensor | None = None,
+                  batching: dict | None = None) -> dict[str, torch.Tensor]:
     """Old log-probs (without an actor: none, the caller has the sampler's), reference log-probs and values
     (without a critic: none), in batches of `micro_batch_size` rows (rollout.score_batch_size), and the
     position ids they used; the scores come from a reward source (rlhf/rl/rewards.py).
 
     Every rank runs the same number of forwards (FSDP all-gathers inside them are collective).
+    `micro_batch_tokens` (rollout.micro_batch_tokens, not None): micro-batches by that budget of computed
+    tokens instead (`budget_micro_batches`; with `shared_prompts` a prompt's rows, `group` [B], stay
+    together), each forward at its own trimmed width, the outputs padded back to [B, T].
     `pack_length` (not None): each forward runs on the micro-batch's real tokens packed (`Repacked`).
     `shared_prompts` (rollout.shared_prompt_forward): a prompt several rows of a forward share runs once.
     `truncate` (ppo.trainer_logprobs=sampler): (top_k, top_p) applied to the logits as the sampler did.
+    `batching` (a dict): gets this rank's `batching_counts` of the forwards.
     """
+    B, T = sequences.shape[0], sequences.shape[1] - prompt_len
     base = {"sequences": sequences, "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask), "prompt_len": prompt_len, "pack_length": pack_length,
             "shared_prompts": shared_prompts}
+    packed = pack_length is not None
+    if micro_batch_tokens is None:
+        bins = [list(range(s, min(s + micro_batch_size, B))) for s in range(0, B, micro_batch_size)]
+    else:
+        bins = budget_micro_batches(attention_mask, prompt_len, micro_batch_tokens,
+                                    groups=group if shared_prompts else None, packed=packed)
     parts: dict[str, list[torch.Tensor]] = {"logp_old": [], "logp_ref": [], "values": []}
-    for s in range(0, sequences.shape[0], micro_batch_size):
-        mb = {k: (v[s : s + micro_batch_size] if torch.is_tensor(v) else v) for k, v in base.items()}
+    for rows in bins:
+        if micro_batch_tokens is None:
+            mb = {k: (v[rows[0] : rows[-1] + 1] if torch.is_tensor(v) else v) for k, v in base.items()}
+        else:
+            mb = trim_columns(base, prompt_len, rows)
         if actor is not None:
-            parts["logp_old"].append(token_logprobs(actor, mb, temperature, truncate=truncate))
-        parts["logp_ref"].append(token_logprobs(reference, mb, temperature, truncate=truncate))
+            parts["logp_old"].append(pad_response(token_logprobs(actor, mb, temperature, truncate=truncate), T))
+        parts["logp_ref"].append(pad_response(token_logprobs(reference, mb, temperature, truncate=truncate), T))
         if critic is not None:
-            parts["values"].append(token_values(critic, mb))
-    out = {k: torch.cat(v) for k, v in parts.items() if v}
+            parts["values"].append(pad_response(token_values(critic, mb), T))
+    order = torch.tensor([i for rows in bins for i in rows], dtype=torch.long, device=sequences.device)
+    out = {}
+    for k, v in parts.items():
+        if v:
+            cat = torch.cat(v)
+            out[k] = cat if micro_batch_tokens is None else torch.empty_like(cat).index_copy_(0, order, cat)
     out["position_ids"] = base["position_ids"]
+    if batching is not None:
+        batching.update(batching_counts(attention_mask, prompt_len, bins, trimmed=micro_batch_tokens is not None,
+                                        packed=packed))
     return out
