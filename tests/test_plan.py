@@ -196,3 +196,25 @@ def test_bench_memory_runs_on_cpu():
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes"):
         assert rows[key][0].strip() == rows[key][1].strip(), (key, rows[key])
     assert "peak (CPU peak RSS growth)" in rows and "model state planned exactly: True" in proc.stdout
+
+
+def test_a_token_budget_sizes_the_rl_forwards_and_is_what_the_plan_halves(llama25m):
+    """rollout.micro_batch_tokens: each forward holds at most the budget's tokens (b x s = the budget), and a plan
+    that does not fit proposes a smaller budget (down to one whole row) or checkpointing; the change fits."""
+    base = ["stage=ppo", f"actor.model={llama25m}", TOKENIZER, "algorithm=grpo", "reward.sources=[judge]",
+            "device=cpu", "data.max_prompt_len=48", "rollout.max_new_tokens=464", "rollout.micro_batch_size=8"]
+    rows, _ = run_plan(base)  # 8 rows x 512 tokens per forward
+    budget, _ = run_plan([*base, "rollout.micro_batch_tokens=2048"])
+    a, b = rows["models"]["actor"], budget["models"]["actor"]
+    assert b["activation_bytes"] == pytest.approx(a["activation_bytes"] * 2048 / (8 * 512), rel=1e-12)
+    assert b["rows"] == 4 and b["logits_bytes"] < a["logits_bytes"]
+    # a memory budget between the plans of 2048 and 4096 tokens: 4096 does not fit, a change that fits is proposed
+    big, _ = run_plan([*base, "rollout.micro_batch_tokens=4096"])
+    gib = (big["peak_bytes"] + budget["peak_bytes"]) / 2 / 2**30
+    tight, change = run_plan([*base, "rollout.micro_batch_tokens=4096", f"budget_gib={gib}"])
+    assert tight["fits"] is False and change
+    assert any(c in ("rollout.micro_batch_tokens=2048", "rollout.micro_batch_tokens=1024",
+                     "engine.activation_checkpointing=true") for c in change), change
+    fixed, more = run_plan([*base, "rollout.micro_batch_tokens=4096", f"budget_gib={gib}", *change])
+    assert fixed["fits"] is True and more is None
+    assert "rollout.micro_batch_tokens=256" not in " ".join(change)  # never below one whole row (512 tokens)

@@ -12,8 +12,9 @@ Each model is built on the meta device from its config alone (a local HF or stag
 config.json, which is all the directory needs to hold: no weights, no tokenizer; or model.config, whose
 vocabulary comes from the tokenizer), so parameter counts are exact, and parameter / gradient / optimizer
 bytes are the engine's layout exactly (engine.memory.planned_bytes: what a run's memory report logs
-at its first step). The rest are estimates, with b rows per micro-batch, s tokens, h hidden, i MLP
-width, L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute dtype (2 or 4):
+at its first step). The rest are estimates, with b rows per micro-batch (PPO with rollout.micro_batch_tokens:
+b*s = the budget), s tokens, h hidden, i MLP width, L layers, kv = KV heads x head dim, V vocabulary,
+e bytes of the compute dtype (2 or 4):
     activations          L*b*s*(7h + 2kv + 4i)*e: what autograd keeps per decoder block with SDPA
                          attention (block input, two norm outputs, q, k, v, attention output, MLP
                          input, gate, up, silu(gate), their product)
@@ -158,7 +159,7 @@ class Role:
     arch: Arch
     trained: bool
     offload: bool
-    rows: int  # per micro-batch forward
+    rows: float  # per micro-batch forward (a token budget / the row width: a fraction)
     seq: int
     logits: bool  # a policy (LM head) rather than a value head
 
@@ -200,8 +201,9 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
                 name == "reward_model" and ("model" not in cfg.reward.sources or distill)):
             continue  # not loaded by this algorithm / reward source (rlhf/rl/models.py Models)
         arch = build_arch(model_cfg(cfg, path, lora), tok, name, value=value, lora=trained)
-        out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), r.micro_batch_size, seq,
-                        not value))
+        # rollout.micro_batch_tokens: a forward holds at most that many tokens (rows x width), whatever the rows
+        rows = r.micro_batch_size if r.micro_batch_tokens is None else r.micro_batch_tokens / seq
+        out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), rows, seq, not value))
     return out, r.prompts_per_step // world * r.n_samples_per_prompt, gen_len
 
 
@@ -313,12 +315,17 @@ def split_generation_rank(cfg, a: Arch, *, trainers: int, e: int, gen_len: int) 
 
 def candidates(stage: str, cfg, world: int) -> list[tuple[int, list[str]]]:
     """Changes that lower memory, cheapest first: (cost, overrides). Costs: +1 per ZeRO stage (more
-    communication), +2 per halving of the micro-batch (more, smaller steps; same math), +3 activation
+    communication), +2 per halving of the micro-batch (more, smaller steps; same math; PPO with
+    rollout.micro_batch_tokens: of the token budget, down to one whole row), +3 activation
     checkpointing (~1/3 more compute), +2 per frozen RL model offloaded, +10 CPU offload (stage 3)."""
     e = cfg.engine
     key = "rollout.micro_batch_size" if stage == "ppo" else "train.micro_batch_size"
     micro = cfg.rollout.micro_batch_size if stage == "ppo" else cfg.train.micro_batch_size
     micros = [micro >> k for k in range(micro.bit_length()) if (micro >> k) << k == micro]  # exact halvings
+    if stage == "ppo" and cfg.rollout.micro_batch_tokens is not None:  # a token budget: its halvings, down to one row
+        key, micro = "rollout.micro_batch_tokens", cfg.rollout.micro_batch_tokens
+        longest = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        micros = [micro >> k for k in range(micro.bit_length()) if micro >> k >= longest] or [micro]
     frozen = [k for k in ("reference.offload", "reward_model.offload") if stage == "ppo"]
     out = []
     for st, ac, mi, off, nf in itertools.product(range(e.stage, 4), (e.activation_checkpointing, True), micros,
@@ -391,14 +398,14 @@ def format_plan(report: dict, change: list[str] | None) -> str:
         where = ", offloaded to CPU" if m["offload"] else ""
         if not m["trained"]:
             lines += [f"  {name} (frozen{where}): {m['total_params']:,} params {_g(m['param_bytes'])}",
-                      f"    forward ({m['rows']} x {m['seq']} tokens, no grad): logits {_g(m['logits_bytes'])} | "
+                      f"    forward ({m['rows']:g} x {m['seq']} tokens, no grad): logits {_g(m['logits_bytes'])} | "
                       f"gathered params {_g(m['gathered_bytes'])}"]
             continue
         lines += [f"  {name} (trained{where}): {m['total_params']:,} params, {m['trainable_params']:,} trainable",
                   f"    params {_g(m['param_bytes'])} | grads {_g(m['grad_bytes'])} | optimizer {_g(m['optimizer_bytes'])}"
                   f" | model state {_g(m['model_state_bytes'])}",
                   f"    our layout {_g(m['layout_bytes'])} | ZeRO paper {m['zero_formula']} = {_g(m['zero_formula_bytes'])}",
-                  f"    activations ({m['rows']} x {m['seq']} tokens) {_g(m['activation_bytes'])} | with checkpointing "
+                  f"    activations ({m['rows']:g} x {m['seq']} tokens) {_g(m['activation_bytes'])} | with checkpointing "
                   f"{_g(m['activation_ckpt_bytes'])} | logits {_g(m['logits_bytes'])} | gathered params {_g(m['gathered_bytes'])}"]
     if "kv_cache_bytes" in r:
         lines.append(f"  generation: {r['generation_path']} path ({r['generation_why']}): KV cache {_g(r['kv_cache_bytes'])}"
