@@ -1,24 +1,25 @@
 """The RL step against response length: step time and peak memory of GRPO at `--lengths` new tokens on a ~25M
-Llama (CPU), each length in a fresh process, with the memory `python -m rlhf.plan` predicts beside it, and the
-growth exponent of the step's cost in length.
+Llama (CPU), with row-count micro-batches and with a token budget, each run in a fresh process, the memory
+`python -m rlhf.plan` predicts beside it, and the growth exponent of the step's cost in length.
 
     PYTHONPATH=. python scripts/bench_length.py                                  # 128 / 512 / 2048 tokens
-    PYTHONPATH=. python scripts/bench_length.py --lengths 128 512 --rows 8 --json outputs/bench_length.json
+    python scripts/bench_length.py --lengths 16 32 --rows 8 --micro 4 --small --work outputs/bench_length_smoke
 
 1. Stage outputs built once in `--work` (scripts/bench_rl.py build_models): an SFT model and a reward model of one
    step each in the ~25M shape (hidden 512, 8 layers, 8 heads, 2 KV heads, MLP 1408, the shipped 4k vocabulary),
-   with 4,096 positions.
-2. Per length L: `python -m rlhf.ppo algorithm=grpo rollout.max_new_tokens=L` with `--rows` rows per step
-   (`--rows / 4` prompts x 4 samples, one mini-batch), `--steps` steps (the first left out), `--extra` overrides
-   added (e.g. rollout.micro_batch_size=2). Each step's generation_s, scoring_s and training_s come from its
-   metrics.jsonl, the peak resident memory of each phase from mem_generation_peak_gib / mem_training_peak_gib
-   (the process's VmHWM, reset at each phase's start).
-3. The plan: `python -m rlhf.plan stage=ppo device=cpu` with the same overrides (rlhf/run/plan.py), its peak
-   against the measured peak of the run, as plan / measured.
+   with 4,096 positions (`--small`: the tests' tiny shape, for a smoke run).
+2. Per length L and way of batching, `python -m rlhf.ppo algorithm=grpo rollout.max_new_tokens=L` with `--rows`
+   rows per step (`--rows / 4` prompts x 4 samples, one mini-batch), `--steps` steps (the first left out), run by
+   scripts/bench_rl.py's worker with its `--eos-spread` rule: responses end uniformly between 10% and 100% of L,
+   as an RL step's do. The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
+   width; `tokens` = `rollout.micro_batch_tokens` = --micro x (data.max_prompt_len + L), the same worst case.
+   The step's phases are the worker's timers (generate, score, advantages, update, the rest); the peak resident
+   memory is the largest mem_generation_peak_gib / mem_training_peak_gib of the run's metrics.jsonl (the
+   process's VmHWM, reset at each phase's start). Generation runs on the injected decoder (`--generation`).
+3. The plan: `python -m rlhf.plan stage=ppo device=cpu` with the same overrides (rlhf/run/plan.py, a plan of the
+   worst case: every response L tokens), against the measured peak, as plan / measured.
 4. The growth exponent between consecutive lengths: log(t2 / t1) / log(L2 / L1) of the step's time (1 = linear).
-Responses run to the full length where the model does not stop (a one-step SFT model of a 4k vocabulary rarely
-samples EOS): the worst case of memory, which is what the plan predicts. Ratios are what a shared machine measures
-well; absolute seconds move with its load.
+Ratios are what a shared machine measures well; absolute seconds move with its load.
 """
 from __future__ import annotations
 
@@ -28,71 +29,77 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
-from scripts.bench_rl import QUIET, SHAPE_25M, build_models  # noqa: E402
+from scripts.bench_rl import PHASES, QUIET, SHAPE_25M, SHAPE_SMALL, build_models, run_worker  # noqa: E402
 
 
-def overrides(sft: str, reward: str, length: int, rows: int, steps: int, extra: list[str]) -> list[str]:
+def overrides(sft: str, reward: str, length: int, a: argparse.Namespace, way: str) -> list[str]:
+    batching = (f"rollout.micro_batch_tokens={a.micro * (a.prompt + length)}" if way == "tokens" else
+                "rollout.micro_batch_tokens=null")
     return [f"actor.model={sft}", f"critic.model={reward}", "algorithm=grpo", f"rollout.max_new_tokens={length}",
-            f"rollout.prompts_per_step={rows // 4}", "rollout.n_samples_per_prompt=4", f"rollout.mini_batch_size={rows}",
-            f"rollout.micro_batch_size={rows}", f"train.max_steps={steps}", *QUIET, *extra]
+            f"data.max_prompt_len={a.prompt}", f"rollout.prompts_per_step={a.rows // 4}", "rollout.n_samples_per_prompt=4",
+            f"rollout.mini_batch_size={a.rows}", f"rollout.micro_batch_size={a.micro}", batching,
+            f"train.max_steps={a.steps}", f"engine.generation={a.generation}", *QUIET, *a.extra]
 
 
-def measure(out: str, args: list[str]) -> dict:
+def measure(out: str, args: list[str], length: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "rlhf.ppo", f"output_dir={out}", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    res = run_worker(ROOT, out, args, plant=length)
+    steps = res["steps"][1:] or res["steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [r for r in map(json.loads, f) if r.get("kind", r.get("split")) == "train" or "generation_s" in r]
-    steps = [r for r in rows if "generation_s" in r][1:] or [r for r in rows if "generation_s" in r]
+        rows = [r for r in map(json.loads, f) if r.get("kind") == "train"]
     peak = max(max(r.get("mem_generation_peak_gib", 0.0), r.get("mem_training_peak_gib", 0.0)) for r in rows)
-    return {"step_s": statistics.median(r["generation_s"] + r["scoring_s"] + r["training_s"] for r in steps),
-            **{k: statistics.median(r[k] for r in steps) for k in ("generation_s", "scoring_s", "training_s",
-                                                                   "response_len")},
-            "peak_gib": peak}
+    return {"step_s": statistics.median(sum(s[p] for p in PHASES) for s in steps),
+            **{f"{p}_s": statistics.median(s[p] for s in steps) for p in PHASES},
+            "mean_length": statistics.mean(r["response_len"] for r in rows), "peak_gib": peak}
 
 
-def planned(args: list[str]) -> dict:
+def planned(args: list[str]) -> float:
     from rlhf.run import plan
     report, _ = plan.run_plan(["stage=ppo", "device=cpu", *args])
-    return {"plan_peak_gib": report["peak_bytes"] / 2**30, "plan_phases_gib": {k: v / 2**30 for k, v in
-                                                                               report["phases"].items()}}
+    return report["peak_bytes"] / 2**30
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default="outputs/bench_length")
     ap.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 2048])
-    ap.add_argument("--rows", type=int, default=8, help="rows per step (a multiple of 4: prompts x 4 samples)")
+    ap.add_argument("--ways", nargs="+", default=["rows", "tokens"], choices=("rows", "tokens"))
+    ap.add_argument("--rows", type=int, default=16, help="rows per step (a multiple of 4: prompts x 4 samples)")
+    ap.add_argument("--micro", type=int, default=4, help="rows per forward (rows), or the budget's rows of full width")
+    ap.add_argument("--prompt", type=int, default=48, help="data.max_prompt_len")
     ap.add_argument("--steps", type=int, default=2, help="RL steps per run (the first left out when there are more)")
+    ap.add_argument("--generation", default="injected")
+    ap.add_argument("--small", action="store_true", help="the tests' tiny model shape (a smoke run)")
     ap.add_argument("--extra", nargs="*", default=[], help="more rlhf.ppo overrides for every run")
     ap.add_argument("--json")
     a = ap.parse_args()
     work = os.path.abspath(a.work)
     # a context long enough for the longest response (the shipped shape's is 128 positions)
-    sft, reward = build_models(os.path.join(work, "25m_long"), [*SHAPE_25M, "model.config.max_position_embeddings=4096"])
+    shape = [*(SHAPE_SMALL if a.small else SHAPE_25M), f"model.config.max_position_embeddings={a.prompt + max(a.lengths)}"]
+    sft, reward = build_models(os.path.join(work, "small" if a.small else "25m"), shape)
     sft, reward = os.path.join(sft, "model"), os.path.join(reward, "model")
-    results = []
-    print("| new tokens | mean length | step s | generation s | scoring s | training s | peak GiB | plan GiB | "
+    results: list[dict] = []
+    print("| new tokens | batching | mean length | step s | generate s | score s | update s | peak GiB | plan GiB | "
           "plan / peak | exponent |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for length in a.lengths:
-        args = overrides(sft, reward, length, a.rows, a.steps, a.extra)
-        row = {"new_tokens": length, **measure(os.path.join(work, f"len{length}"), args), **planned(args)}
-        if results:
-            prev = results[-1]
-            row["exponent"] = math.log(row["step_s"] / prev["step_s"]) / math.log(length / prev["new_tokens"])
-        results.append(row)
-        print(f"| {length} | {row['response_len']:.0f} | {row['step_s']:.1f} | {row['generation_s']:.1f} | "
-              f"{row['scoring_s']:.1f} | {row['training_s']:.1f} | {row['peak_gib']:.2f} | {row['plan_peak_gib']:.2f} | "
-              f"{row['plan_peak_gib'] / row['peak_gib']:.2f} | {row.get('exponent', float('nan')):.2f} |", flush=True)
+        for way in a.ways:
+            args = overrides(sft, reward, length, a, way)
+            row = {"new_tokens": length, "batching": way,
+                   **measure(os.path.join(work, f"{way}_{length}"), args, length), "plan_gib": planned(args)}
+            prev = [r for r in results if r["batching"] == way]
+            if prev:
+                row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])
+                                   / math.log(length / prev[-1]["new_tokens"]))
+            results.append(row)
+            print(f"| {length} | {way} | {row['mean_length']:.0f} | {row['step_s']:.1f} | {row['generate_s']:.1f} | "
+                  f"{row['score_s']:.1f} | {row['update_s']:.1f} | {row['peak_gib']:.2f} | {row['plan_gib']:.2f} | "
+                  f"{row['plan_gib'] / row['peak_gib']:.2f} | {row.get('exponent', float('nan')):.2f} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
