@@ -4,7 +4,8 @@
     python scripts/bench_generation.py --small --device cpu  # tiny shapes, short runs: checks the script itself
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --repeat 3
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 --eos-spread --vllm --repeat 1
-    python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 --eos-spread --repeat 1
+    python scripts/bench_generation.py --small --device cpu --eos-spread --compaction --batch 16
+    OMP_NUM_THREADS=1 python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --eos-spread --compaction --repeat 1
 
 Random weights; prompts of `--prompt` tokens (every row full length), `--new` new tokens with EOS
 disabled (both paths run the full length), greedy decoding on both paths. The paths are timed
@@ -29,7 +30,8 @@ row frees its slot. The injected model gets each row's EOS planted at its length
 here, replaces row b's token at index length_b - 1 with EOS; a row is known by its row seed, which moves
 with it) and is timed twice: as it decodes by default (`engine.compact_finished`: the running rows
 compacted, finished ones no longer computed) and with compaction off (every row decoded to N, the static
-batch); `compact / full` is their ratio. Tokens/s count the rows' real tokens (the sum of the lengths) on
+batch); `compact / full` is their ratio. `--compaction` times only these two (and transformers, unless
+`--no-hf`; no refresh, prefill or FLOP-rate columns). Tokens/s count the rows' real tokens (the sum of the lengths) on
 every path. `--vllm` (vLLM installed: scripts/vllm_cpu_venv.sh on CPU) adds the vLLM
 engine (engine/vllm_backend.py) beside the others, and times its weight sync (vLLM's in-place reload from the
 same fp32 master weights, no check) against a plain copy of the same bytes into preallocated tensors.
@@ -165,7 +167,8 @@ def plant_lengths(lengths: torch.Tensor):
 
 
 def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype, device, repeat: int,
-                rates: dict[str, float], eos_spread: bool = False, use_vllm: bool = False) -> list[dict]:
+                rates: dict[str, float], eos_spread: bool = False, use_vllm: bool = False, compaction: bool = False,
+                with_hf: bool = True) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from engine.inference import InferenceModel, SamplingParams, generate
@@ -218,6 +221,8 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
                "prefill": lambda: run_inj(1), "refresh": lambda: inj.load_weights(master)}
         if eos_spread:
             fns["compact"] = lambda: run_inj(compact=True)
+        if compaction:  # only the compaction's comparison (and transformers, unless --no-hf)
+            fns = {k: fns[k] for k in ("hf", "injected", "compact") if k != "hf" or with_hf}
         if rollout is not None:
             from engine.inference import SamplingParams as SP
 
@@ -238,6 +243,17 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
         finally:
             undo()
         assert inj.allocations == allocations, "a weight refresh or a generate re-allocated the injected model"
+        if compaction:
+            row = {"shape": name, "batch": B, "prompt": P, "new_tokens": N, "repeat": repeat, "real_tokens": real,
+                   "lengths": lengths, "injected_tokens_per_s": real / t["injected"],
+                   "compact_tokens_per_s": real / t["compact"], "compact_over_full": t["injected"] / t["compact"],
+                   "row_steps_over_full": (sum(lengths) + 0.0) / (B * N)}
+            if with_hf:
+                row.update(hf_tokens_per_s=real / t["hf"], compact_over_hf=t["hf"] / t["compact"],
+                           full_over_hf=t["hf"] / t["injected"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         kv_per_token = 2 * inj.args.n_layers * inj.args.n_kv_heads * inj.args.head_dim * torch.tensor([], dtype=dtype).element_size()
         step_bytes = weight_bytes + B * (P + N // 2) * kv_per_token
         flops = generation_flops(inj.args, inj.weight_tensors(), inj.lm_head, B, P, N)
@@ -287,26 +303,43 @@ def main() -> None:
     ap.add_argument("--out", default="bench_generation.json")
     ap.add_argument("--eos-spread", action="store_true", help="rows end between 10%% and 100%% of --new (see above)")
     ap.add_argument("--vllm", action="store_true", help="add the vLLM engine (needs vLLM) and its weight sync")
+    ap.add_argument("--compaction", action="store_true", help="with --eos-spread: time only the injected model with "
+                    "and without compaction (and transformers unless --no-hf)")
+    ap.add_argument("--no-hf", action="store_true", help="with --compaction: leave transformers out")
     a = ap.parse_args()
     for key, full, small in (("batch", [1, 16, 64], [1, 16]), ("prompt", 256, 32), ("new", [256], [32]), ("repeat", 3, 1)):
         if getattr(a, key) is None:
             setattr(a, key, small if a.small else full)
+    if a.compaction and (not a.eos_spread or a.vllm):
+        sys.exit("bench_generation.py: --compaction needs --eos-spread (finished rows to compact) and no --vllm")
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_generation.py: no CUDA device here (use --device cpu --small to check the script)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     table = SMALL if a.small else SHAPES
     names = a.shapes or [n for n in table if n not in ("llama-25m", "llama-default")]  # (the CPU shapes: by name)
-    rates = {k: matmul_rate(device, d, a.repeat) for k, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    rates = {} if a.compaction else \
+        {k: matmul_rate(device, d, a.repeat) for k, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     print(json.dumps({"matmul_gflops": {k: v / 1e9 for k, v in rates.items()}}), flush=True)
     rows = []
     for name in names:
         for new in a.new:
             rows += bench_shape(name, table[name], a.batch, a.prompt, new, dtype, device, a.repeat, rates,
-                                eos_spread=a.eos_spread, use_vllm=a.vllm)
+                                eos_spread=a.eos_spread, use_vllm=a.vllm, compaction=a.compaction,
+                                with_hf=not a.no_hf)
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
                    "dtype": a.dtype, "rows": rows}, f, indent=1)
+    if a.compaction:
+        print("\n| shape | batch | new | row-steps left after EOS | hf tok/s | injected, every row to the end, tok/s "
+              "| injected, compacted, tok/s | compact / full | compact / hf |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            hf = (f"{r['hf_tokens_per_s']:,.0f}", f"{r['compact_over_hf']:.2f}x") if "hf_tokens_per_s" in r else ("-", "-")
+            print(f"| {r['shape']} | {r['batch']} | {r['new_tokens']} | {1 - r['row_steps_over_full']:.0%} | {hf[0]} | "
+                  f"{r['injected_tokens_per_s']:,.0f} | {r['compact_tokens_per_s']:,.0f} | {r['compact_over_full']:.2f}x | "
+                  f"{hf[1]} |")
+        return
     print("\n| shape | batch | new | hf tok/s | injected tok/s | + refresh tok/s | speedup | with refresh | refresh share "
           "| ms/step | step/floor | GFLOP/s (refresh incl.) | / fp32 matmul | / bf16 matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
