@@ -153,10 +153,11 @@ def compact(model: InferenceModel, st: DecodeState, new: DecodeState, order: tor
     perm[holes], perm[behind] = behind, holes
     moved = torch.cat([holes, behind])
     if moved.numel():
-        c = model.cache
-        c.k[:, moved, :, :slots] = c.k[:, perm[moved], :, :slots]
-        c.v[:, moved, :, :slots] = c.v[:, perm[moved], :, :slots]
-        c.valid[moved, :slots] = c.valid[perm[moved], :slots]
+        c, src = model.cache, perm[moved]
+        for layer in range(c.k.shape[0]):  # a layer at a time: the gathered temporary is one layer's moved rows
+            c.k[layer, moved, :, :slots] = c.k[layer, src, :, :slots]
+            c.v[layer, moved, :, :slots] = c.v[layer, src, :, :slots]
+        c.valid[moved, :slots] = c.valid[src, :slots]
         order[:b] = order[:b][perm]
     rows = perm[:n]
     new.tokens.copy_(st.tokens[rows])
