@@ -18,7 +18,7 @@
               them, never overwritten) with their step state (fed token, positions, done, row seeds),
               and the next steps decode only that many rows; each step's outputs are scattered to
               their rows' places. Off CUDA the new batch is the running rows exactly; with CUDA graphs
-              it is a bucket (8, 12, 16, 24, 32, 48, ...: 2^k and 3 x 2^k, padded with finished rows)
+              it is a bucket (8, 12, 16, 24, 32, 48, ...: 2^k and 3 x 2^(k-1), padded with finished rows)
               so a call captures at most ~2 log2(B) graphs, each once per model. The cache's row order
               is then a permutation of the call's: `KVCache.rows` records it for the next `Resume`.
 
@@ -49,8 +49,9 @@ if TYPE_CHECKING:
     from .model import InferenceModel
 
 CACHE_SLOTS = 32  # generate() rounds the KV cache's length up to a multiple of this
-# Compact the batch when the running rows fit one at least this much smaller: with 64 rows ending uniformly
-# over the budget, ~7 compactions (64 -> 48 -> 36 -> ...), each a copy of the moved rows' cache so far.
+# Compact the batch when the running rows fit one at least this much smaller: a call of 64 rows compacts at
+# most ~14 times (64 -> <=48 -> <=36 -> ... -> 1; CUDA buckets: 64 -> 48 -> 32 -> ... -> 8, 6 times), each
+# a copy of the moved rows' cache so far (at most the batch's), about what one decode step reads anyway.
 COMPACT_FRACTION = 0.25
 MIN_BUCKET = 8  # with CUDA graphs: no batch below 8 rows (a graph per size; below 8 a step costs about the same)
 
