@@ -5,7 +5,7 @@
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --repeat 3
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 --eos-spread --vllm --repeat 1
     python scripts/bench_generation.py --small --device cpu --eos-spread --compaction --batch 16
-    OMP_NUM_THREADS=1 python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --eos-spread --compaction --repeat 1
+    OMP_NUM_THREADS=1 python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --eos-spread --compaction --repeat 2
 
 Random weights; prompts of `--prompt` tokens (every row full length), `--new` new tokens with EOS
 disabled (both paths run the full length), greedy decoding on both paths. The paths are timed

@@ -30,14 +30,15 @@ PYTHONPATH=$root python scripts/bench_rl.py --baseline "$commit" --algos grpo --
     --reps "${REPS:-2}" --steps "${STEPS:-3}" --clock "$clock" --flops-model none --work "$work" --json "$json" \
     --baseline-overrides "${BASELINE_OVERRIDES:-}" -- \
     "rollout.max_new_tokens=${NEW_TOKENS:-128}" "engine.generation=${GENERATION:-injected}" "$@"
-python - "$json" "$commit" <<'PY'
+python - "$json" "$commit" "$clock" <<'PY'
 import json
 import sys
 
-path, commit = sys.argv[1:]
+path, commit, clock = sys.argv[1:]
+unit = "CPU s" if clock == "cpu" else "s"
 med = json.load(open(path))["medians"]
 this, base = med["grpo/this"], med["grpo/baseline"]
-print(f"\nGRPO step: {commit} {base['step']:.3f} s, this tree {this['step']:.3f} s (medians); "
+print(f"\nGRPO step: {commit} {base['step']:.3f} {unit}, this tree {this['step']:.3f} {unit} (medians); "
       f"{commit} / this = {base['step'] / this['step']:.2f}x")
 print("per phase (" + commit + " / this): " + ", ".join(
     f"{p} {base[p] / this[p]:.2f}x" for p in ("generate", "score", "advantages", "update", "overhead") if this[p] > 0))

@@ -406,8 +406,8 @@ def generate(
 
 
 def keep_rows(model: InferenceModel, rows: torch.Tensor, stale: torch.Tensor, slot: int) -> None:
-    """The previous call's rows `rows` [n] become the cache's rows [0, n) (in that order), and each kept row's slots from
-    stale[i] to `slot` are marked invalid (never attended). Copies within the cache's storage: captured
+    """The previous call's rows `rows` [n] become the cache's rows [0, n) (in that order), and each kept row's
+    slots from stale[i] to `slot` are marked invalid (never attended). Copies within the cache's storage: captured
     graphs stay valid."""
     c, n = model.cache, int(rows.numel())
     if c.rows is not None:  # the previous call compacted its batch: its row i sits in cache row c.rows[i]
