@@ -88,6 +88,11 @@ class EngineConfig:
     # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
     # for training) instead of keeping them for the next phase (an in-place weight refresh).
     release_inference_cache: bool = False  # free the injected weights/KV cache/graphs after each generation phase
+    # The injected decoder decodes only the rows still running once a quarter of them have ended (their KV
+    # cache rows and step state moved to the front; batch sizes in buckets under CUDA graphs): finished rows
+    # stop costing compute. Measured in docs/engine.md. Not applied under engine.deterministic (a row's
+    # numerics would depend on when the other rows of its batch end).
+    compact_finished: bool = True  # injected decoder: stop computing rows that have ended (compact the batch)
     # A rank that waits longer than this in a collective (another rank died or hangs) fails instead of
     # hanging for good; rank-0-only work between collectives (export, pruning) must stay well under it.
     timeout_s: float = 1800.0  # process-group timeout in seconds (torchrun runs)
@@ -179,6 +184,8 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.selfcheck must be one of {SELFCHECK}, got {cfg.selfcheck!r}")
     if cfg.check_weights not in CHECK_WEIGHTS:
         raise ValueError(f"engine.check_weights must be one of {CHECK_WEIGHTS}, got {cfg.check_weights!r}")
+    if not isinstance(cfg.compact_finished, bool):
+        raise ValueError(f"engine.compact_finished must be true or false, got {cfg.compact_finished!r}")
     if not isinstance(cfg.deterministic, bool):
         raise ValueError(f"engine.deterministic must be true or false, got {cfg.deterministic!r}")
     if isinstance(cfg.deterministic_rows, bool) or not isinstance(cfg.deterministic_rows, int) \

@@ -279,8 +279,9 @@ class InjectedGenerator:
     # a multi-turn episode's next turn feeds only its new tokens
     resumes = True
 
-    def __init__(self, model):
+    def __init__(self, model, compact_finished: bool = True):
         self.model = model
+        self.compact_finished = compact_finished  # engine.compact_finished: decode only the running rows
 
     def reserve(self, batch_size: int, tokens: int) -> None:
         """Size the KV cache for `batch_size` rows of `tokens` (prompt and every later turn) before a first call
@@ -296,7 +297,7 @@ class InjectedGenerator:
 
         out = generate(self.model, prompt_ids, prompt_mask, _max_new_tokens(params), eos_token_id=eos_token_id,
                        pad_token_id=pad_token_id, sampling=params, return_logprobs=return_logprobs,
-                       row_seeds=row_seeds, resume=resume)
+                       row_seeds=row_seeds, resume=resume, compact_finished=self.compact_finished)
         resp_mask = out.response_mask.long()
         logprobs = out.logprobs.float() * resp_mask if return_logprobs else None
         return Generated(sequences=out.sequences, attention_mask=out.attention_mask.long(), response_mask=resp_mask,

@@ -505,7 +505,8 @@ class TrainEngine(_ShardedModule):
                     model.release_cache()  # the probe's 2-row cache and graphs; the real batch allocates its own
         if self._gen_path == "injected":
             try:
-                yield wrap(InjectedGenerator(model))
+                # (engine.deterministic: no compaction, a row's numerics would depend on when its batch-mates end)
+                yield wrap(InjectedGenerator(model, self.cfg.compact_finished and not self.cfg.deterministic))
             finally:
                 if self.cfg.release_inference_cache:
                     model.release()

@@ -4,6 +4,8 @@
     python scripts/bench_generation.py --small --device cpu  # tiny shapes, short runs: checks the script itself
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --repeat 3
     python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 --eos-spread --vllm --repeat 1
+    python scripts/bench_generation.py --small --device cpu --eos-spread --compaction --batch 16
+    OMP_NUM_THREADS=1 python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 --eos-spread --compaction --repeat 2
 
 Random weights; prompts of `--prompt` tokens (every row full length), `--new` new tokens with EOS
 disabled (both paths run the full length), greedy decoding on both paths. The paths are timed
@@ -21,11 +23,16 @@ fraction of a plain square matmul's rate in fp32 and bf16, measured in the same 
 limit). Writes a Markdown table to stdout and JSON to --out.
 
 `--eos-spread`: responses that end anywhere between 10% and 100% of the budget (row b's length drawn
-uniformly in [0.1 N, N], seeded, the last row at N), the shape of an RL step's rollouts. The paths with a
-static batch (transformers `generate`, the injected model) run every row until the longest one ends, so they
-are timed at N new tokens; vLLM is sent each row with its own length (min = max tokens: a model with random
-weights has no EOS to stop at), so a finished row frees its slot. Tokens/s count the rows' real tokens (the
-sum of the lengths) on every path. `--vllm` (vLLM installed: scripts/vllm_cpu_venv.sh on CPU) adds the vLLM
+uniformly in [0.1 N, N], seeded, the last row at N), the shape of an RL step's rollouts. transformers
+`generate` runs every row until the longest one ends, so it is timed at N new tokens; vLLM is sent each row
+with its own length (min = max tokens: a model with random weights has no EOS to stop at), so a finished
+row frees its slot. The injected model gets each row's EOS planted at its length (its decode step, patched
+here, replaces row b's token at index length_b - 1 with EOS; a row is known by its row seed, which moves
+with it) and is timed twice: as it decodes by default (`engine.compact_finished`: the running rows
+compacted, finished ones no longer computed) and with compaction off (every row decoded to N, the static
+batch); `compact / full` is their ratio. `--compaction` times only these two (and transformers, unless
+`--no-hf`; no refresh, prefill or FLOP-rate columns). Tokens/s count the rows' real tokens (the sum of the lengths) on
+every path. `--vllm` (vLLM installed: scripts/vllm_cpu_venv.sh on CPU) adds the vLLM
 engine (engine/vllm_backend.py) beside the others, and times its weight sync (vLLM's in-place reload from the
 same fp32 master weights, no check) against a plain copy of the same bytes into preallocated tensors.
 """
@@ -139,8 +146,29 @@ def spread_lengths(B: int, N: int) -> list[int]:
     return lengths
 
 
+def plant_lengths(lengths: torch.Tensor):
+    """Patch the injected decode step so that the row seeded b (row_seeds = arange(B)) draws EOS as its token
+    length_b - 1 (--eos-spread); returns the undo. Tensor ops only (a CUDA graph captures them)."""
+    import importlib
+
+    gen = importlib.import_module("engine.inference.generate")  # the module (the package's `generate`: the function)
+
+    decode_step = gen.decode_step
+
+    def planted(model, st, *a, **k):
+        decode_step(model, st, *a, **k)  # st.step: now the index of the token just drawn, plus one
+        end = st.out_active & (lengths.to(st.step.device)[st.row_seeds] == st.step)
+        st.out_tokens.copy_(torch.where(end, st.eos[:1], st.out_tokens))
+        st.tokens.masked_fill_(end[:, None], 0)  # (the EOS id is out of the vocabulary: a pad is fed after it)
+        st.done |= end
+
+    gen.decode_step = planted
+    return lambda: setattr(gen, "decode_step", decode_step)
+
+
 def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype, device, repeat: int,
-                rates: dict[str, float], eos_spread: bool = False, use_vllm: bool = False) -> list[dict]:
+                rates: dict[str, float], eos_spread: bool = False, use_vllm: bool = False, compaction: bool = False,
+                with_hf: bool = True) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from engine.inference import InferenceModel, SamplingParams, generate
@@ -175,17 +203,26 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
             with torch.no_grad():
                 return hf.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
 
-        def run_inj(n=N):
-            return generate(inj, ids, mask, n, eos_token_id=None, pad_token_id=0, sampling=greedy)
+        lengths = spread_lengths(B, N) if eos_spread else [N] * B
+        real = sum(lengths)  # the rows' real tokens: what every path is credited with
+        # --eos-spread: EOS planted at each row's length (the rows known by their seeds); its id is out of the
+        # vocabulary, so no row draws it by chance
+        planted = {"eos_token_id": cfg.vocab_size, "row_seeds": torch.arange(B, device=device)} if eos_spread else \
+            {"eos_token_id": None}
+
+        def run_inj(n=N, compact=False):
+            return generate(inj, ids, mask, n, pad_token_id=0, sampling=greedy, compact_finished=compact, **planted)
 
         def run_refresh_inj():
             inj.load_weights(master)
             return run_inj()
 
-        lengths = spread_lengths(B, N) if eos_spread else [N] * B
-        real = sum(lengths)  # the rows' real tokens: what every path is credited with
         fns = {"hf": run_hf, "injected": run_inj, "refresh+injected": run_refresh_inj,
                "prefill": lambda: run_inj(1), "refresh": lambda: inj.load_weights(master)}
+        if eos_spread:
+            fns["compact"] = lambda: run_inj(compact=True)
+        if compaction:  # only the compaction's comparison (and transformers, unless --no-hf)
+            fns = {k: fns[k] for k in ("hf", "injected", "compact") if k != "hf" or with_hf}
         if rollout is not None:
             from engine.inference import SamplingParams as SP
 
@@ -195,11 +232,28 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
             dst = [t.clone() for _, t in master]
             fns["vllm_sync"] = lambda: rollout.load(master)
             fns["copy"] = lambda: [d.copy_(s) for d, (_, s) in zip(dst, master)]
-        run_inj()  # the cache for this batch: allocated here, reused by every timed run
-        allocations = inj.allocations
-        t = interleaved(fns, device, repeat)
-        assert run_inj().sequences.shape[1] == P + N
+        undo = plant_lengths(torch.tensor(lengths)) if eos_spread else (lambda: None)
+        try:
+            run_inj()  # the cache for this batch: allocated here, reused by every timed run
+            allocations = inj.allocations
+            t = interleaved(fns, device, repeat)
+            for compact in (False, True):  # the planted lengths, on both
+                out = run_inj(compact=compact)
+                assert out.sequences.shape[1] == P + N and out.response_mask.sum(1).tolist() == lengths
+        finally:
+            undo()
         assert inj.allocations == allocations, "a weight refresh or a generate re-allocated the injected model"
+        if compaction:
+            row = {"shape": name, "batch": B, "prompt": P, "new_tokens": N, "repeat": repeat, "real_tokens": real,
+                   "lengths": lengths, "injected_tokens_per_s": real / t["injected"],
+                   "compact_tokens_per_s": real / t["compact"], "compact_over_full": t["injected"] / t["compact"],
+                   "row_steps_over_full": (sum(lengths) + 0.0) / (B * N)}
+            if with_hf:
+                row.update(hf_tokens_per_s=real / t["hf"], compact_over_hf=t["hf"] / t["compact"],
+                           full_over_hf=t["hf"] / t["injected"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         kv_per_token = 2 * inj.args.n_layers * inj.args.n_kv_heads * inj.args.head_dim * torch.tensor([], dtype=dtype).element_size()
         step_bytes = weight_bytes + B * (P + N // 2) * kv_per_token
         flops = generation_flops(inj.args, inj.weight_tensors(), inj.lm_head, B, P, N)
@@ -217,6 +271,9 @@ def bench_shape(name: str, spec: dict, batches: list[int], P: int, N: int, dtype
             "matmul_gflops": {k: v / 1e9 for k, v in rates.items()},
         }
         row["step_over_floor"] = row["injected_ms_per_decode_step"] / row["floor_ms_per_step"]
+        if eos_spread:
+            row.update(compact_tokens_per_s=real / t["compact"], compact_over_full=t["injected"] / t["compact"],
+                       compact_over_hf=t["hf"] / t["compact"])
         if rollout is not None:
             sync_bytes = sum(s.numel() * s.element_size() for _, s in master)
             row.update(vllm_tokens_per_s=real / t["vllm"], vllm_over_hf=t["hf"] / t["vllm"],
@@ -246,26 +303,43 @@ def main() -> None:
     ap.add_argument("--out", default="bench_generation.json")
     ap.add_argument("--eos-spread", action="store_true", help="rows end between 10%% and 100%% of --new (see above)")
     ap.add_argument("--vllm", action="store_true", help="add the vLLM engine (needs vLLM) and its weight sync")
+    ap.add_argument("--compaction", action="store_true", help="with --eos-spread: time only the injected model with "
+                    "and without compaction (and transformers unless --no-hf)")
+    ap.add_argument("--no-hf", action="store_true", help="with --compaction: leave transformers out")
     a = ap.parse_args()
     for key, full, small in (("batch", [1, 16, 64], [1, 16]), ("prompt", 256, 32), ("new", [256], [32]), ("repeat", 3, 1)):
         if getattr(a, key) is None:
             setattr(a, key, small if a.small else full)
+    if a.compaction and (not a.eos_spread or a.vllm):
+        sys.exit("bench_generation.py: --compaction needs --eos-spread (finished rows to compact) and no --vllm")
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_generation.py: no CUDA device here (use --device cpu --small to check the script)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
     table = SMALL if a.small else SHAPES
     names = a.shapes or [n for n in table if n not in ("llama-25m", "llama-default")]  # (the CPU shapes: by name)
-    rates = {k: matmul_rate(device, d, a.repeat) for k, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    rates = {} if a.compaction else \
+        {k: matmul_rate(device, d, a.repeat) for k, d in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     print(json.dumps({"matmul_gflops": {k: v / 1e9 for k, v in rates.items()}}), flush=True)
     rows = []
     for name in names:
         for new in a.new:
             rows += bench_shape(name, table[name], a.batch, a.prompt, new, dtype, device, a.repeat, rates,
-                                eos_spread=a.eos_spread, use_vllm=a.vllm)
+                                eos_spread=a.eos_spread, use_vllm=a.vllm, compaction=a.compaction,
+                                with_hf=not a.no_hf)
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name() if device.type == "cuda" else str(device),
                    "dtype": a.dtype, "rows": rows}, f, indent=1)
+    if a.compaction:
+        print("\n| shape | batch | new | row-steps left after EOS | hf tok/s | injected, every row to the end, tok/s "
+              "| injected, compacted, tok/s | compact / full | compact / hf |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            hf = (f"{r['hf_tokens_per_s']:,.0f}", f"{r['compact_over_hf']:.2f}x") if "hf_tokens_per_s" in r else ("-", "-")
+            print(f"| {r['shape']} | {r['batch']} | {r['new_tokens']} | {1 - r['row_steps_over_full']:.0%} | {hf[0]} | "
+                  f"{r['injected_tokens_per_s']:,.0f} | {r['compact_tokens_per_s']:,.0f} | {r['compact_over_full']:.2f}x | "
+                  f"{hf[1]} |")
+        return
     print("\n| shape | batch | new | hf tok/s | injected tok/s | + refresh tok/s | speedup | with refresh | refresh share "
           "| ms/step | step/floor | GFLOP/s (refresh incl.) | / fp32 matmul | / bf16 matmul |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -274,6 +348,14 @@ def main() -> None:
               f"{r['refresh_injected_tokens_per_s']:,.0f} | {r['speedup']:.2f}x | {r['speedup_with_refresh']:.2f}x | "
               f"{r['refresh_share']:.1%} | {r['injected_ms_per_decode_step']:.2f} | {r['step_over_floor']:.1f} | "
               f"{r['achieved_gflops']:.1f} | {r['fraction_of_fp32_matmul']:.2f} | {r['fraction_of_bf16_matmul']:.2f} |")
+    if a.eos_spread:
+        print("\n| shape | batch | new | hf tok/s | injected, every row to the end, tok/s | injected, compacted, tok/s "
+              "| compact / full | compact / hf |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['shape']} | {r['batch']} | {r['new_tokens']} | {r['hf_tokens_per_s']:,.0f} | "
+                  f"{r['injected_tokens_per_s']:,.0f} | {r['compact_tokens_per_s']:,.0f} | {r['compact_over_full']:.2f}x | "
+                  f"{r['compact_over_hf']:.2f}x |")
     if a.vllm:
         print("\n| shape | batch | new | EOS spread | hf tok/s | injected tok/s | vLLM tok/s | vLLM / hf | vLLM / injected "
               "| sync GB/s | plain copy GB/s | sync / copy |")

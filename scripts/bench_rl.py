@@ -7,6 +7,7 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
     python scripts/bench_rl.py --baseline none --steps 2 --reps 1 --algos grpo --small --flops-model none
     PYTHONPATH=. python scripts/bench_rl.py --profile outputs/bench_rl/profile.txt --steps 4  # ops + Python per phase
     PYTHONPATH=. python scripts/bench_rl.py --generation hf injected vllm --algos grpo --baseline none  # vLLM installed
+    PYTHONPATH=. python scripts/bench_rl.py --baseline none --algos grpo --shape 25m --eos-spread --flops-model none -- rollout.max_new_tokens=128 engine.generation=injected
 
 1. Stage outputs built once in `--work`: an SFT model and a reward model of a few steps each, on the
    default (the tiny model, the shipped data; their learning does not matter to the timing).
@@ -34,6 +35,15 @@ FLOP rate, and the step's achieved FLOP rate on a ~25M-parameter model shape.
    segments between them); FILE gets per phase the top torch ops by self CPU time and the top Python
    functions by own time (cProfile's table), summed over the steps. The profilers slow the step: read
    the tables for where time goes, the timed rounds for how much.
+`--shape 25m` runs the timed rounds on the ~25M-parameter shape of 5 (positions up to 512, for long responses);
+`--small` (= `--shape small`) on the tests' tiny one; default: the embedded default's model.
+`--eos-spread` (with `rollout.max_new_tokens=N` among the overrides): responses end between 10% and 100% of N,
+as an RL step's do, where a barely trained model would rarely say EOS. Every generation path of both trees gets
+the same rule, applied from outside (this script patches the tree's engine): the token a row draws at response
+index t becomes EOS when u < 1 / (N - t) for t >= N/10 - 1, u in [0, 1) a hash of (the row's previous token, t)
+(`row_noise`): a uniform length on [N/10, N] for rows whose tokens vary. The injected decoder's step
+(`decode_step`, inside its CUDA graph too) replaces the drawn token; transformers `generate` gets a logits
+processor that leaves only EOS. The runs' mean response length over N is printed with the medians.
 `--generation PATH...` (instead of a baseline): this tree once per `engine.generation` path in each round, the
 first path the reference of the ratios (vllm needs vLLM: scripts/vllm_cpu_venv.sh on CPU).
 After each round but the last the medians so far are printed (and written to --json), so that a run cut at a
@@ -61,6 +71,8 @@ SHAPE_SMALL = ["model.config.hidden_size=32", "model.config.intermediate_size=64
                "model.config.num_attention_heads=4", "model.config.num_key_value_heads=2"]
 SHAPE_25M = ["model.config.hidden_size=512", "model.config.intermediate_size=1408", "model.config.num_hidden_layers=8",
              "model.config.num_attention_heads=8", "model.config.num_key_value_heads=2"]
+# --shape: the timed runs' SFT/RM shape (25m: SHAPE_25M with positions for prompts + 128 to 512 new tokens)
+SHAPES = {"default": [], "small": SHAPE_SMALL, "25m": [*SHAPE_25M, "model.config.max_position_embeddings=1024"]}
 
 
 # ----------------------------------------------------------------------------- the worker (one stage run)
@@ -142,7 +154,19 @@ def worker(args: argparse.Namespace) -> None:
             return fn(*a, **k)
         return wrapper
 
-    ppo.generate = timed("generate", ppo.generate)
+    if args.plant:
+        plant_eos(args.plant)
+    lengths: list[float] = []  # per step: mean response length / max_new_tokens (--eos-spread)
+
+    def generated(fn):
+        def wrapper(*a, **k):
+            out = fn(*a, **k)
+            if args.plant and state["in_step"]:
+                lengths.append(float(out.response_mask.sum(1).float().mean()) / args.plant)
+            return out
+        return wrapper
+
+    ppo.generate = timed("generate", generated(ppo.generate))
     ppo.build_experience = timed("advantages", ppo.build_experience)
     ppo.update = timed("update", ppo.update)
     rl_models.Models.score = timed("score", rl_models.Models.score)
@@ -160,13 +184,79 @@ def worker(args: argparse.Namespace) -> None:
         done = [i for i, s in enumerate(steps) if "overhead" in s]
         with open(args.result, "w") as f:
             json.dump({"steps": [{p: steps[i][p] for p in PHASES} for i in done], "flops": [flops[i] for i in done],
-                       "actor_params": state.get("params")}, f)
+                       "actor_params": state.get("params"), "lengths": [lengths[i] for i in done if i < len(lengths)]},
+                      f)
 
     exit_process = app.exit_process  # a run with a process group ends by exiting the process: write first
     app.exit_process = lambda code: (finish(), exit_process(code))
     sys.argv = ["rlhf.ppo", *args.overrides]
     ppo.main()
     finish()
+
+
+def plant_eos(n: int):
+    """--eos-spread: responses of up to `n` tokens end uniformly between n/10 and n (see the module doc), on
+    the injected decoder and on transformers `generate` alike, patched into the tree's modules from here.
+    Returns the undo."""
+    import torch
+    import transformers
+
+    import importlib
+
+    inj = importlib.import_module("engine.inference.generate")  # the module (the package's `generate`: the function)
+    from engine.inference.sampling import row_noise
+
+    first = max(1, n // 10) - 1  # the first response index that may end a row
+
+    def ends(prev: torch.Tensor, t) -> torch.Tensor:
+        """[B] bool: the row whose previous token is prev [B] ends with its token t (an int or a [1] tensor)."""
+        t = torch.as_tensor(t, device=prev.device)
+        u = row_noise(prev, t, 1)[:, 0]
+        return (t >= first) & (u * (n - t).clamp(min=1) < 1)
+
+    decode_step = inj.decode_step
+
+    def planted_step(model, st, *a, **k):  # tensor ops only: a CUDA graph captures it with the step
+        prev, t = st.tokens[:, 0].clone(), st.step.clone()
+        decode_step(model, st, *a, **k)
+        if st.eos.numel() == 0:  # no EOS asked for (a probe): nothing to plant
+            return
+        end = st.out_active & ends(prev, t)
+        tokens = torch.where(end, st.eos[:1], st.out_tokens)
+        st.out_tokens.copy_(tokens)
+        st.tokens.copy_(tokens[:, None])
+        st.done |= end
+
+    inj.decode_step = planted_step
+
+    class PlantedEOS:
+        """A transformers logits processor: where `ends`, only EOS stays finite (after the others)."""
+
+        def __init__(self, eos: int):
+            self.eos, self.prompt = eos, None
+
+        def __call__(self, input_ids, scores):
+            if self.prompt is None:
+                self.prompt = input_ids.shape[1]
+            end = ends(input_ids[:, -1], input_ids.shape[1] - self.prompt)
+            only = torch.full_like(scores, float("-inf"))
+            only[:, self.eos] = 0.0
+            return torch.where(end[:, None], only, scores)
+
+    generate = transformers.GenerationMixin.generate
+
+    def planted_generate(self, *a, logits_processor=None, generation_config=None, **k):
+        eos = generation_config.eos_token_id if generation_config is not None else self.generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        processors = transformers.LogitsProcessorList([*(logits_processor or []), PlantedEOS(eos)])
+        return generate(self, *a, logits_processor=processors, generation_config=generation_config, **k)
+
+    transformers.GenerationMixin.generate = planted_generate
+
+    def undo() -> None:
+        inj.decode_step, transformers.GenerationMixin.generate = decode_step, generate
+
+    return undo
 
 
 class Profiler:
@@ -272,9 +362,10 @@ def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
 
 
 def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall",
-               profile: str | None = None) -> dict:
+               profile: str | None = None, plant: int = 0) -> dict:
     result = out + ".json"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
+           "--plant", str(plant),
            *(["--count-flops"] if count_flops else []), *(["--profile", profile] if profile else []),
            "--", f"output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
@@ -330,15 +421,22 @@ def main() -> None:
                     help="wall: seconds; cpu: this process's CPU seconds (one thread: OMP_NUM_THREADS=1), which "
                          "other jobs on a shared machine barely move")
     ap.add_argument("--small", action="store_true", help="the timed runs on the tests' tiny model shape (a smoke run)")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default=None, help="the timed runs' model shape (default: the "
+                    "embedded default's; small = --small; 25m: the ~25M-parameter Llama of --flops-model 25m)")
+    ap.add_argument("--eos-spread", action="store_true", help="responses end between 10%% and 100%% of "
+                    "rollout.max_new_tokens (an override): see above")
     ap.add_argument("--json", help="also write the medians, the matmul rates and the FLOP table to this file")
     ap.add_argument("--profile", help="instead of the timed rounds: one run of this tree per algorithm under "
                     "torch.profiler and cProfile, the top ops and Python functions of each phase written to this file")
+    ap.add_argument("--baseline-overrides", default="", help="overrides for the baseline tree's runs only, after "
+                    "the common ones (space-separated), e.g. 'engine.generation=hf'")
     ap.add_argument("--generation", nargs="+", help="compare these engine.generation paths of this tree (hf, injected, "
                     "vllm) instead of a baseline tree; the first is the ratios' reference")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tree", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--plant", type=int, default=0, help=argparse.SUPPRESS)  # the worker's --eos-spread: N
     ap.add_argument("overrides", nargs="*", help="extra rlhf.ppo overrides for every run (after --)")
     args = ap.parse_args()
     if args.worker:
@@ -347,7 +445,14 @@ def main() -> None:
         raise SystemExit("--steps must be >= 2: the first step of each run is left out as warm-up")
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
-    sft, reward = build_models(os.path.join(work, "small" if args.small else "default"), SHAPE_SMALL if args.small else [])
+    shape = args.shape or ("small" if args.small else "default")
+    plant = 0
+    if args.eos_spread:
+        given = [o.split("=", 1)[1] for o in args.overrides if o.startswith("rollout.max_new_tokens=")]
+        if not given:
+            raise SystemExit("--eos-spread needs rollout.max_new_tokens=N among the overrides (after --)")
+        plant = int(given[-1])
+    sft, reward = build_models(os.path.join(work, shape), SHAPES[shape])
     if args.profile:
         return profile(work, sft, reward, args)
     trees = {"this": ROOT}
@@ -358,11 +463,13 @@ def main() -> None:
         extra = {g: [f"engine.generation={g}"] for g in args.generation}
     elif os.path.isdir(args.baseline):  # a checkout already made (e.g. `git archive <commit>` on a machine without git)
         trees["baseline"] = os.path.abspath(args.baseline)
+        extra["baseline"] = args.baseline_overrides.split()
     elif args.baseline != "none":
         tmp = tempfile.mkdtemp(prefix="bench_rl_baseline_")
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tmp, args.baseline], check=True,
                        capture_output=True)
         trees["baseline"] = tmp
+        extra["baseline"] = args.baseline_overrides.split()
     algos = args.algos.split(",")
     phases: dict = {(t, a): {p: [] for p in (*PHASES, "step")} for t in trees for a in algos}
     limit: dict[str, list[float]] = {"fp32": [], "bf16": []}
@@ -375,13 +482,16 @@ def main() -> None:
                     shutil.rmtree(out, ignore_errors=True)
                     res = run_worker(trees[name], out, [f"actor.model={sft}", f"critic.model={reward}",
                                                         f"train.max_steps={args.steps}", *ALGOS[algo], *QUIET,
-                                                        *args.overrides, *extra.get(name, [])], clock=args.clock)
+                                                        *args.overrides, *extra.get(name, [])], clock=args.clock,
+                                     plant=plant)
                     for s in res["steps"][1:]:  # the first step warms up
                         for p in PHASES:
                             phases[(name, algo)][p].append(s[p])
                         phases[(name, algo)]["step"].append(sum(s[p] for p in PHASES))
+                    spread = (f"; mean response length / max_new_tokens {statistics.mean(res['lengths']):.2f}"
+                              if res.get("lengths") else "")
                     print(f"  round {rep} {algo:4s} {name:8s} steps "
-                          f"{[round(sum(s[p] for p in PHASES), 3) for s in res['steps']]}", flush=True)
+                          f"{[round(sum(s[p] for p in PHASES), 3) for s in res['steps']]}{spread}", flush=True)
             for dtype in limit:
                 limit[dtype].append(matmul_rate(args.matmul_n, dtype))
             if rep + 1 < args.reps:  # a run cut short (a time-limited lease) still leaves its medians so far

@@ -96,3 +96,45 @@ def test_profiler_tables_count_each_phase_own_ops_and_functions(tmp_path):
     overhead = next(s for s in sections if s.startswith("overhead:"))
     assert "aten::mm" in update and "matmuls" in update and "sigmoids" not in update, update
     assert "aten::sigmoid" in overhead and "sigmoids" in overhead and "matmuls" not in overhead, overhead
+
+
+def test_eos_spread_plants_the_same_lengths_on_both_generation_paths():
+    """--eos-spread's rule (bench_rl.plant_eos): responses end uniformly between N/10 and N, by the same rule
+    on the injected decoder (its decode step) and on transformers `generate` (a logits processor): the same
+    greedy sequences on both paths, lengths spread over the range (mean about 0.55 N); undone afterwards."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.generation import hf_generate
+    from engine.inference import InferenceModel, SamplingParams, generate
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_rl import plant_eos
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128)
+    hf = LlamaForCausalLM(cfg).eval()
+    model = InferenceModel(cfg, hf.state_dict().items())
+    N, B = 40, 64
+    ids = torch.randint(3, 290, (B, 5), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    greedy = SamplingParams(max_new_tokens=N, greedy=True)
+    free = generate(model, ids, mask, N, pad_token_id=0, sampling=greedy).sequences
+    eos = max(set(range(3, 300)) - set(free.flatten().tolist()))  # a token no row says: the ends below are the rule's
+
+    def run():
+        return generate(model, ids, mask, N, eos_token_id=eos, pad_token_id=0, sampling=greedy)
+
+    undo = plant_eos(N)
+    try:
+        inj = run()
+        ref = hf_generate(hf, ids[:16], mask[:16], greedy, eos_token_id=eos, pad_token_id=0)
+    finally:
+        undo()
+    assert torch.equal(inj.sequences[:16], ref.sequences) and torch.equal(inj.response_mask[:16].long(), ref.response_mask)
+    lengths = inj.response_mask.sum(1)
+    assert bool((inj.sequences[torch.arange(B), 5 + lengths - 1] == eos).all())  # every row ends on a planted EOS
+    assert lengths.min() >= N // 10 and lengths.max() <= N and len(set(lengths.tolist())) >= 15, lengths
+    assert 0.45 < lengths.float().mean().item() / N < 0.65, lengths
+    assert run().response_mask.all()  # undone

@@ -57,6 +57,15 @@ NOT_RUN = {
     "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 512 "
     "--eos-spread --vllm --repeat 1": "needs vLLM (its own venv) and tens of minutes on 2 cores; the vLLM lane's "
     "venv runs the measurement (docs/engine.md), its --small form is run",
+    "OMP_NUM_THREADS=1 python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 "
+    "--prompt 64 --new 128 --eos-spread --compaction --repeat 2": "a CPU benchmark of tens of minutes on 2 cores "
+    "(its --small --compaction form is run; tests/test_compaction.py checks the compaction on values)",
+    "OMP_NUM_THREADS=1 python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 "
+    "--prompt 64 --new 512 --eos-spread --compaction --no-hf --repeat 1": "a CPU benchmark of tens of minutes on 2 "
+    "cores (its --small --compaction form is run)",
+    "bash scripts/bench_vs_commit.sh c537a8b": "GRPO stage runs of two trees at the ~25M shape, tens of minutes: "
+    "scripts/bench_rl.py with --baseline, whose smoke form tests/test_bench_rl.py runs (and checks its --eos-spread "
+    "rule on values)",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
     "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "

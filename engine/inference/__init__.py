@@ -14,7 +14,9 @@ Memory timeline of one generation phase (`with engine.generation():`), per rank:
                 the length rounded up to 32 slots) and reuses it while batch and length fit.
     3. graphs   CUDA only: the first decode step per (batch size, sampling) is captured; its private
                 memory pool holds one step's activations and is shared by all graphs of the model.
-    4. decode   no allocation per token besides the output columns.
+    4. decode   no allocation per token besides the output columns; when finished rows are compacted away
+                (`compact_finished`), one layer's moved cache rows as a temporary and the smaller batch's
+                step state (CUDA: its graph, captured once per bucket size).
     5. leave    `release_cache()` frees the cache and the graphs (keeping weights resident makes the
                 next refresh a plain copy); `release()` frees the weights too. Either way the caller
                 then runs `torch.cuda.empty_cache()` if training needs the memory back from the

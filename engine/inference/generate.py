@@ -10,9 +10,17 @@
               (reference figures for a 1.2B Llama on an H100: a plain static-cache decoder takes
               15-19 ms/step eager and 2.3-2.9 ms graphed; launch overhead dominates eager decode).
     stop      a row stops at its own EOS (kept, and counted in response_mask); later columns are pad.
-              The host reads "all rows done" every `check_every` steps: on CUDA that read is the only
-              sync in the loop, so it is taken every 8 steps (at most 7 wasted, all-pad steps, trimmed
-              from the output); on CPU a read costs nothing and is taken every step.
+              The host reads how many rows are still running every `check_every` steps: on CUDA that
+              read is the only sync in the loop, so it is taken every 8 steps (at most 7 wasted, all-pad
+              steps, trimmed from the output); on CPU a read costs nothing and is taken every step.
+    compact   at that read, when the running rows fit a batch at least COMPACT_FRACTION smaller
+              (`compact_size`), they are moved to the cache's front rows (finished rows swapped behind
+              them, never overwritten) with their step state (fed token, positions, done, row seeds),
+              and the next steps decode only that many rows; each step's outputs are scattered to
+              their rows' places. Off CUDA the new batch is the running rows exactly; with CUDA graphs
+              it is a bucket (8, 12, 16, 24, 32, 48, ...: 2^k and 3 x 2^(k-1), padded with finished rows)
+              so a call captures at most ~2 log2(B) graphs, each once per model. The cache's row order
+              is then a permutation of the call's: `KVCache.rows` records it for the next `Resume`.
 
 Randomness: eager sampling draws from `generator` (or the global RNG). A graph samples with its
 own registered generator, reseeded per call from `generator` (or the global RNG), so graphed runs
@@ -20,6 +28,10 @@ are reproducible per seed but are a different stream from eager runs. With `row_
 streams, `engine.deterministic`) no generator is read: row b's token t is drawn with
 `row_noise(row_seeds, t, V)[b]`, computed inside the step (and inside the graph, from the state's
 `row_seeds` and `step` tensors), so eager, graphed and `transformers` runs draw the same tokens.
+Compaction keeps that: a row's seed and step move with it. What it changes is the batch size a row's
+later logits are computed at (GEMM rounding may depend on it: tests/test_compaction.py measures the gap),
+and, without row seeds, how the one generator's stream is split between rows (same distribution, other
+draws).
 """
 from __future__ import annotations
 
@@ -37,6 +49,11 @@ if TYPE_CHECKING:
     from .model import InferenceModel
 
 CACHE_SLOTS = 32  # generate() rounds the KV cache's length up to a multiple of this
+# Compact the batch when the running rows fit one at least this much smaller: a call of 64 rows compacts at
+# most ~14 times (64 -> <=48 -> <=36 -> ... -> 1; CUDA buckets: 64 -> 48 -> 32 -> ... -> 8, 6 times), each
+# a copy of the moved rows' cache so far (at most the batch's), about what one decode step reads anyway.
+COMPACT_FRACTION = 0.25
+MIN_BUCKET = 8  # with CUDA graphs: no batch below 8 rows (a graph per size; below 8 a step costs about the same)
 
 
 def cache_slots(tokens: int) -> int:
@@ -105,6 +122,54 @@ class DecodeState:
         )
 
 
+def batch_bucket(n: int) -> int:
+    """The smallest of 8, 12, 16, 24, 32, 48, 64, ... (2^k and 3 x 2^(k-1), from MIN_BUCKET) that holds n rows."""
+    size = MIN_BUCKET
+    while size < n:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3  # 8 -> 12 -> 16 -> 24 -> 32 ...
+    return size
+
+
+def compact_size(live: int, batch: int, bucketed: bool) -> int:
+    """The batch to continue `live` running rows of a `batch`-row batch in: `live` (or its `batch_bucket`
+    when `bucketed`, the CUDA-graph case) if that is at least COMPACT_FRACTION smaller, else `batch`."""
+    size = batch_bucket(live) if bucketed else live
+    return size if 0 < size <= (1 - COMPACT_FRACTION) * batch else batch
+
+
+def compact(model: InferenceModel, st: DecodeState, new: DecodeState, order: torch.Tensor, slots: int) -> None:
+    """Continue the running rows of `st` (a batch of b rows, the cache's rows [0, b)) in `new`, a batch of
+    n < b rows: the running rows, then finished ones up to n, become the cache's rows [0, n) and `new`'s
+    rows. Rows already in front stay; each kept row behind swaps places with a dropped row in front, so
+    only those move and every row's cache (slots [0, `slots`), the ones written) is kept, for a `Resume`.
+    `order` [>= b]: the call's row held by each cache row, permuted in place alike."""
+    b, n = st.done.shape[0], new.done.shape[0]
+    dev = st.done.device
+    keep = ~st.done
+    fill = n - int(keep.sum())  # finished rows that pad the batch to its bucket (0 off CUDA)
+    keep |= st.done & (st.done.cumsum(0) <= fill)
+    front = torch.arange(b, device=dev) < n
+    behind, holes = (keep & ~front).nonzero()[:, 0], (~keep & front).nonzero()[:, 0]
+    perm = torch.arange(b, device=dev)  # new row i takes old row perm[i]
+    perm[holes], perm[behind] = behind, holes
+    moved = torch.cat([holes, behind])
+    if moved.numel():
+        c, src = model.cache, perm[moved]
+        for layer in range(c.k.shape[0]):  # a layer at a time: the gathered temporary is one layer's moved rows
+            c.k[layer, moved, :, :slots] = c.k[layer, src, :, :slots]
+            c.v[layer, moved, :, :slots] = c.v[layer, src, :, :slots]
+        c.valid[moved, :slots] = c.valid[src, :slots]
+        order[:b] = order[:b][perm]
+    rows = perm[:n]
+    new.tokens.copy_(st.tokens[rows])
+    new.position_ids.copy_(st.position_ids[rows])
+    new.done.copy_(st.done[rows])
+    new.input_pos.copy_(st.input_pos)
+    new.step.copy_(st.step)
+    if st.row_seeds is not None:
+        new.row_seeds.copy_(st.row_seeds[rows])
+
+
 def is_eos(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
     """tokens [B] -> bool [B]; a broadcast compare (no data-dependent path, empty eos = never)."""
     return (tokens[:, None] == eos).any(-1)
@@ -143,7 +208,8 @@ class DecodeGraph:
     `load_weights` (same storage) and is dropped by the model when the cache is reallocated.
     """
 
-    def __init__(self, model: InferenceModel, state: DecodeState, sampling: SamplingParams, pad_token_id: int):
+    def __init__(self, model: InferenceModel, state: DecodeState, sampling: SamplingParams, pad_token_id: int,
+                 warm_slot: int = 0):
         self.state = state
         self.generator = torch.Generator(device=model.device)
 
@@ -153,8 +219,11 @@ class DecodeGraph:
         self._step = step  # what the graph holds (kept for the CPU test that fakes torch.cuda)
 
         # NOTE: warm-up runs on a side stream before capture (cuBLAS / SDPA workspaces, allocator).
-        # It advances `state` and writes k/v and valid flags at two cache slots: generate() captures
-        # before its prefill, which rewrites the cache, and sets every step input afterwards.
+        # It advances `state` and writes k/v and valid flags at two cache slots from `warm_slot`: generate()
+        # captures before its prefill (slot 0), which rewrites the cache, or, for a compacted batch, from the
+        # next slot to decode (no row has written it yet; each is rewritten before it is read), and sets every
+        # step input afterwards.
+        state.input_pos.fill_(warm_slot)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -205,6 +274,7 @@ def generate(
     check_every: int | None = None,
     row_seeds: torch.Tensor | None = None,
     resume: Resume | None = None,
+    compact_finished: bool = True,
 ) -> GenerationOutput:
     """Sample up to `max_new_tokens` for left-padded prompts [B, P] (mask 1 = real token).
 
@@ -215,6 +285,7 @@ def generate(
     resume: the prompts are new tokens of rows already in the cache (`Resume`); the cache must hold them
     and the sampled tokens without growing (size it before the first call: `model.setup_cache`). The
     returned sequences hold the new tokens (as the prompt) and the response.
+    compact_finished: decode only the running rows once enough have finished (see the module doc).
     """
     sampling = sampling or SamplingParams()
     if max_new_tokens < 1:
@@ -243,6 +314,7 @@ def generate(
         keep_rows(model, resume.rows.to(device), resume.stale.to(device), start)
     else:
         model.setup_cache(B, cache_slots(P + max_new_tokens))  # (setup_cache keeps the largest batch and length seen)
+        model.cache.rows = None  # a fresh call: the cache's rows are its rows, in order
     # Capture (first use) before the prefill: the capture's warm-up steps write cache slots.
     if row_seeds is not None and row_seeds.shape != (B,):
         raise ValueError(f"row_seeds must have one seed per prompt row: shape ({B},), got {tuple(row_seeds.shape)}")
@@ -290,14 +362,37 @@ def generate(
         # generator is unused; greedy draws nothing (and must not take a number from the caller's RNG)
         graph.seed(generator)
 
+    b = B  # the rows decoded: the cache's rows [0, b), holding the call's rows order[:b]
+    order = torch.arange(B, device=device)
+    bucketed = graphs_enabled(model)
     for t in range(1, max_new_tokens):
-        if t % check_every == 0 and bool(st.done.all()):
-            break
+        if t % check_every == 0:
+            live = b - int(st.done.sum())  # the loop's one host read
+            if live == 0:
+                break
+            size = compact_size(live, b, bucketed) if compact_finished else b
+            if size < b:  # the fed token goes to slot start + P + t - 1: slots before it are written
+                cur = start + P + t - 1
+                graph = _graph_for(model, size, sampling, pad_token_id, eos_ids, eos, seeded,
+                                   capture=cur + 3 <= model.cache.max_seq_len, warm_slot=cur)
+                new = graph.state if graph is not None else DecodeState.empty(size, eos, seeded)
+                compact(model, st, new, order, cur)
+                if graph is not None and not seeded and not sampling.greedy:
+                    graph.seed(generator)
+                st, b = new, size
         if graph is not None:
             graph.replay()
         else:  # the fed token sits in slot start + P + t - 1: attend slots [0, start + P + t)
             decode_step(model, st, sampling, pad_token_id, generator, kv_len=start + P + t)
-        out_tokens[:, t], out_logprobs[:, t], out_active[:, t] = st.out_tokens, st.out_logprobs, st.out_active
+        if b == B:
+            out_tokens[:, t], out_logprobs[:, t], out_active[:, t] = st.out_tokens, st.out_logprobs, st.out_active
+        else:  # each decoded row's outputs to its place; the others keep pad / 0 / False (finished rows' own)
+            rows = order[:b]
+            out_tokens[:, t].index_copy_(0, rows, st.out_tokens)
+            out_logprobs[:, t].index_copy_(0, rows, st.out_logprobs)
+            out_active[:, t].index_copy_(0, rows, st.out_active)
+    if b < B:  # where each of the call's rows now is in the cache, for a `Resume` (keep_rows reads it)
+        model.cache.rows = torch.empty_like(order).scatter_(0, order, torch.arange(B, device=device))
 
     # A row's active columns are a prefix, so the columns with any active row are one too.
     n = int(out_active.any(0).sum())
@@ -311,10 +406,12 @@ def generate(
 
 
 def keep_rows(model: InferenceModel, rows: torch.Tensor, stale: torch.Tensor, slot: int) -> None:
-    """The cache's rows `rows` [n] become its rows [0, n) (in that order), and each kept row's slots from
-    stale[i] to `slot` are marked invalid (never attended). Copies within the cache's storage: captured
+    """The previous call's rows `rows` [n] become the cache's rows [0, n) (in that order), and each kept row's
+    slots from stale[i] to `slot` are marked invalid (never attended). Copies within the cache's storage: captured
     graphs stay valid."""
     c, n = model.cache, int(rows.numel())
+    if c.rows is not None:  # the previous call compacted its batch: its row i sits in cache row c.rows[i]
+        rows, c.rows = c.rows[rows], None
     c.k[:, :n] = c.k[:, rows]
     c.v[:, :n] = c.v[:, rows]
     c.valid[:n] = c.valid[rows]
@@ -325,9 +422,11 @@ def graphs_enabled(model: InferenceModel) -> bool:
     return model.use_cuda_graphs and model.device.type == "cuda"
 
 
-def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False, capture=True) -> DecodeGraph | None:
-    """The captured decode step for this batch size and setting (capturing it on first use when `capture`), or
-    None off CUDA / when disabled / not captured / when its capture failed (logged once; decoded eagerly)."""
+def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False, capture=True,
+               warm_slot=0) -> DecodeGraph | None:
+    """The captured decode step for this batch size and setting (capturing it on first use when `capture`, its
+    warm-up writing cache slots from `warm_slot`), or None off CUDA / when disabled / not captured / when its
+    capture failed (logged once; decoded eagerly)."""
     if not graphs_enabled(model):
         return None
     draw = sampling.draw_settings()
@@ -336,7 +435,7 @@ def _graph_for(model, B, sampling, pad_token_id, eos_ids, eos, seeded=False, cap
         return None
     if key not in model.graphs:
         try:
-            model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos, seeded), draw, pad_token_id)
+            model.graphs[key] = DecodeGraph(model, DecodeState.empty(B, eos, seeded), draw, pad_token_id, warm_slot)
         except RuntimeError as e:  # torch.AcceleratorError is one: a capture the driver invalidated, say
             # Decoding eagerly gives the same tokens, only slower: this setting is not captured again
             # (None), and the reason is logged once per setting.

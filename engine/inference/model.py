@@ -56,6 +56,9 @@ class KVCache:
     v: torch.Tensor
     valid: torch.Tensor  # [B, T] bool: the slot holds a real (non-pad) token
     slots: torch.Tensor  # [T] arange, for the masks
+    # After a `generate` call that compacted its batch: rows[i] = the cache row holding the call's row i
+    # (None: row i). What a `Resume` of that call reads (generate.keep_rows).
+    rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
