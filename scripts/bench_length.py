@@ -13,7 +13,8 @@ Llama (CPU), with row-count micro-batches and with a token budget, each run in a
    scripts/bench_rl.py's worker with its `--eos-spread` rule: responses end uniformly between 10% and 100% of L,
    as an RL step's do. The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
    width; `tokens` = `rollout.micro_batch_tokens` = --micro x (data.max_prompt_len + L), the same worst case.
-   The step's phases are the worker's timers (generate, score, advantages, update, the rest); the peak resident
+   The step's phases are the worker's timers (generate, score, advantages, update, the rest; `--clock cpu`, the
+   default: the process's CPU seconds on one thread, which a shared machine's other jobs barely move); the peak resident
    memory is the largest mem_generation_peak_gib / mem_training_peak_gib of the run's metrics.jsonl (the
    process's VmHWM, reset at each phase's start). Generation runs on the injected decoder (`--generation`).
 3. The plan: `python -m rlhf.plan stage=ppo device=cpu` with the same overrides (rlhf/run/plan.py, a plan of the
@@ -46,9 +47,9 @@ def overrides(sft: str, reward: str, length: int, a: argparse.Namespace, way: st
             f"train.max_steps={a.steps}", f"engine.generation={a.generation}", *QUIET, *a.extra]
 
 
-def measure(out: str, args: list[str], length: int) -> dict:
+def measure(out: str, args: list[str], length: int, clock: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    res = run_worker(ROOT, out, args, plant=length)
+    res = run_worker(ROOT, out, args, plant=length, clock=clock)
     steps = res["steps"][1:] or res["steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r.get("kind") == "train"]
@@ -76,8 +77,12 @@ def main() -> None:
     ap.add_argument("--generation", default="injected")
     ap.add_argument("--small", action="store_true", help="the tests' tiny model shape (a smoke run)")
     ap.add_argument("--extra", nargs="*", default=[], help="more rlhf.ppo overrides for every run")
+    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="cpu: the process's CPU seconds, one "
+                    "thread (OMP_NUM_THREADS=1), which other jobs on a shared machine barely move; wall: seconds")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.clock == "cpu":
+        os.environ["OMP_NUM_THREADS"] = "1"
     work = os.path.abspath(a.work)
     # a context long enough for the longest response (the shipped shape's is 128 positions)
     shape = [*(SHAPE_SMALL if a.small else SHAPE_25M), f"model.config.max_position_embeddings={a.prompt + max(a.lengths)}"]
@@ -91,7 +96,7 @@ def main() -> None:
         for way in a.ways:
             args = overrides(sft, reward, length, a, way)
             row = {"new_tokens": length, "batching": way,
-                   **measure(os.path.join(work, f"{way}_{length}"), args, length), "plan_gib": planned(args)}
+                   **measure(os.path.join(work, f"{way}_{length}"), args, length, a.clock), "plan_gib": planned(args)}
             prev = [r for r in results if r["batching"] == way]
             if prev:
                 row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])

@@ -430,6 +430,8 @@ def main() -> None:
                     "torch.profiler and cProfile, the top ops and Python functions of each phase written to this file")
     ap.add_argument("--baseline-overrides", default="", help="overrides for the baseline tree's runs only, after "
                     "the common ones (space-separated), e.g. 'engine.generation=hf'")
+    ap.add_argument("--this-overrides", default="", help="overrides for this tree's runs only (space-separated), e.g. "
+                    "keys the baseline does not have yet")
     ap.add_argument("--generation", nargs="+", help="compare these engine.generation paths of this tree (hf, injected, "
                     "vllm) instead of a baseline tree; the first is the ratios' reference")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -456,7 +458,7 @@ def main() -> None:
     if args.profile:
         return profile(work, sft, reward, args)
     trees = {"this": ROOT}
-    extra: dict[str, list[str]] = {"this": []}  # each arm's own overrides
+    extra: dict[str, list[str]] = {"this": args.this_overrides.split()}  # each arm's own overrides
     tmp = None
     if args.generation:  # arms: this tree on each generation path
         trees = {g: ROOT for g in args.generation}

@@ -7,13 +7,15 @@
 #   bash scripts/bench_vs_commit.sh c537a8b
 #   REPS=3 STEPS=4 bash scripts/bench_vs_commit.sh c537a8b -- rollout.temperature=0.8
 #   BASELINE_OVERRIDES=engine.generation=hf bash scripts/bench_vs_commit.sh c537a8b
+#   GENERATION=hf THIS_OVERRIDES=rollout.micro_batch_tokens=1408 bash scripts/bench_vs_commit.sh c537a8b
 #
 # Defaults: the ~25M-parameter Llama shape (SHAPE=25m; bench_rl.py --shape), algorithm=grpo (8 prompts x 8
 # samples), NEW_TOKENS=128 new tokens whose EOS falls uniformly between 10% and 100% of them (bench_rl.py
 # --eos-spread, the same rule in both trees), GENERATION=injected (engine.generation; CPU's auto is
 # transformers), REPS=2 rounds of STEPS=3 steps, CLOCK=cpu: each phase in the process's CPU seconds, one thread
 # (OMP_NUM_THREADS=1), which other jobs on a shared machine barely move (CLOCK=wall: seconds, the default
-# threads). BASELINE_OVERRIDES: overrides for the commit's runs only (space-separated). Extra overrides after
+# threads). BASELINE_OVERRIDES / THIS_OVERRIDES: overrides for the commit's / this tree's runs only
+# (space-separated: keys the commit does not have yet go in THIS_OVERRIDES). Extra overrides after
 # `--` go to both. Stage outputs and the JSON report: outputs/bench_vs_commit/.
 set -euo pipefail
 commit=${1:?usage: bash scripts/bench_vs_commit.sh COMMIT [-- overrides]}
@@ -28,7 +30,7 @@ if [ "$clock" = cpu ]; then export OMP_NUM_THREADS=1; fi
 cd "$root"
 PYTHONPATH=$root python scripts/bench_rl.py --baseline "$commit" --algos grpo --shape "${SHAPE:-25m}" --eos-spread \
     --reps "${REPS:-2}" --steps "${STEPS:-3}" --clock "$clock" --flops-model none --work "$work" --json "$json" \
-    --baseline-overrides "${BASELINE_OVERRIDES:-}" -- \
+    --baseline-overrides "${BASELINE_OVERRIDES:-}" --this-overrides "${THIS_OVERRIDES:-}" -- \
     "rollout.max_new_tokens=${NEW_TOKENS:-128}" "engine.generation=${GENERATION:-injected}" "$@"
 python - "$json" "$commit" "$clock" <<'PY'
 import json
