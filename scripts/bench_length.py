@@ -86,7 +86,7 @@ def main() -> None:
     work = os.path.abspath(a.work)
     # a context long enough for the longest response (the shipped shape's is 128 positions)
     shape = [*(SHAPE_SMALL if a.small else SHAPE_25M), f"model.config.max_position_embeddings={a.prompt + max(a.lengths)}"]
-    sft, reward = build_models(os.path.join(work, "small" if a.small else "25m"), shape)
+    sft, reward = build_models(os.path.join(work, f"{'small' if a.small else '25m'}_{a.prompt + max(a.lengths)}"), shape)
     sft, reward = os.path.join(sft, "model"), os.path.join(reward, "model")
     results: list[dict] = []
     print("| new tokens | batching | mean length | step s | generate s | score s | update s | peak GiB | plan GiB | "
