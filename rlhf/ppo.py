@@ -478,6 +478,7 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
             "tied_groups": sum(x.get("tied_groups", 0) for x in read_metrics(out_dir, "train"))} if dpo else {}),
         "samples_per_step": rollout_rows(r),
         "empty_responses": sum(x.get("empty_responses", 0) for x in read_metrics(out_dir, "train")),
+        **rollout_lengths(read_metrics(out_dir, "train"), rollout_rows(r)),
         "reward_sources": list(cfg.reward.sources),
         "reward_errors": sum(x.get("reward_errors", 0) for x in read_metrics(out_dir, "train")),
         "alarms_fired": monitor.first_fired,  # name -> the first step it fired
@@ -487,6 +488,19 @@ def run(cfg: PPOConfig) -> dict[str, Any]:
         **({"rollout_mode": r.mode, "max_staleness": split.staleness_bound(r), **side.summary()} if side else {}),
         **{f"step_{k}": sum(v) / n for k, v in times.items()},
     }, model_dir, plot(p.kl_estimator), last.get("samples", []))
+
+
+def rollout_lengths(rows: list[dict[str, Any]], per_step: int) -> dict[str, Any]:
+    """The sampled responses' lengths over the run, from metrics.jsonl's train records (one per step when
+    train.log_every=1, else every log_every-th step's): truncated_responses (those that hit
+    rollout.max_new_tokens without an eos, summed), truncated_rate (that over the responses of those steps)
+    and response_len_rollouts (their mean tokens)."""
+    steps = [x for x in rows if "truncated_responses" in x]
+    if not steps:
+        return {"truncated_responses": 0, "truncated_rate": None, "response_len_rollouts": None}
+    cut = sum(x["truncated_responses"] for x in steps)
+    return {"truncated_responses": cut, "truncated_rate": cut / (per_step * len(steps)),
+            "response_len_rollouts": sum(x["response_len"] for x in steps) / len(steps)}
 
 
 class BestEval:

@@ -105,7 +105,24 @@ case "${TASK:-default}" in
     esac
     ALGO="${ALGO:-grpo}"
     ;;
-  *) echo "run_all.sh: unknown TASK=${TASK} (known: default, tools = sums with the calculator tool)" >&2; exit 2 ;;
+  long)  # long answers: counts written out term by term, 50-400 tokens (data/long, scripts/make_long_data.py)
+    if [ "$PIPELINE" != ppo ]; then
+      echo "run_all.sh: TASK=long runs SFT -> reward -> RL (ALGO=ppo or grpo): PIPELINE=$PIPELINE does not apply to it;" \
+           "drop PIPELINE" >&2; exit 2
+    fi
+    # Positions for a ~40-token prompt and 448 new tokens (512; the tiny model's 128 would not hold an answer); rows
+    # of up to 448 tokens (the longest demonstration is 441 with its prompt); every generation up to 448 new tokens,
+    # the held-out ones too, so a response that never stops is truncated at the same budget in every stage. DAPO's
+    # overlong shaping on the last 48 of them: no correct answer (<= 400 tokens with its eos) is ever shaped.
+    LONG_EVAL=(data.eval_prompts_path=data/long/eval_prompts.jsonl "data.num_eval_prompts=${LONG_EVAL_PROMPTS:-100}"
+               eval.max_new_tokens=448)
+    SFT+=(data.path=data/long/sft_train.jsonl "${LONG_EVAL[@]}" data.max_len=448 model.config.max_position_embeddings=512
+          train.global_batch_size=16 train.micro_batch_size=16 train.lr=3e-3 train.warmup_steps=10 train.epochs=1)
+    RM+=(data.path=data/long/pairs_train.jsonl data.eval_path=data/long/pairs_eval.jsonl data.max_len=448)
+    PPO+=(data.path=data/long/prompts_train.jsonl "${LONG_EVAL[@]}" rollout.max_new_tokens=448
+          ppo.overlong_buffer=48 ppo.overlong_penalty=1.0) ;;
+  *) echo "run_all.sh: unknown TASK=${TASK} (known: default, tools = sums with the calculator tool," \
+          "long = long answers: counts written out term by term)" >&2; exit 2 ;;
 esac
 if [ -n "${TOOL:-}" ] && [ "${TASK:-default}" != tools ]; then
   echo "run_all.sh: TOOL=${TOOL} chooses the tool task's arm: it needs TASK=tools" >&2; exit 2
@@ -163,6 +180,16 @@ case "${PRESET:-}" in
     ;;
   *) echo "run_all.sh: unknown PRESET=$PRESET (known: smoke)" >&2; exit 2 ;;
 esac
+if [ "${PRESET:-}" = smoke ] && [ "${TASK:-default}" = long ]; then
+  # the long task at smoke size (CI): a few steps of 8 rows, generations cut at 64 new tokens (most answers are
+  # longer, so truncation is exercised and counted), overlong shaping on the last 16 of them
+  SMOKE_LONG=(eval.max_new_tokens=64 data.num_eval_prompts=8)
+  SFT+=(train.max_steps=4 train.global_batch_size=8 train.micro_batch_size=8 "${SMOKE_LONG[@]}")
+  RM+=(train.max_steps=4 train.global_batch_size=8 train.micro_batch_size=8)
+  PPO+=(train.max_steps=2 "${SMOKE_LONG[@]}" rollout.max_new_tokens=64 ppo.overlong_buffer=16 rollout.mini_batch_size=8
+        rollout.micro_batch_size=8)
+  if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=1); else PPO+=(rollout.prompts_per_step=8); fi
+fi
 
 MEMBER_ARGS=()  # "k:override" of reward_k: arguments (one ensemble member's own, after reward:'s)
 for arg in "$@"; do
