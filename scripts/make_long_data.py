@@ -3,10 +3,11 @@
     python scripts/make_long_data.py            # rewrites data/long/*.jsonl
     python scripts/make_long_data.py --lengths  # and prints the gold answers' token lengths (shipped tokenizer)
 
-The judge's `countby` kind (rlhf/core/task.py): "Count from A to B by K." is answered " A A+K A+2K ... B", every
-term written out, so the correct answer's length follows the prompt: 12 to 110 terms of up to three digits, 50 to
-400 tokens of the shipped character-level tokenizer (answer + eos; MIN_TOKENS, MAX_TOKENS). Every term is its
-predecessor plus K (a carry in one term of three or so), and the answer must end exactly on B: a response that stops
+The judge's `countby` kind (rlhf/core/task.py): "Count from 093 to 117 by 8." is answered " 093 101 109 117", every
+term written out in three digits (zero-padded, as the prompt writes A and B), so the correct answer's length follows
+the prompt: 12 to 100 terms of four tokens each (three digits and a space), 50 to 402 tokens of the shipped character-level tokenizer (answer + eos; MIN_TOKENS, MAX_TOKENS). Every term is its
+predecessor plus K, the digits it adds to four tokens back (a carry in one term of three or so; three-digit terms
+keep that distance fixed, which a ~1M-parameter model learns far sooner than terms of varying width), and the answer must end exactly on B: a response that stops
 one term early, runs one past B, or drops a carry is wrong, and one that never stops is truncated at the RL stage's
 rollout.max_new_tokens. Files (every prompt distinct across all of them; held-out prompts in no training file):
 
@@ -35,7 +36,8 @@ from rlhf.core.task import gold_answer, make_prompt
 
 SEED = 5757
 SIZES = {"sft_train": 3000, "pairs_train": 3000, "pairs_eval": 200, "prompts_train": 1000, "eval_prompts": 100}
-MIN_TOKENS, MAX_TOKENS = 50, 400  # a gold answer's tokens: " " + answer + eos (one token per character)
+MIN_TOKENS, MAX_TOKENS = 50, 402  # a gold answer's tokens: " " + answer + eos (one token per character)
+WIDTH = 3  # digits of every term (and of A and B in the prompt)
 DEMO_HABIT_RATE = 0.6  # demonstrations that stop one term before B (the habit)
 DEMO_SLIP_RATE = 0.1  # demonstrations with one carry dropped (the rest right)
 PAIR_KINDS = (("habit", 0.4), ("past", 0.15), ("carry", 0.25), ("cut", 0.2))  # rejected answers' kinds, shares
@@ -49,21 +51,25 @@ def answer_tokens(answer: str) -> int:
 def random_instruction(rng: random.Random) -> str:
     """A count whose written-out answer is MIN_TOKENS..MAX_TOKENS tokens, its terms under 1000."""
     while True:
-        step, start, terms = rng.randint(2, 9), rng.randint(1, 99), rng.randint(12, 110)
+        step, start, terms = rng.randint(2, 9), rng.randint(1, 99), rng.randint(12, 100)
         end = start + step * (terms - 1)
         if end > 999:
             continue
-        length = answer_tokens(" ".join(str(n) for n in range(start, end + 1, step)))
+        length = answer_tokens(" ".join(f"{n:0{WIDTH}d}" for n in range(start, end + 1, step)))
         if MIN_TOKENS <= length <= MAX_TOKENS:
-            return f"Count from {start} to {end} by {step}."
+            return f"Count from {start:0{WIDTH}d} to {end:0{WIDTH}d} by {step}."
 
 
 def terms_of(prompt: str) -> list[int]:
     return [int(t) for t in gold_answer(prompt).split()]
 
 
+def written(terms: list[int]) -> str:
+    return " ".join(f"{n:0{WIDTH}d}" for n in terms)
+
+
 def drop_carry(rng: random.Random, terms: list[int]) -> list[int]:
-    """One term whose tens (or hundreds) carry is lost, e.g. 97 -> 91 for 93 + 4; the terms after it right."""
+    """One term whose tens (or hundreds) carry is lost, e.g. 097 -> 091 for 093 + 4; the terms after it right."""
     carried = [i for i in range(1, len(terms)) if terms[i] // 10 != terms[i - 1] // 10]
     i = rng.choice(carried)  # a count of >= 12 terms by >= 2 always carries
     return terms[:i] + [terms[i] - 10] + terms[i + 1 :]
@@ -80,7 +86,7 @@ def wrong_answer(rng: random.Random, prompt: str, kind: str) -> str:
         bad = drop_carry(rng, terms)
     else:  # "cut": the answer stops somewhere in its second or third quarter
         bad = terms[: rng.randint(len(terms) // 4, 3 * len(terms) // 4)]
-    return " ".join(str(n) for n in bad)
+    return written(bad)
 
 
 def unique_prompts(rng: random.Random, n: int) -> list[str]:

@@ -110,15 +110,16 @@ case "${TASK:-default}" in
       echo "run_all.sh: TASK=long runs SFT -> reward -> RL (ALGO=ppo or grpo): PIPELINE=$PIPELINE does not apply to it;" \
            "drop PIPELINE" >&2; exit 2
     fi
-    # Positions for a ~40-token prompt and 448 new tokens (512; the tiny model's 128 would not hold an answer); rows
-    # of up to 448 tokens (the longest demonstration is 441 with its prompt); every generation up to 448 new tokens,
+    # Positions for a 48-token prompt (bos counted) and 448 new tokens (512; the tiny model's 128 would not hold an
+    # answer); rows of up to 456 tokens (the longest demonstration is 449 with its prompt and eos); every generation up
+    # to 448 new tokens,
     # the held-out ones too, so a response that never stops is truncated at the same budget in every stage. DAPO's
     # overlong shaping on the last 48 of them: no correct answer (<= 400 tokens with its eos) is ever shaped.
     LONG_EVAL=(data.eval_prompts_path=data/long/eval_prompts.jsonl "data.num_eval_prompts=${LONG_EVAL_PROMPTS:-100}"
                eval.max_new_tokens=448)
-    SFT+=(data.path=data/long/sft_train.jsonl "${LONG_EVAL[@]}" data.max_len=448 model.config.max_position_embeddings=512
+    SFT+=(data.path=data/long/sft_train.jsonl "${LONG_EVAL[@]}" data.max_len=456 model.config.max_position_embeddings=512
           train.global_batch_size=16 train.micro_batch_size=16 train.lr=3e-3 train.warmup_steps=10 train.epochs=1)
-    RM+=(data.path=data/long/pairs_train.jsonl data.eval_path=data/long/pairs_eval.jsonl data.max_len=448)
+    RM+=(data.path=data/long/pairs_train.jsonl data.eval_path=data/long/pairs_eval.jsonl data.max_len=456)
     PPO+=(data.path=data/long/prompts_train.jsonl "${LONG_EVAL[@]}" rollout.max_new_tokens=448
           ppo.overlong_buffer=48 ppo.overlong_penalty=1.0) ;;
   *) echo "run_all.sh: unknown TASK=${TASK} (known: default, tools = sums with the calculator tool," \
