@@ -115,7 +115,8 @@ case "${TASK:-default}" in
     # to 448 new tokens, the held-out ones too, so a response that never stops is truncated at the same budget in every
     # stage. DAPO's overlong shaping on the last 40 of them: no correct answer (<= 401 tokens with its eos) is shaped.
     # The schedule (docs/stages.md, the long-answer task): 400 SFT steps of 8 demonstrations, 100 reward steps of 16
-    # pairs, 10 RL steps of 32 responses at actor.lr=2e-4 (below, after ALGO's settings) evaluated every 5 on 50 held-out prompts.
+    # pairs, 10 RL steps of 32 responses at actor.lr=2e-4 (below, after ALGO's settings), evaluated every 5 steps on
+    # 50 held-out prompts.
     LONG_EVAL=(data.eval_prompts_path=data/long/eval_prompts.jsonl data.num_eval_prompts=50 eval.max_new_tokens=448)
     SFT+=(data.path=data/long/sft_train.jsonl "${LONG_EVAL[@]}" data.max_len=456 model.config.max_position_embeddings=512
           train.global_batch_size=8 train.micro_batch_size=8 train.lr=2e-3 train.warmup_steps=10 train.max_steps=400)
@@ -165,7 +166,8 @@ case "$ALGO" in
   *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
 esac
 if [ "${TASK:-default}" = long ]; then  # 32 responses of up to 448 tokens a step (GRPO, RLOO: 4 prompts x 8 samples)
-  PPO+=(train.max_steps=10 train.eval_every=5 actor.lr=2e-4)
+  # alarms.window=5: the trend alarms (length, entropy) compare steps 6-10 with 1-5 (at 10, they need 20 steps)
+  PPO+=(train.max_steps=10 train.eval_every=5 actor.lr=2e-4 alarms.window=5)
   if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=4); else PPO+=(rollout.prompts_per_step=32); fi
 fi
 
