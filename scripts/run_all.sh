@@ -19,6 +19,11 @@
 #                                                             # rewarded by the gold judge (docs/environments.md)
 #   TASK=tools TOOL=off bash scripts/run_all.sh               # its control arm: the same sums as direct answers
 #                                                             # (data/tools/sft_direct.jsonl), RL without the tool
+#   TASK=long bash scripts/run_all.sh                         # the long-answer task: counts written out term by
+#                                                             # term, 50-400 tokens (data/long,
+#                                                             # scripts/make_long_data.py): SFT -> reward -> RL
+#                                                             # (ALGO=ppo or grpo) with 448 new tokens, overlong
+#                                                             # shaping, truncation counted (docs/stages.md)
 #   RM_ENSEMBLE=2 bash scripts/run_all.sh ppo:reward.ensemble_agg=mean_minus_std
 #                                                             # a reward-model ensemble: the reward stage run N
 #                                                             # times (reward/, reward_2/, ...; member k with seed +
