@@ -6,7 +6,7 @@ build_py copies them into the built package as rlhf/assets/conf and rlhf/assets/
 reads them there when installed and from the checkout otherwise (an editable install, `python -m` in the
 checkout). Only what a run reads by default ships: the configs, data/tokenizer and data/default's files
 named by conf/ (`${root:...}`, `${shipped_eval:...}`). The extra reward-model pair samples
-(pairs_train_2/3.jsonl) and data/tools/ serve scripts/run_all.sh, which runs from a checkout.
+(pairs_train_2/3.jsonl), data/tools/ and data/long/ serve scripts/run_all.sh, which runs from a checkout.
 """
 from __future__ import annotations
 

@@ -612,6 +612,7 @@ class RLLoop:
             **({"pairs": total("pairs"), "tied_groups": total("tied_groups")} if self.dpo else {}),
             "samples_per_step": rollout_rows(r),
             "empty_responses": total("empty_responses"),
+            **rollout_lengths(train_rows, rollout_rows(r)),
             "reward_sources": list(cfg.reward.sources),
             "reward_errors": total("reward_errors"),
             "alarms_fired": self.monitor.first_fired,  # name -> the first step it fired
@@ -622,6 +623,19 @@ class RLLoop:
                if self.side else {}),
             **{f"step_{k}": sum(v) / n for k, v in times.items()},
         }, model_dir, plot(p.kl_estimator), last.get("samples", []))
+
+
+def rollout_lengths(rows: list[dict[str, Any]], per_step: int) -> dict[str, Any]:
+    """The sampled responses' lengths over the run, from metrics.jsonl's train records (one per step when
+    train.log_every=1, else every log_every-th step's): truncated_responses (those that hit
+    rollout.max_new_tokens without an eos, summed), truncated_rate (that over the responses of those steps)
+    and response_len_rollouts (their mean tokens)."""
+    steps = [x for x in rows if "truncated_responses" in x]
+    if not steps:
+        return {"truncated_responses": 0, "truncated_rate": None, "response_len_rollouts": None}
+    cut = sum(x["truncated_responses"] for x in steps)
+    return {"truncated_responses": cut, "truncated_rate": cut / (per_step * len(steps)),
+            "response_len_rollouts": sum(x["response_len"] for x in steps) / len(steps)}
 
 
 class BestEval:

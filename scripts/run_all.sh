@@ -19,6 +19,11 @@
 #                                                             # rewarded by the gold judge (docs/environments.md)
 #   TASK=tools TOOL=off bash scripts/run_all.sh               # its control arm: the same sums as direct answers
 #                                                             # (data/tools/sft_direct.jsonl), RL without the tool
+#   TASK=long bash scripts/run_all.sh                         # the long-answer task: counts written out term by
+#                                                             # term, 50-400 tokens (data/long,
+#                                                             # scripts/make_long_data.py): SFT -> reward -> RL
+#                                                             # (ALGO=ppo or grpo) with 448 new tokens, overlong
+#                                                             # shaping, truncation counted (docs/stages.md)
 #   RM_ENSEMBLE=2 bash scripts/run_all.sh ppo:reward.ensemble_agg=mean_minus_std
 #                                                             # a reward-model ensemble: the reward stage run N
 #                                                             # times (reward/, reward_2/, ...; member k with seed +
@@ -105,7 +110,27 @@ case "${TASK:-default}" in
     esac
     ALGO="${ALGO:-grpo}"
     ;;
-  *) echo "run_all.sh: unknown TASK=${TASK} (known: default, tools = sums with the calculator tool)" >&2; exit 2 ;;
+  long)  # long answers: counts written out term by term, 50-400 tokens (data/long, scripts/make_long_data.py)
+    if [ "$PIPELINE" != ppo ]; then
+      echo "run_all.sh: TASK=long runs SFT -> reward -> RL (ALGO=ppo or grpo): PIPELINE=$PIPELINE does not apply to it;" \
+           "drop PIPELINE" >&2; exit 2
+    fi
+    # Positions for a 48-token prompt (bos counted) and 448 new tokens (512; the tiny model's 128 would not hold an
+    # answer); rows of up to 456 tokens (the longest demonstration is 449 with its prompt and eos); every generation up
+    # to 448 new tokens, the held-out ones too, so a response that never stops is truncated at the same budget in every
+    # stage. DAPO's overlong shaping on the last 40 of them: no correct answer (<= 401 tokens with its eos) is shaped.
+    # The schedule (docs/stages.md, the long-answer task): 400 SFT steps of 8 demonstrations, 100 reward steps of 16
+    # pairs, 10 RL steps of 32 responses at actor.lr=2e-4 (below, after ALGO's settings), evaluated every 5 steps on
+    # 50 held-out prompts.
+    LONG_EVAL=(data.eval_prompts_path=data/long/eval_prompts.jsonl data.num_eval_prompts=50 eval.max_new_tokens=448)
+    SFT+=(data.path=data/long/sft_train.jsonl "${LONG_EVAL[@]}" data.max_len=456 model.config.max_position_embeddings=512
+          train.global_batch_size=8 train.micro_batch_size=8 train.lr=2e-3 train.warmup_steps=10 train.max_steps=400)
+    RM+=(data.path=data/long/pairs_train.jsonl data.eval_path=data/long/pairs_eval.jsonl data.max_len=456
+         train.max_steps=100 train.global_batch_size=16 train.micro_batch_size=16)
+    PPO+=(data.path=data/long/prompts_train.jsonl "${LONG_EVAL[@]}" rollout.max_new_tokens=448
+          ppo.overlong_buffer=40 ppo.overlong_penalty=1.0) ;;
+  *) echo "run_all.sh: unknown TASK=${TASK} (known: default, tools = sums with the calculator tool," \
+          "long = long answers: counts written out term by term)" >&2; exit 2 ;;
 esac
 if [ -n "${TOOL:-}" ] && [ "${TASK:-default}" != tools ]; then
   echo "run_all.sh: TOOL=${TOOL} chooses the tool task's arm: it needs TASK=tools" >&2; exit 2
@@ -145,6 +170,11 @@ case "$ALGO" in
   rloo|reinforce_pp) PPO+=("algorithm=$ALGO") ;;
   *) echo "run_all.sh: unknown ALGO=$ALGO (known: ppo grpo rloo reinforce_pp)" >&2; exit 2 ;;
 esac
+if [ "${TASK:-default}" = long ]; then  # 32 responses of up to 448 tokens a step (GRPO, RLOO: 4 prompts x 8 samples)
+  # alarms.window=5: the trend alarms (length, entropy) compare steps 6-10 with 1-5 (at 10, they need 20 steps)
+  PPO+=(train.max_steps=10 train.eval_every=5 actor.lr=2e-4 alarms.window=5)
+  if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=4); else PPO+=(rollout.prompts_per_step=32); fi
+fi
 
 RM_ENSEMBLE="${RM_ENSEMBLE:-1}"
 case "$RM_ENSEMBLE" in
@@ -163,6 +193,16 @@ case "${PRESET:-}" in
     ;;
   *) echo "run_all.sh: unknown PRESET=$PRESET (known: smoke)" >&2; exit 2 ;;
 esac
+if [ "${PRESET:-}" = smoke ] && [ "${TASK:-default}" = long ]; then
+  # the long task at smoke size (CI): a few steps of 8 rows, generations cut at 64 new tokens (most answers are
+  # longer, so truncation is exercised and counted), overlong shaping on the last 16 of them
+  SMOKE_LONG=(eval.max_new_tokens=64 data.num_eval_prompts=8)
+  SFT+=(train.max_steps=4 train.global_batch_size=8 train.micro_batch_size=8 "${SMOKE_LONG[@]}")
+  RM+=(train.max_steps=4 train.global_batch_size=8 train.micro_batch_size=8)
+  PPO+=(train.max_steps=2 "${SMOKE_LONG[@]}" rollout.max_new_tokens=64 ppo.overlong_buffer=16 rollout.mini_batch_size=8
+        rollout.micro_batch_size=8)
+  if [ "$ALGO" = grpo ] || [ "$ALGO" = rloo ]; then PPO+=(rollout.prompts_per_step=1); else PPO+=(rollout.prompts_per_step=8); fi
+fi
 
 MEMBER_ARGS=()  # "k:override" of reward_k: arguments (one ensemble member's own, after reward:'s)
 for arg in "$@"; do

@@ -86,6 +86,11 @@ NOT_RUN = {
                                            "reproduces them",
     "python scripts/make_tool_data.py": "rewrites the shipped tool data; tests/test_multiturn.py checks that it "
                                         "reproduces them",
+    "python scripts/make_long_data.py": "rewrites the shipped long-task data; tests/test_long_task.py checks that it "
+                                        "reproduces them",
+    "python scripts/make_long_data.py --lengths": "rewrites the shipped long-task data (tests/test_long_task.py checks "
+                                                  "that it reproduces them) and prints the lengths that test asserts",
+    "TASK=long bash scripts/run_all.sh": "tests/test_long_task.py::test_run_all_long_task_smoke (PRESET=smoke)",
     "python scripts/report.py outputs --sweep 1 2 3": "what SEEDS= runs last; SEEDS= is run (test_ppo.py)",
     "python scripts/drop_layers.py outputs/sft --keep 0 2 --out outputs/student_init":
         "keeps layers 0 and 2 of the embedded default's 3; the workspace's SFT model has 2: "

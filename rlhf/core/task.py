@@ -9,12 +9,19 @@ prompt text alone (so the judge scores any response, not just the shipped ones):
     Human: Shift kqzt by one.\\n\\nAssistant:       -> " lrau"   (each letter's successor, z -> a)
     Human: What is 23+19?\\n\\nAssistant:          -> " 42"
     Human: How many a in abacab?\\n\\nAssistant:    -> " 3"
+    Human: Count from 093 to 117 by 8.\\n\\nAssistant: -> " 093 101 109 117"   (every term, as wide as the end)
 
 The shipped data (scripts/make_default_data.py) uses the first four, DEFAULT_TASKS: their
 correctness can be judged from the response by matching characters, which a ~1M-parameter reward
 model learns on a CPU in minutes. Addition and counting stay judged (a user's data may use them),
 but are not shipped: a model that size verifies neither a sum nor a count in that budget (measured:
 held-out pair accuracy at chance for sums and ~0.74 for counts after 20 epochs on those pairs alone).
+
+The seventh kind, `countby` (LONG_TASKS), is the long-answer task of `TASK=long bash scripts/run_all.sh`
+(data/long, scripts/make_long_data.py): an arithmetic progression written out term by term (each term
+zero-padded to the digits of the end as the prompt writes it, so every term of a count is as wide), so the
+correct answer's length follows the prompt (50-400 tokens of the shipped character-level tokenizer in
+the shipped data) and a response that stops one term early, runs past the end or slips one carry is wrong.
 
 `gold_score(prompt, response)` is 1.0 when the response (surrounding whitespace stripped) is exactly
 the answer, else 0.0. A run's gold score is 100 × the mean over held-out prompts.
@@ -26,8 +33,9 @@ from collections.abc import Sequence
 
 PROMPT_PREFIX = "Human: "
 PROMPT_SUFFIX = "\n\nAssistant:"
-TASKS = ("reverse", "sort", "upper", "shift", "add", "count")  # every kind the judge knows
+TASKS = ("reverse", "sort", "upper", "shift", "add", "count", "countby")  # every kind the judge knows
 DEFAULT_TASKS = ("reverse", "sort", "upper", "shift")  # the kinds in the shipped data
+LONG_TASKS = ("countby",)  # the long-answer task's kinds (data/long)
 
 _PATTERNS = {
     "add": re.compile(r"What is (\d+)\+(\d+)\?"),
@@ -36,6 +44,7 @@ _PATTERNS = {
     "count": re.compile(r"How many ([a-z]) in ([a-z]+)\?"),
     "upper": re.compile(r"Uppercase ([a-z]+)\."),
     "shift": re.compile(r"Shift ([a-z]+) by one\."),
+    "countby": re.compile(r"Count from (\d+) to (\d+) by (\d+)\."),
 }
 
 
@@ -68,6 +77,11 @@ def gold_answer(prompt: str) -> str:
         return g[0].upper()
     if task == "shift":
         return "".join(chr((ord(c) - 97 + 1) % 26 + 97) for c in g[0])
+    if task == "countby":  # every term from A while <= B, as many digits as B is written with (zero-padded)
+        start, end, step = (int(x) for x in g)
+        if step < 1 or end < start:
+            raise ValueError(f"a count needs a step >= 1 and an end >= its start: {prompt!r}")
+        return " ".join(f"{n:0{len(g[1])}d}" for n in range(start, end + 1, step))
     return str(g[1].count(g[0]))  # count
 
 

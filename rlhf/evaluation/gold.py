@@ -162,14 +162,22 @@ def gold_eval(
     `generator`: what `engine.generation()` yields (`.generate(ids, mask, params, ...)`). Returns
     gold_score (100 x mean, or None without a judge), gold_score/<task>, response_len (mean
     characters) and `samples`: per prompt (the first `n_samples`; None: every one) its task, prompt, response,
-gold (the judge's score, None where none applies) and length (characters). Torch's RNG is left
+gold (the judge's score, None where none applies) and length (characters); response_tokens (mean response
+    tokens, eos counted) and truncated_rate (the share of responses that hit eval.max_new_tokens without an
+    eos). Torch's RNG is left
     as it was (sampled evaluation must not shift the training run's random stream).
     """
     params = sampling_params(g)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokens: list[int] = []  # per prompt, in generation order: response tokens (eos counted)
+    cut: list[bool] = []  # per prompt: the response hit eval.max_new_tokens without an eos (truncated)
 
     def gen(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = generator.generate(ids, mask, params, eos_token_id=eos, pad_token_id=pad)
+        n = out.response_mask.sum(1)  # [B]
+        last = out.responses.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]  # [B] each row's last token
+        tokens.extend(n.tolist())
+        cut.extend(((n == params.max_new_tokens) & (last != eos)).tolist())
         return out.responses.masked_fill(out.response_mask == 0, pad)
 
     idx, device = list(range(info.rank, len(prompts), info.world_size)), info.device
@@ -180,19 +188,21 @@ gold (the judge's score, None where none applies) and length (characters). Torch
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         texts = generate_texts(gen, mine, tokenizer, g.batch_size, device, width)
     gold = Judge(g)
-    scored = [(i, p.text, t, gold(p, t), p.task) for i, p, t in zip(idx, mine, texts)]
+    scored = [(i, p.text, t, gold(p, t), p.task, n, c) for i, p, t, n, c in zip(idx, mine, texts, tokens, cut)]
     if gold.failures:
         logger.warning("eval.judge=%s failed on %d of this rank's %d prompts, left unscored (first: %s)", g.judge,
                        gold.failures, len(mine), gold.first_error)
     merged = sorted(x for part in all_gather_object(scored) for x in part)
-    result: dict[str, Any] = {"response_len": sum(len(x[2]) for x in merged) / max(1, len(merged))}
-    judged = [(s, task) for _, _, _, s, task in merged if s is not None]
+    result: dict[str, Any] = {"response_len": sum(len(x[2]) for x in merged) / max(1, len(merged)),
+                              "response_tokens": sum(x[5] for x in merged) / max(1, len(merged)),
+                              "truncated_rate": sum(x[6] for x in merged) / max(1, len(merged))}
+    judged = [(s, task) for _, _, _, s, task, _, _ in merged if s is not None]
     result["gold_score"] = 100.0 * sum(s for s, _ in judged) / len(judged) if judged else None
     for task in sorted({t for _, t in judged if t}):
         vals = [s for s, t in judged if t == task]
         result[f"gold_score/{task}"] = 100.0 * sum(vals) / len(vals)
     result["samples"] = [{"task": task, "prompt": p, "response": t, "gold": s, "length": len(t)}
-                         for _, p, t, s, task in merged[:n_samples]]
+                         for _, p, t, s, task, _, _ in merged[:n_samples]]
     return result
 
 
@@ -205,9 +215,12 @@ def gold_of(engine: Any, prompts: Sequence[EvalPrompt], tokenizer: Any, g: Gener
 
 
 def gold_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The gold figures of two evaluations under their summary.json names: gold_score_before/after
-    and gold_score/<task>_before/after."""
+    """The gold figures of two evaluations under their summary.json names: gold_score_before/after,
+    gold_score/<task>_before/after, and the held-out responses' mean tokens and truncated share
+    (response_tokens_before/after, truncated_rate_before/after; None without an evaluation)."""
     return {"gold_score_before": before.get("gold_score"), "gold_score_after": after.get("gold_score"),
+            **{f"{k}_{when}": ev.get(k) for k in ("response_tokens", "truncated_rate")
+               for when, ev in (("before", before), ("after", after))},
             **{f"{k}_{when}": v for when, ev in (("before", before), ("after", after))
                for k, v in ev.items() if k.startswith("gold_score/")}}
 
