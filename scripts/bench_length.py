@@ -10,8 +10,8 @@ Llama (CPU), with row-count micro-batches and with a token budget, each run in a
    with 4,096 positions (`--small`: the tests' tiny shape, for a smoke run).
 2. Per length L and way of batching, `python -m rlhf.ppo algorithm=grpo rollout.max_new_tokens=L` with `--rows`
    rows per step (`--rows / 4` prompts x 4 samples, one mini-batch), `--steps` steps (the first left out), run by
-   scripts/bench_rl.py's worker with its `--eos-spread` rule: responses end uniformly between 10% and 100% of L,
-   as an RL step's do. The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
+   scripts/bench_rl.py's worker with its `--eos-spread` rule, strict (the model's own EOS never drawn): responses
+   end uniformly between 10% and 100% of L, as an RL step's do, whatever the model would say. The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
    width; `tokens` = `rollout.micro_batch_tokens` = --micro x (data.max_prompt_len + L), the same worst case.
    The step's phases are the worker's timers (generate, score, advantages, update, the rest; `--clock cpu`, the
    default: the process's CPU seconds on one thread, which a shared machine's other jobs barely move); the peak resident
@@ -49,7 +49,7 @@ def overrides(sft: str, reward: str, length: int, a: argparse.Namespace, way: st
 
 def measure(out: str, args: list[str], length: int, clock: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    res = run_worker(ROOT, out, args, plant=length, clock=clock)
+    res = run_worker(ROOT, out, args, plant=length, plant_strict=True, clock=clock)
     steps = res["steps"][1:] or res["steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r.get("kind") == "train"]

@@ -155,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         return wrapper
 
     if args.plant:
-        plant_eos(args.plant)
+        plant_eos(args.plant, strict=args.plant_strict)
     lengths: list[float] = []  # per step: mean response length / max_new_tokens (--eos-spread)
 
     def generated(fn):
@@ -194,7 +194,7 @@ def worker(args: argparse.Namespace) -> None:
     finish()
 
 
-def plant_eos(n: int):
+def plant_eos(n: int, strict: bool = False):
     """--eos-spread: responses of up to `n` tokens end uniformly between n/10 and n (see the module doc), on
     the injected decoder and on transformers `generate` alike, patched into the tree's modules from here.
     Returns the undo."""
@@ -218,7 +218,15 @@ def plant_eos(n: int):
 
     def planted_step(model, st, *a, **k):  # tensor ops only: a CUDA graph captures it with the step
         prev, t = st.tokens[:, 0].clone(), st.step.clone()
-        decode_step(model, st, *a, **k)
+        if strict and st.eos.numel():  # the model's own EOS never drawn: only the rule ends a row
+            forward = model.forward
+            model.forward = lambda *fa, **fk: forward(*fa, **fk).index_fill(-1, st.eos, float("-inf"))
+            try:
+                decode_step(model, st, *a, **k)
+            finally:
+                model.forward = forward
+        else:
+            decode_step(model, st, *a, **k)
         if st.eos.numel() == 0:  # no EOS asked for (a probe): nothing to plant
             return
         end = st.out_active & ends(prev, t)
@@ -241,6 +249,8 @@ def plant_eos(n: int):
             end = ends(input_ids[:, -1], input_ids.shape[1] - self.prompt)
             only = torch.full_like(scores, float("-inf"))
             only[:, self.eos] = 0.0
+            if strict:  # the model's own EOS never drawn: only the rule ends a row
+                scores = scores.index_fill(-1, torch.tensor([self.eos], device=scores.device), float("-inf"))
             return torch.where(end[:, None], only, scores)
 
     generate = transformers.GenerationMixin.generate
@@ -362,10 +372,10 @@ def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
 
 
 def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall",
-               profile: str | None = None, plant: int = 0) -> dict:
+               profile: str | None = None, plant: int = 0, plant_strict: bool = False) -> dict:
     result = out + ".json"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
-           "--plant", str(plant),
+           "--plant", str(plant), *(["--plant-strict"] if plant_strict else []),
            *(["--count-flops"] if count_flops else []), *(["--profile", profile] if profile else []),
            "--", f"output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
@@ -439,6 +449,7 @@ def main() -> None:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plant", type=int, default=0, help=argparse.SUPPRESS)  # the worker's --eos-spread: N
+    ap.add_argument("--plant-strict", action="store_true", help=argparse.SUPPRESS)  # and the model's own EOS never
     ap.add_argument("overrides", nargs="*", help="extra rlhf.ppo overrides for every run (after --)")
     args = ap.parse_args()
     if args.worker:
