@@ -43,7 +43,8 @@ the same rule, applied from outside (this script patches the tree's engine): the
 index t becomes EOS when u < 1 / (N - t) for t >= N/10 - 1, u in [0, 1) a hash of (the row's previous token, t)
 (`row_noise`): a uniform length on [N/10, N] for rows whose tokens vary. The injected decoder's step
 (`decode_step`, inside its CUDA graph too) replaces the drawn token; transformers `generate` gets a logits
-processor that leaves only EOS. The runs' mean response length over N is printed with the medians.
+processor that leaves only EOS; vLLM, which schedules its rows itself, gets each request's length drawn uniformly
+on [N/10, N] (its min = max tokens). The runs' mean response length over N is printed with the medians.
 `--generation PATH...` (instead of a baseline): this tree once per `engine.generation` path in each round, the
 first path the reference of the ratios (vllm needs vLLM: scripts/vllm_cpu_venv.sh on CPU).
 After each round but the last the medians so far are printed (and written to --json), so that a run cut at a
@@ -262,9 +263,22 @@ def plant_eos(n: int, strict: bool = False):
         return generate(self, *a, logits_processor=processors, generation_config=generation_config, **k)
 
     transformers.GenerationMixin.generate = planted_generate
+    # vLLM (engine.generation=vllm) schedules its rows itself: each request gets its length, uniform on [n/10, n]
+    # (seeded by the batch), as its min = max tokens (vllm_backend's `lengths`): the same distribution of lengths
+    vb = importlib.import_module("engine.vllm_backend")
+    vllm_generate = vb.VLLMRollout.generate
+
+    def planted_vllm(self, prompts, params, *, lengths=None, **k):
+        if lengths is None and params.max_new_tokens == n:
+            g = torch.Generator().manual_seed(len(prompts) * 7919 + sum(len(p) for p in prompts))
+            lengths = torch.randint(max(1, n // 10), n + 1, (len(prompts),), generator=g).tolist()
+        return vllm_generate(self, prompts, params, lengths=lengths, **k)
+
+    vb.VLLMRollout.generate = planted_vllm
 
     def undo() -> None:
         inj.decode_step, transformers.GenerationMixin.generate = decode_step, generate
+        vb.VLLMRollout.generate = vllm_generate
 
     return undo
 

@@ -17,7 +17,9 @@ b*s = the budget), s tokens, h hidden, i MLP width, L layers, kv = KV heads x he
 e bytes of the compute dtype (2 or 4):
     activations          L*b*s*(7h + 2kv + 4i)*e: what autograd keeps per decoder block with SDPA
                          attention (block input, two norm outputs, q, k, v, attention output, MLP
-                         input, gate, up, silu(gate), their product)
+                         input, gate, up, silu(gate), their product); under autocast (ZeRO stage 0/1 in
+                         bf16/fp16: fp32 parameters, so the residual stream and the norms' internals
+                         are fp32) 27h instead of 7h (measured on CPU: scripts/bench_length.py)
     + checkpointing      L*b*s*h*e (block inputs) + one block's share above, recomputed in backward
     logits (policies)    b*s*V*(e + 8): the head's output, its fp32 copy, log_softmax's output;
                          engine.kernels=true: two chunks of at most 256 MiB (no [b, s, V] logits);
@@ -232,7 +234,11 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         state = sum(b.values())
         tokens = m.rows * m.seq
         # a frozen model's forwards run under no_grad: nothing is kept for a backward
-        act = 0 if not m.trained else a.layers * tokens * (7 * a.hidden + 2 * a.kv + 4 * a.inter) * e
+        # autocast (ZeRO stage 0/1 in bf16/fp16: fp32 parameters, the residual stream and the norms in fp32)
+        # keeps fp32 copies of the h-sized tensors besides the half-precision ones: 27h per token and layer
+        autocast = e == 2 and ecfg.stage < 2
+        per_token = (27 if autocast else 7) * a.hidden + 2 * a.kv + 4 * a.inter
+        act = 0 if not m.trained else a.layers * tokens * per_token * e
         act_ckpt = 0 if not m.trained else a.layers * tokens * a.hidden * e + act / a.layers
         logits = 0 if not m.logits else logits_bytes(tokens, a.vocab, e, ecfg)
         gathered = {2: a.total * e, 3: 2 * a.block * e}.get(ecfg.stage, a.total * e if e == 2 else 0)
