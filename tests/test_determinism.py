@@ -296,11 +296,13 @@ def test_two_deterministic_runs_are_equal_bit_for_bit(twice, world, stage):
 def test_the_first_rollouts_are_the_same_at_one_and_two_ranks(twice, stage):
     """Per-row streams and batch-invariant numerics: step 1 samples the same responses from the same weights
     whether 4 rows run in one process or 2 per rank (the figures differ only by how the ranks' sums are
-    reduced, ~1e-7 relative). Without engine.deterministic the draws depend on the partition: measured here,
-    the step-1 entropy differed by 3e-5 relative and the reward by 2e-4 (vs 4e-11) between 1 and 2 ranks."""
+    reduced, ~1e-7 relative; the update's stats, rescaled per micro-batch to the mini-batch's exact mean in float32,
+    up to ~3e-6: measured 3.3e-6 for GRPO's entropy). Without engine.deterministic the draws depend on the
+    partition: measured here, the step-1 entropy differed by 3e-5 relative and the reward by 2e-4 (vs 4e-11)
+    between 1 and 2 ranks."""
     one, two = (metrics(twice[w][0] / stage, "train")[0] for w in (1, 2))
     assert one["response_len"] == two["response_len"]
-    assert abs(one["entropy"] - two["entropy"]) <= 1e-6 * abs(one["entropy"]), (one["entropy"], two["entropy"])
+    assert abs(one["entropy"] - two["entropy"]) <= 1e-5 * abs(one["entropy"]), (one["entropy"], two["entropy"])
     assert abs(one["reward"] - two["reward"]) <= 1e-8, (one["reward"], two["reward"])
     if stage == "ppo":  # the sampled held-out evaluation (KL, reward) before training, with its own row seeds
         e1, e2 = (metrics(twice[w][0] / stage, "eval")[0] for w in (1, 2))
