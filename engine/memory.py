@@ -164,6 +164,19 @@ def format_memory_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def process_memory(field: str = "VmRSS") -> int | None:
+    """A /proc/self/status memory field of this process in bytes (VmRSS: resident now, VmHWM: its peak); None
+    where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class PhasePeaks:
     """Peak memory of the phases a process alternates between (generation, then training), each phase's
     own: on CUDA the allocator's peak (reset at each phase's start), on CPU the process's peak resident
@@ -188,14 +201,7 @@ class PhasePeaks:
     def _peak(self) -> int | None:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        return process_memory("VmHWM")
 
     def enter(self, phase: str) -> None:
         """End the current phase (its peak recorded) and start `phase`."""

@@ -38,6 +38,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from engine.memory import process_memory
 from rlhf.algos.reward_model import sequence_scores
 from rlhf.config import DataConfig
 from rlhf.core.plugins import as_score
@@ -170,15 +171,9 @@ def _ms(seconds: float) -> float | None:
 
 
 def rss_mib() -> float | None:
-    """This process's resident memory (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return None
+    """This process's resident memory in MiB (Linux /proc; None elsewhere)."""
+    rss = process_memory("VmRSS")
+    return None if rss is None else round(rss / 2**20, 1)
 
 
 # ----------------------------------------------------------------------------- dynamic batching

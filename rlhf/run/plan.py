@@ -56,7 +56,9 @@ from engine.config import resolve_precision
 from engine.generation import choose_generation_path
 from engine.inference import cache_slots
 from engine.lora import lora_layers
-from engine.memory import ZERO_FORMULAS, fmt_bytes, layout_bytes, planned_bytes, zero_formula_bytes
+from engine.memory import (
+    ZERO_FORMULAS, fmt_bytes, layout_bytes, planned_bytes, process_memory, zero_formula_bytes,
+)
 from engine.optim import param_groups
 from engine.parallelize import find_blocks
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS
@@ -270,7 +272,7 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     resident = sum(m["device_bytes"] for m in report["models"].values())
     # on CPU the process's own memory counts too: Python with torch and transformers loaded (this planner's, which
     # imports what a stage does); on CUDA the context is left out (see the module's notes)
-    runtime = process_rss() if device == "cpu" else 0
+    runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
     report.update(phases=phases, resident_bytes=resident, runtime_bytes=runtime,
                   peak_bytes=runtime + resident + max(phases.values()))
     worst = report["peak_bytes"]
@@ -280,18 +282,6 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         worst = max(worst, g["peak_bytes"])
     report["fits"] = None if budget_gib <= 0 else worst <= budget_gib * GiB
     return report
-
-
-def process_rss() -> int:
-    """This process's resident memory in bytes (Linux /proc; 0 where it cannot be read)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def logits_bytes(tokens: int, vocab: int, e: int, ecfg) -> float:

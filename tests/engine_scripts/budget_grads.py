@@ -47,14 +47,11 @@ TWO = [("budget 45", 45, 2, False, False), ("budget 20", 20, 2, False, False),
 
 
 def hf_models():
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    """ppo_grads.py's seeded tiny actor and critic (the same vocabulary), in their roles."""
+    from ppo_grads import hf_models as plain  # this directory is on sys.path (run as a script)
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
-    torch.manual_seed(0)
-    actor = LlamaForCausalLM(cfg)
-    torch.manual_seed(1)
-    return Policy(actor), ValueModel(LlamaForSequenceClassification(cfg))
+    actor, critic = plain()
+    return Policy(actor), ValueModel(critic)
 
 
 def experience() -> Experience:
