@@ -230,17 +230,27 @@ def start_s() -> dict[str, float]:
     ("ppo", "actor.model=facebook/opt-125m", "actor.model"),
 ])
 def test_offline_hub_name_fails_fast_naming_the_key(stage, override, key, tmp_path, monkeypatch, start_s):
+    """A hub name with no network is one line naming the key, at a plain start's speed: no retries, no backoff
+    (huggingface_hub's would add 15 s or more). A timing on a machine shared with other tests is noisy, so a
+    slow try is measured again beside a fresh plain start under the same load: a real wait is slow every time."""
     offline_env(monkeypatch, HF_HOME=str(tmp_path / "hf"))  # an empty cache
-    t0 = time.time()
-    proc = run_stage(stage, f"output_dir={tmp_path / 'out'}", override, check=False, timeout=120, fresh=True)
-    elapsed = time.time() - t0
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    err = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert len(err) == 1 and err[0].startswith(f"error (configuration/data): {key}=")
-    assert CLOSED_PORT in err[0] and "HF_HUB_OFFLINE=1" in err[0] and "local path" in err[0]
-    limit = max(OFFLINE_LIMIT_S, 1.5 * start_s[stage] + SLACK_S)  # 1.5x: a loaded machine starts unevenly
-    print(f"{stage} {override}: exit 2 after {elapsed:.2f} s (a plain start: {start_s[stage]:.2f} s)")
-    assert elapsed < limit, f"took {elapsed:.1f} s (a plain start: {start_s[stage]:.1f} s)"
+    plain = start_s[stage]
+    for attempt in range(3):
+        t0 = time.time()
+        proc = run_stage(stage, f"output_dir={tmp_path / 'out'}", override, check=False, timeout=120, fresh=True)
+        elapsed = time.time() - t0
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        err = [line for line in proc.stderr.splitlines() if line.startswith("error")]
+        assert len(err) == 1 and err[0].startswith(f"error (configuration/data): {key}=")
+        assert CLOSED_PORT in err[0] and "HF_HUB_OFFLINE=1" in err[0] and "local path" in err[0]
+        limit = max(OFFLINE_LIMIT_S, 1.5 * plain + SLACK_S)  # 1.5x: a loaded machine starts unevenly
+        print(f"{stage} {override}: exit 2 after {elapsed:.2f} s (a plain start: {plain:.2f} s)")
+        if elapsed < limit:
+            break
+        t0 = time.time()
+        run_stage(stage, "--cfg", "job", fresh=True)  # the floor again, under the load of this moment
+        plain = time.time() - t0
+    assert elapsed < limit, f"took {elapsed:.1f} s in each of 3 tries (the last plain start: {plain:.1f} s)"
 
 
 def test_offline_hub_dataset_in_offline_mode_is_one_line_not_a_traceback(tmp_path, monkeypatch):
