@@ -39,6 +39,7 @@ Knows nothing of RLHF: it takes an HF config, tensors and prompts.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import logging
 import os
@@ -270,6 +271,30 @@ def check_model(model: torch.nn.Module, expected: ExpectedWeights) -> tuple[list
     return bad, compared
 
 
+def reread_vllm_env() -> None:
+    """vLLM reads its settings from the environment and, once an in-process engine core has started, caches
+    them (`vllm.envs.enable_envs_cache`): forget the cached values, so the mode set for the next engine is
+    read (another engine of this process may run in-process and this one in a process of its own)."""
+    import vllm.envs as envs
+
+    getter = getattr(envs, "__getattr__", None)
+    if hasattr(getter, "cache_clear"):
+        getter.cache_clear()
+
+
+def reload_from_file(path: str, worker) -> None:
+    """Inside vLLM's worker (`collective_rpc` with a callable): its in-place reload fed from a safetensors file."""
+    from safetensors.torch import load_file
+
+    worker.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
+
+
+def check_expected(expected: ExpectedWeights, model: torch.nn.Module) -> tuple[list[str], int]:
+    """check_model with the expected weights first: a picklable `functools.partial` for `LLM.apply_model` (a
+    lambda is not, where the engine runs in a process of its own)."""
+    return check_model(model, expected)
+
+
 def repack_tied_head(model: torch.nn.Module) -> None:
     """vLLM's in-place reload processes a layer when its weights arrive; a tied LM head receives none (its
     weight is the embedding's), so on CPU its packed GEMM copy would keep the weights of the build: re-pack it
@@ -291,16 +316,34 @@ def _device(module: torch.nn.Module) -> torch.device:
 class VLLMRollout:
     """One in-process vLLM engine holding the actor (see the module docstring)."""
 
-    def __init__(self, config, *, dtype: torch.dtype, settings: VLLMConfig, seed: int, device: torch.device):
+    def __init__(self, config, *, dtype: torch.dtype, settings: VLLMConfig, seed: int, device: torch.device,
+                 own_process: bool = False):
+        """`own_process`: vLLM's engine core and worker in a child process of their own (spawned, so it starts
+        without this process's torch.distributed world) instead of in this one. For a rank whose job has
+        ranks that build no engine (a split placement's generation rank): vLLM in-process creates its
+        process groups over torch's default world, a collective the training ranks never join; in its own
+        process its world is itself. The weights then cross by a safetensors file in shared memory (the whole
+        model at once) and the checks run there by pickled callables."""
         if (why := supports(config, device.type)) is not None:
             raise RuntimeError(why)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+        self.own_process = own_process
+        modes = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD")}
+        if own_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # a fork would inherit the job's process groups
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the weight check and repack: callables, pickled
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+        reread_vllm_env()
         # the CPU worker would pin this process's OpenMP threads to cores: training shares them
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
         self.settings, self.dtype, self.device = settings, dtype, device
         self._dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-")
+        # own_process: where each sync's weights are written for the engine's worker (memory-backed where it can be)
+        self._shm = tempfile.TemporaryDirectory(prefix="rlhf-vllm-sync-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                                else None) if own_process else None
         config = copy.deepcopy(config)
         config.architectures = architectures(config)
         config.save_pretrained(self._dir.name)  # the architecture only: weights come from the sync
@@ -313,6 +356,7 @@ class VLLMRollout:
                       tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs)
         if settings.max_model_len is not None:
             kwargs["max_model_len"] = settings.max_model_len
+
         if cpu:
             kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * (1 << 30))
             # NOTE: no chunked prefill on CPU: a prefill split over steps discards the token sampled in its partial
@@ -330,14 +374,19 @@ class VLLMRollout:
         # replaces torch.set_num_threads by a no-op (put back: training owns its thread count)
         # and its CPU platform rewrites LD_PRELOAD (tcmalloc, for processes it would spawn: here, the run's
         # environment workers would inherit it) and LOCAL_WORLD_SIZE (torchrun's): both put back as they were
-        saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE")}
+        saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+        if own_process and device.type == "cuda":  # the child's cuda:0 is this rank's device
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.llm = LLM(**kwargs)
-        for k, v in saved.items():
+        for k, v in {**saved, **modes}.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        reread_vllm_env()
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
         self.build_s = time.perf_counter() - start
@@ -347,6 +396,15 @@ class VLLMRollout:
         self.last_sync: SyncStats | None = None
         logger.info("vLLM engine built in %.1f s (%s, max_model_len %d)", self.build_s, kwargs["dtype"],
                     self.max_model_len)
+
+    def close(self) -> None:
+        """Stop the engine (in its own process: the child ends now, not at this interpreter's exit, where its
+        shutdown logs into closed streams) and remove the sync directory."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if self.own_process and core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        if self._shm is not None:
+            self._shm.cleanup()
 
     # ------------------------------------------------------------ memory between phases
 
@@ -378,7 +436,21 @@ class VLLMRollout:
 
         stream = counted(named if expected is None else expected.tap(named))
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        if self.own_process:
+            # a generator does not cross processes, and vLLM's CPU backend runs its worker in a third process, to
+            # which the engine core re-pickles what it received (tensors decoded from the RPC's buffers cannot be:
+            # "cannot pickle memoryview objects"): the weights go by a safetensors file in shared memory, which the
+            # worker reads into the same in-place reload
+            from safetensors.torch import save_file
+
+            path = os.path.join(self._shm.name, f"weights-{self.syncs}.safetensors")
+            save_file({n: t.detach().contiguous().cpu() for n, t in stream}, path)
+            try:
+                self.llm.collective_rpc(functools.partial(reload_from_file, path))
+            finally:
+                os.remove(path)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
         if self.device.type == "cpu":
             self.llm.apply_model(repack_tied_head)
         stats.seconds = time.perf_counter() - start - (expected.seconds if expected is not None else 0.0)
@@ -386,7 +458,7 @@ class VLLMRollout:
         self.syncs += 1
         if expected is not None:
             start = time.perf_counter()
-            results = self.llm.apply_model(lambda model: check_model(model, expected))
+            results = self.llm.apply_model(functools.partial(check_expected, expected))
             stats.mismatched = [line for bad, _ in results for line in bad]
             stats.compared = sum(n for _, n in results)
             stats.check_s = time.perf_counter() - start + expected.seconds

@@ -303,6 +303,8 @@ class GenerationReplica:
             p.requires_grad_(False)
         self.targets = dict(self.model.named_parameters())  # tied weights appear once, as in the sender's stream
         self.last: TransferStats | None = None
+        self._vllm = None  # engine.generation=vllm: this rank's VLLMRollout (engine/vllm_backend.py)
+        self.vllm_sync = None  # its last SyncStats
 
     @property
     def version(self) -> int:
@@ -310,16 +312,44 @@ class GenerationReplica:
 
     def refresh(self) -> TransferStats | None:
         """Receive one transfer into the module (blocking) and check it (fingerprints); None at the end
-        of the stream."""
+        of the stream. With `engine.generation=vllm`, the module's weights then go into this rank's vLLM
+        engine (built on the first transfer, in a process of its own) and are checked there."""
         stats = self.receiver.receive(self.targets, check=self.cfg.check_weights != "never")
         self.last = stats or self.last
+        if stats is not None and self.generation_path == "vllm":
+            self._sync_vllm(check=self.cfg.check_weights == "every" or (self.cfg.check_weights == "first"
+                                                                          and self.vllm_sync is None))
         return stats
+
+    def _sync_vllm(self, check: bool) -> None:
+        from .vllm_backend import ExpectedWeights, VLLMRollout
+
+        if self._vllm is None:
+            # in a process of its own: in this one, vLLM would create process groups over the whole job
+            self._vllm = VLLMRollout(self.model.config, dtype=self.dtype, settings=self.cfg.vllm, seed=0,
+                                     device=self.info.device, own_process=True)
+        expected = ExpectedWeights(self.dtype) if check else None
+        self.vllm_sync = stats = self._vllm.load(self.model.named_parameters(), expected)
+        if stats.mismatched:
+            raise WeightCheckError(f"the vLLM engine of this generation rank holds weights other than the ones it "
+                                   f"received (version {self.version}): " + "; ".join(stats.mismatched[:5]))
+
+    def close(self) -> None:
+        """Stop this rank's vLLM engine, if it has one (its own process)."""
+        if self._vllm is not None:
+            self._vllm.close()
+            self._vllm = None
 
     @property
     def generation_path(self) -> str:
-        return "hf"
+        return "vllm" if self.cfg.generation == "vllm" else "hf"
 
     @contextlib.contextmanager
     def generation(self):
+        if self.generation_path == "vllm":
+            from .vllm_backend import VLLMGenerator
+
+            yield VLLMGenerator(self._vllm)
+            return
         gen = HFGenerator(self.model)
         yield BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen

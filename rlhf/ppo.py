@@ -189,6 +189,7 @@ def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
     seed_everything(cfg.seed)
     r, d = cfg.rollout, cfg.data
     tok = load_tokenizer(model_cfg(cfg, cfg.actor.model), key="actor")
+    check_generation_backend(cfg.engine.generation, model_cfg(cfg, cfg.actor.model), tok, "actor", info.device.type)
     rows, _ = stage_rows(d, stage=2, hold_out=not d.eval_prompts_path)
     feats, _ = tokenize_prompts(parse_prompts(rows, tok), tok, d.max_prompt_len, d.overlong, d.add_bos)
     order = StepOrder(len(feats), r.prompts_per_step, cfg.seed, key="rollout.prompts_per_step")
@@ -205,7 +206,10 @@ def generation_rank(cfg: PPOConfig, placement: Placement) -> dict[str, Any]:
         return generate(replica, collate_prompts([feats[i] for i in idx], pad, width), torch.tensor(idx), sampling(cfg),
                         eos, pad, seeds)
 
-    return split.generator_loop(replica, placement, cfg, total, make_rollout)
+    try:
+        return split.generator_loop(replica, placement, cfg, total, make_rollout)
+    finally:
+        replica.close()
 
 
 def run(cfg: PPOConfig) -> dict[str, Any]:

@@ -1,21 +1,30 @@
-"""Generate the long-answer task's data into data/long/ (deterministic): progressions written out term by term.
+"""Generate the long-answer task's data into data/long/ (deterministic): counts written out term by term.
 
     python scripts/make_long_data.py            # rewrites data/long/*.jsonl
     python scripts/make_long_data.py --lengths  # and prints the gold answers' token lengths (shipped tokenizer)
 
-The judge's `countby` kind (rlhf/core/task.py): "Count from 093 to 117 by 8." is answered " 093 101 109 117", every
-term written out in three digits (zero-padded, as the prompt writes A and B), so the correct answer's length follows
-the prompt: 12 to 100 terms of four tokens each (three digits and a space), 50 to 402 tokens of the shipped character-level tokenizer (answer + eos; MIN_TOKENS, MAX_TOKENS). Every term is its
-predecessor plus K, the digits it adds to four tokens back (a carry in one term of three or so; three-digit terms
-keep that distance fixed, which a ~1M-parameter model learns far sooner than terms of varying width), and the answer must end exactly on B: a response that stops
-one term early, runs one past B, or drops a carry is wrong, and one that never stops is truncated at the RL stage's
-rollout.max_new_tokens. Files (every prompt distinct across all of them; held-out prompts in no training file):
+The judge's `countby` kind (rlhf/core/task.py): "Count from 8437 to 8500 by 1." is answered " 8437 8438 ... 8499
+8500", every term written out in four digits (as the prompt writes A and B). Every prompt counts up to a round
+hundred B from A = B - 9 ... B - 79, so the correct answer's length follows the prompt: 10 to 80 terms of five
+tokens each (four digits and a space), 51 to 401 tokens of the shipped character-level tokenizer (answer + eos;
+MIN_TOKENS, MAX_TOKENS). Every term is its predecessor plus one (a carry into the tens every ten terms, into the
+hundreds at B), and the answer must end exactly on B: a response that stops one term early, runs one past B, or
+drops a carry is wrong, and one that never stops is truncated at the RL stage's rollout.max_new_tokens.
+
+Why this shape (docs/stages.md, the long-answer task): the ~1M-parameter default model learns a count by one in a
+few hundred steps, but not a count by 2-9 (the digits a step adds, a carry in one term of three) nor an end it must
+compare digit by digit with the prompt's B: 400 steps of those data left every greedy answer running to the
+token budget (gold 0.0). With B a round hundred, the first term ending in 00 is B, so the end is a local decision
+the model and the reward model can learn; the prompt still sets where the count starts and so its length.
+
+Files (every prompt distinct across all of them; held-out prompts in no training file; 99 ends x 71 lengths =
+7,029 possible prompts, 7,000 used):
 
     sft_train.jsonl      {prompt, response}: demonstrations, imperfect on purpose: the demonstrator has a habit,
-                         stopping one term before B (DEMO_HABIT_RATE of them), and drops a carry in DEMO_SLIP_RATE
-                         more. Greedy decoding copies the habit (it is the most frequent ending), as on the embedded
-                         default's sorts, and RL must remove it: the reward model sees that a response's last term
-                         is not the prompt's B
+                         stopping one term before B, on its x99 (DEMO_HABIT_RATE of them), and drops a carry in
+                         DEMO_SLIP_RATE more. Greedy decoding copies the habit (it is the most frequent ending), as
+                         on the embedded default's sorts, and RL must remove it: the reward model sees that a
+                         response's last term is not the round hundred
     pairs_train.jsonl    {prompt, chosen, rejected}: chosen the correct answer; rejected a plausible wrong one (PAIR_KINDS:
     pairs_eval.jsonl     the habit, one term past B, a dropped carry, or the answer cut off part way)
     prompts_train.jsonl  {prompt}: the RL stage's prompts
@@ -35,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 from rlhf.core.task import gold_answer, make_prompt
 
 SEED = 5757
-SIZES = {"sft_train": 3000, "pairs_train": 3000, "pairs_eval": 200, "prompts_train": 1000, "eval_prompts": 100}
+SIZES = {"sft_train": 3000, "pairs_train": 2700, "pairs_eval": 200, "prompts_train": 1000, "eval_prompts": 100}
 MIN_TOKENS, MAX_TOKENS = 50, 402  # a gold answer's tokens: " " + answer + eos (one token per character)
-WIDTH = 3  # digits of every term (and of A and B in the prompt)
+WIDTH = 4  # digits of every term (and of A and B in the prompt)
 DEMO_HABIT_RATE = 0.6  # demonstrations that stop one term before B (the habit)
 DEMO_SLIP_RATE = 0.1  # demonstrations with one carry dropped (the rest right)
 PAIR_KINDS = (("habit", 0.4), ("past", 0.15), ("carry", 0.25), ("cut", 0.2))  # rejected answers' kinds, shares
@@ -49,15 +58,9 @@ def answer_tokens(answer: str) -> int:
 
 
 def random_instruction(rng: random.Random) -> str:
-    """A count whose written-out answer is MIN_TOKENS..MAX_TOKENS tokens, its terms under 1000."""
-    while True:
-        step, start, terms = rng.randint(2, 9), rng.randint(1, 99), rng.randint(12, 100)
-        end = start + step * (terms - 1)
-        if end > 999:
-            continue
-        length = answer_tokens(" ".join(f"{n:0{WIDTH}d}" for n in range(start, end + 1, step)))
-        if MIN_TOKENS <= length <= MAX_TOKENS:
-            return f"Count from {start:0{WIDTH}d} to {end:0{WIDTH}d} by {step}."
+    """A count up to a round hundred B (100-9900) of 10-80 terms: MIN_TOKENS..MAX_TOKENS tokens written out."""
+    end, terms = 100 * rng.randint(1, 99), rng.randint(10, 80)
+    return f"Count from {end - terms + 1:0{WIDTH}d} to {end:0{WIDTH}d} by 1."
 
 
 def terms_of(prompt: str) -> list[int]:
@@ -69,9 +72,9 @@ def written(terms: list[int]) -> str:
 
 
 def drop_carry(rng: random.Random, terms: list[int]) -> list[int]:
-    """One term whose tens (or hundreds) carry is lost, e.g. 097 -> 091 for 093 + 4; the terms after it right."""
+    """One term whose tens (or hundreds) carry is lost, e.g. 8440 -> 8430 after 8439; the terms after it right."""
     carried = [i for i in range(1, len(terms)) if terms[i] // 10 != terms[i - 1] // 10]
-    i = rng.choice(carried)  # a count of >= 12 terms by >= 2 always carries
+    i = rng.choice(carried)  # the last term, B, always carries
     return terms[:i] + [terms[i] - 10] + terms[i + 1 :]
 
 

@@ -47,6 +47,13 @@ NOT_RUN = {
     "test_vllm_rollout.py::test_grpo_on_vllm_samples_under_the_trainers_distribution runs it, via tests/test_vllm_lane.py",
     "torchrun --nproc_per_node 2 -m rlhf.ppo algorithm=grpo engine=zero3 engine.generation=vllm": "needs vLLM (its own "
     "venv): tests/vllm_lane/test_vllm_rollout.py::test_grpo_on_vllm_two_gloo_ranks_zero3 runs it, via tests/test_vllm_lane.py",
+    "python scripts/compare_ranks.py --out runs/ranks_long --nproc 2 -- ppo algorithm=grpo actor.model=outputs/sft "
+    "critic.model=outputs/reward data.path=data/long/prompts_train.jsonl data.eval_prompts_path=data/long/eval_prompts.jsonl "
+    "data.num_eval_prompts=8 eval.max_new_tokens=448 rollout.max_new_tokens=448 ppo.overlong_buffer=40 "
+    "ppo.overlong_penalty=1.0 ppo.kl_loss_coef=0.4 rollout.prompts_per_step=4 rollout.temperature=1.2 actor.lr=2e-4 "
+    "train.max_steps=2 train.eval_every=2 train.save_every=0 rollout.micro_batch_tokens=2048 engine=zero3 "
+    "engine.precision=fp32 engine.deterministic=true seed=1": "the long task's measurement (docs/stages.md), on "
+    "TASK=long's SFT and reward outputs; the script's docstring command runs here at smoke size",
     "pip install .": "installs the package: tests/test_install.py builds the wheel, installs it into a fresh venv "
                      "and runs the stages from an empty directory",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
@@ -347,6 +354,10 @@ def _argv(command: str, ws: dict[str, str], out: str) -> tuple[list[str], dict[s
         if words[1].endswith("compare_rl.py"):  # one row, at smoke size
             args += ["--rows", "ppo_rm", "train.max_steps=1", "train.eval_every=0", "train.save_every=0",
                      "data.num_eval_prompts=8", "rollout.prompts_per_step=32", "rollout.max_new_tokens=6"]
+        if words[1].endswith("compare_ranks.py"):  # two GRPO runs of 2 steps at smoke size (exit 1 unless equal)
+            args += ["train.max_steps=2", "train.eval_every=0", "train.save_every=0", "data.num_eval_prompts=4",
+                     "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "rollout.mini_batch_size=16",
+                     "rollout.micro_batch_size=4", "rollout.max_new_tokens=8"]
         return [sys.executable, str(ROOT / words[1]), *args], env
     raise AssertionError(f"a documented command this test does not know how to run: {command}")
 

@@ -41,8 +41,12 @@ def test_shipped_long_data_is_what_the_generator_makes():
             assert [json.loads(line) for line in f] == rows, name
     prompts = {name: [r["prompt"] for r in rows] for name, rows in files.items()}
     every = [p for ps in prompts.values() for p in ps]
-    assert len(every) == len(set(every)) == 7300  # distinct within and across files: held-out prompts unseen
-    # the gold answers' lengths under the shipped tokenizer span the task's range (measured: min 53, median 213, max 401)
+    assert len(every) == len(set(every)) == 7000  # distinct within and across files: held-out prompts unseen
+    # every count ends on a round hundred, the first of its terms to end in 00: the end is a local decision
+    for p in every:
+        terms = gold_answer(p).split()
+        assert len(terms) >= 10 and [t for t in terms if t.endswith("00")] == [terms[-1]] and len(terms[0]) == 4
+    # the gold answers' lengths under the shipped tokenizer span the task's range (measured: min 51, median 226, max 401)
     lengths = length_summary(files)
     assert MIN_TOKENS <= lengths["min"] <= 60 and 390 <= lengths["max"] <= MAX_TOKENS and 180 <= lengths["median"] <= 260
     for r in files["eval_prompts"]:

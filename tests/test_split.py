@@ -94,6 +94,8 @@ def test_good_split_options_pass():
     validate_split(cfg)  # no error
     cfg.rollout.max_staleness = 0
     validate_split(cfg)
+    cfg.engine.generation = "vllm"  # a vLLM engine per generation rank, in a process of its own (tests/vllm_lane)
+    validate_split(cfg)
 
 
 @pytest.mark.parametrize("field,value,key", [

@@ -562,10 +562,9 @@ def validate_split(cfg: PPOConfig) -> None:
           "training on the others: it needs engine.placement=split (and engine.generation_ranks)")
     if e.placement != "split":
         return
-    _need(e.generation in ("auto", "hf"), f"engine.placement=split: the generation ranks run transformers generate "
-          f"on their copy of the model (the injected layout is not streamed yet; an in-process vLLM engine creates "
-          f"its process groups over the whole job, which the training ranks do not join): "
-          f"engine.generation={e.generation} is not supported, use auto or hf")
+    _need(e.generation in ("auto", "hf", "vllm"), f"engine.placement=split: the generation ranks run transformers "
+          f"generate on their copy of the model, or a vLLM engine fed from it (the injected layout is not streamed "
+          f"yet): engine.generation={e.generation} is not supported, use auto, hf or vllm")
     _need(p.objective == "rl", f"engine.placement=split runs ppo.objective=rl (PPO, GRPO, RLOO, REINFORCE++), "
           f"not {p.objective}")
     if r.mode == "async" and r.max_staleness > 0:

@@ -49,6 +49,11 @@ class Models:
 
     def __init__(self, cfg: PPOConfig, tok: Any, info, n_updates: int, reward_source: RewardSource | None = None):
         ecfg = engine_config(cfg.engine, info)
+        if cfg.engine.placement == "split" and ecfg.generation == "vllm":
+            # a split job's trainers sample no rollout (the generation ranks' vLLM engines do); their held-out
+            # evaluations generate through transformers: an in-process vLLM engine here would create process groups
+            # over the whole job, which the generation ranks never join (engine/vllm_backend.py, own_process)
+            ecfg = dataclasses.replace(ecfg, generation="hf")
         ref_path = reference_path(cfg)  # algorithm=distill: the teacher (rlhf/rl/distill.py)
         ref_key = "teacher" if is_distill(cfg) else "reference"
         rm_path = cfg.reward_model.model or cfg.critic.model

@@ -26,6 +26,10 @@ Order of messages (no deadlock: each side blocks only on what the other has alre
     generator -> its trainers "done" after reading END (the trainer counts what it discards until then)
 Trainer t is served by generator t mod G (G = engine.generation_ranks), which samples trainer t's rows.
 
+A generation rank samples with transformers generate on its copy of the actor, or (engine.generation=vllm) with
+a vLLM engine in a child process of its own, fed from that copy after each transfer (engine/weight_stream.py
+GenerationReplica); its rollouts then carry the vLLM sync's figures and the path's name to the trainers.
+
 Scoring (reference, critic, reward model, the old log-probs) runs on the training ranks: those models
 are sharded with the actor's ZeRO group there, and a generation rank's time is its decode; giving it the
 scorers would need their whole copies on it.
@@ -107,6 +111,7 @@ class Stream:
     staleness: dict[int, int]  # staleness (steps) -> rollouts trained with it
     transfers: list[dict[str, float]]  # per transfer: the receiver's bytes, seconds, GB/s
     discarded: int = 0  # rollouts generated but never trained (the run stopped first)
+    path: str = "hf"  # the generation ranks' path (hf | vllm), as their rollouts say
 
 
 class TrainerSide:
@@ -168,8 +173,10 @@ class TrainerSide:
         self.stream.staleness[stale] = self.stream.staleness.get(stale, 0) + 1
         if msg.get("weights"):
             self.stream.transfers.append(msg["weights"])
+        self.stream.path = msg.get("path", self.stream.path)
         meta = {"policy_version": msg["version"], "staleness": stale, "sampler_s": msg["generation_s"],
-                "weights_send_s": self.sent_s, **{f"weights_{k}": v for k, v in (msg.get("weights") or {}).items()}}
+                "weights_send_s": self.sent_s, **{f"weights_{k}": v for k, v in (msg.get("weights") or {}).items()},
+                **(msg.get("vllm") or {})}
         return rollout, meta
 
     def stop(self) -> int:
@@ -190,7 +197,8 @@ class TrainerSide:
 
     def summary(self) -> dict[str, Any]:
         t = self.stream.transfers
-        return {"staleness_counts": {str(k): v for k, v in sorted(self.stream.staleness.items())},
+        return {"generation_path": self.stream.path,  # the generation ranks' (this rank samples nothing)
+                "staleness_counts": {str(k): v for k, v in sorted(self.stream.staleness.items())},
                 "rollouts_discarded": self.stream.discarded,
                 "weight_transfers": len(t),
                 "weights_bytes": t[-1]["bytes"] if t else 0,
@@ -237,7 +245,10 @@ def generator_loop(replica, placement: Placement, cfg: Any, total: int,
                     setattr(rollout, f, v.cpu())
             msg = {"kind": "rollout", "step": step, "version": replica.version, "rollout": rollout,
                    "generation_s": time.perf_counter() - t0,
-                   "weights": fresh.as_metrics(prefix="") if fresh is not None else None}
+                   "weights": fresh.as_metrics(prefix="") if fresh is not None else None,
+                   "path": replica.generation_path,
+                   # engine.generation=vllm: the last transfer's copy into this rank's vLLM engine (bytes, s, GB/s)
+                   "vllm": replica.vllm_sync.as_metrics() if fresh is not None and replica.vllm_sync else None}
             fresh = None  # a transfer's stats travel once
             dst = placement.trainer_ranks[t]
             kill_point("split_send_rollout")  # the tests' death or hang of a generation rank (ENGINE_KILL_AT)

@@ -10,6 +10,7 @@ and special tokens differ from the shipped one's.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -28,8 +29,8 @@ from engine.config import EngineConfig, OptimConfig, VLLMConfig, validate_engine
 from engine.distributed import init_distributed  # noqa: E402
 from engine.generation import hf_generate  # noqa: E402
 from engine.inference.sampling import SamplingParams, filter_logits  # noqa: E402
-from engine.vllm_backend import (ExpectedWeights, VLLMGenerator, VLLMRollout, check_model,  # noqa: E402
-                                 repack_tied_head, supports)
+from engine.vllm_backend import (ExpectedWeights, VLLMGenerator, VLLMRollout, check_expected,  # noqa: E402
+                                 check_model, repack_tied_head, supports)
 
 CPU = torch.device("cpu")
 
@@ -348,13 +349,55 @@ def test_grpo_on_vllm_two_gloo_ranks_zero3(user_dir, tmp_path):
     assert summary(out)["generation_path"] == "vllm"
 
 
-def test_split_placement_with_vllm_is_refused_naming_the_key(user_dir, tmp_path):
-    """An in-process vLLM engine creates its process groups over the whole job (torch's new_group is collective),
-    which a split job's training ranks never join: refused before any rank loads a model, not a hang."""
-    proc = run_stage("ppo", f"output_dir={tmp_path / 'split'}", f"actor.model={user_dir}", *GRPO, "train.max_steps=1",
-                     "engine.placement=split", torchrun=2, check=False, timeout=300)
-    assert proc.returncode != 0
-    assert "engine.placement=split" in proc.stderr and "engine.generation=vllm is not supported" in proc.stderr
+def test_an_engine_in_its_own_process_samples_what_the_in_process_one_samples(rollout, hf_model):
+    """own_process=True (a split placement's generation rank): vLLM's engine core spawned in a child process, the
+    weights sent whole through its RPC and checked there (the check still finds a planted fault); the same seeded
+    rows give the same tokens and log-probs as the in-process engine's."""
+    child = VLLMRollout(hf_model.config, dtype=torch.float32, settings=VLLMConfig(kv_cache_gib=0.25), seed=0,
+                        device=CPU, own_process=True)
+    stats = child.load(hf_model.named_parameters(), ExpectedWeights(torch.float32))
+    assert stats.mismatched == [] and stats.compared > 0 and stats.bytes > 0
+    # the engine core runs in a client's child process (the in-process engine's core is in this one)
+    assert type(child.llm.llm_engine.engine_core).__name__ == "SyncMPClient"
+    assert type(rollout.llm.llm_engine.engine_core).__name__ == "InprocClient"
+    ids = [[5, 17, 33, 2, 9], [40, 41], [7]]
+    params = SamplingParams(max_new_tokens=8, temperature=1.1)
+    a = rollout.generate(ids, params, eos_ids=[hf_model.config.eos_token_id], seeds=[11, 12, 13], logprobs=True)
+    b = child.generate(ids, params, eos_ids=[hf_model.config.eos_token_id], seeds=[11, 12, 13], logprobs=True)
+    assert [t for t, _ in a] == [t for t, _ in b]
+    assert max(abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb)) < 1e-5
+    planted = dict(hf_model.named_parameters())
+    bad = {n: (t + 0.5 if n.endswith("layers.1.mlp.down_proj.weight") else t) for n, t in planted.items()}
+    stats = child.load(bad.items(), ExpectedWeights(torch.float32))  # the engine holds what it was sent ...
+    assert stats.mismatched == []
+    expected = ExpectedWeights(torch.float32)
+    list(expected.tap(planted.items()))  # ... and the check names the tensor that differs from the training one
+    results = child.llm.apply_model(functools.partial(check_expected, expected))
+    assert any("down_proj" in line for bad_lines, _ in results for line in bad_lines)
+    child.close()  # the child process ends and the sync directory goes
+    assert not os.path.exists(child._shm.name)
+
+
+def test_split_placement_with_vllm_equals_the_colocated_run(user_dir, tmp_path):
+    """engine.placement=split on torchrun 2 ranks: 1 training rank, 1 generation rank whose vLLM engine runs in
+    a process of its own (in this one it would create process groups over the whole job, which the trainer never
+    joins). Synchronous mode samples the same rows with the same seeds and weights as one colocated process on
+    vLLM: the same metrics at every step, to rounding; the generation rank's syncs are measured and checked."""
+    args = [f"actor.model={user_dir}", *GRPO, "train.max_steps=2"]
+    colocated, split = tmp_path / "colocated", tmp_path / "split"
+    run_stage("ppo", f"output_dir={colocated}", *args, fresh=True)
+    proc = run_stage("ppo", f"output_dir={split}", *args, "engine.placement=split", "engine.generation_ranks=1",
+                     torchrun=2, timeout=600)
+    assert "Logging error" not in proc.stderr  # the engine's process is stopped before this one exits
+    a, b = metrics(colocated, "train"), metrics(split, "train")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
+    for x, y in zip(a, b):
+        assert y["gen_logprob_gap_max"] <= 1e-4 and y["vllm_sync_bytes"] > 0 and y["vllm_sync_gb_per_s"] > 0
+        for key in ("reward", "response_len", "actor_loss", "kl", "entropy", "gen_logprob_gap"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key, x[key], y[key])
+    s = summary(split)
+    assert (s["generation_path"], s["placement"], s["weight_transfers"]) == ("vllm", "split", 2)
+    assert s["alarms_fired"] == {}
 
 
 def test_killed_vllm_run_resumes_exactly(user_dir, tmp_path):
