@@ -423,6 +423,8 @@ def test_documented_command_runs(command, workspace, tmp_path):
         assert os.path.isfile(os.path.join(workspace["W"], "outputs", "report.md"))
     elif "compare_rl.py" in argv[1]:
         assert "| ppo | reward model |" in proc.stdout  # the row it was asked for
+    elif "compare_ranks.py" in argv[1]:
+        assert "1 process vs 2 ranks" in proc.stdout and "equal to rel=" in proc.stdout  # (exit 1 otherwise)
     elif planner:
         assert "plan: stage" in proc.stdout and "cheapest change that fits:" in proc.stdout, proc.stdout
         shown = "".join(path.read_text() for path in doc_files())

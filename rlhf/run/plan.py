@@ -20,7 +20,11 @@ e bytes of the compute dtype (2 or 4):
                          input, gate, up, silu(gate), their product); under autocast (ZeRO stage 0/1 in
                          bf16/fp16: fp32 parameters, so the residual stream and the norms' internals
                          are fp32) 27h instead of 7h (measured on CPU: scripts/bench_length.py)
+                         + eager attention (model.attn_implementation=eager): L*b*H*s^2*(4 + e), the fp32
+                         softmax and the probabilities kept for the backward (H attention heads)
     + checkpointing      L*b*s*h*e (block inputs) + one block's share above, recomputed in backward
+    attention (phase)    b*H*s^2*e on CPU with SDPA (one layer's scores, a moment in each forward and
+                         backward: measured), b*H*s^2*(4 + e) with eager attention; 0 with SDPA on CUDA
     logits (policies)    b*s*V*(e + 8): the head's output, its fp32 copy, log_softmax's output;
                          engine.kernels=true: two chunks of at most 256 MiB (no [b, s, V] logits);
                          past engine.max_logits_mb of fp32 logits: two chunks of at most that size
@@ -90,6 +94,8 @@ class Arch:
     storage_bytes: int  # per parameter of a frozen copy (model.dtype, else the checkpoint's dtype)
     config: object  # the HF config (generation path)
     adapters: bool
+    heads: int = 1  # attention heads
+    attn: str = "sdpa"  # model.attn_implementation (null: transformers' default, sdpa)
 
     @property
     def total(self) -> int:
@@ -147,7 +153,7 @@ def _build_arch(mcfg, tok: Callable[[], Any], key: str, *, value: bool, lora: bo
                 (getattr(hf, "num_key_value_heads", None) or heads) * head_dim, hf.vocab_size,
                 {"fp32": 4, "bf16": 2, "fp16": 2}[dtype], hf,
                 # adapters the injected model cannot take merged (engine/lora.py: plain LoRA it can)
-                lora and mcfg.lora.r > 0 and lora_layers(model) is None)
+                lora and mcfg.lora.r > 0 and lora_layers(model) is None, heads, mcfg.attn_implementation or "sdpa")
 
 
 def _tokenizer(mcfg, key: str):
@@ -240,7 +246,14 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
         # keeps fp32 copies of the h-sized tensors besides the half-precision ones: 27h per token and layer
         autocast = e == 2 and ecfg.stage < 2
         per_token = (27 if autocast else 7) * a.hidden + 2 * a.kv + 4 * a.inter
-        act = 0 if not m.trained else a.layers * tokens * per_token * e
+        # attention's scores, b x heads x s^2 per layer (`attention_bytes`): eager attention keeps its fp32 softmax
+        # and the probabilities in the compute dtype for the backward, in every layer; SDPA keeps none, but on CPU
+        # one layer's block in the compute dtype exists for a moment (measured: 4 rows of 2,096 tokens, 8 heads:
+        # the training phase's peak ~0.26 GiB over the linear formula's; CUDA's kernels make no such block)
+        block = m.rows * a.heads * m.seq ** 2
+        eager = a.attn == "eager"
+        transient = block * (4 + e) if eager else (block * e if device == "cpu" else 0)
+        act = 0 if not m.trained else a.layers * (tokens * per_token * e + (block * (4 + e) if eager else 0))
         act_ckpt = 0 if not m.trained else a.layers * tokens * a.hidden * e + act / a.layers
         logits = 0 if not m.logits else logits_bytes(tokens, a.vocab, e, ecfg)
         gathered = {2: a.total * e, 3: 2 * a.block * e}.get(ecfg.stage, a.total * e if e == 2 else 0)
@@ -254,12 +267,12 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
                  "layout_bytes": layout_bytes(ecfg.stage, a.trainable, a.total - a.trainable, world) if m.trained
                  else a.total * a.storage_bytes / (world if ecfg.stage >= 2 else 1),
                  "activation_bytes": act, "activation_ckpt_bytes": act_ckpt, "logits_bytes": logits,
-                 "gathered_bytes": gathered, "rows": m.rows, "seq": m.seq}
+                 "gathered_bytes": gathered, "attention_bytes": transient, "rows": m.rows, "seq": m.seq}
         report["models"][m.name] = entry
         if m.trained:
             phases["training"] = max(phases["training"], (act_ckpt if ecfg.activation_checkpointing else act)
-                                     + logits + gathered)
-        phases["scoring"] = max(phases["scoring"], logits + gathered)
+                                     + logits + gathered + transient)
+        phases["scoring"] = max(phases["scoring"], logits + gathered + transient)
         if m.name == "actor":
             path, why = choose_generation_path(ecfg.generation, device, a.config, adapters=a.adapters)
             # (the hf path re-prefills each multi-turn turn: its cache is one row's length, m.seq; the injected

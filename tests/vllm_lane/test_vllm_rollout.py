@@ -185,6 +185,35 @@ def test_too_long_a_request_is_refused_naming_the_key(rollout):
 # ----------------------------------------------------------------------------- the weight sync and its check
 
 
+def test_an_engine_in_its_own_process_samples_what_the_in_process_one_samples(rollout, hf_model):
+    """own_process=True (a split placement's generation rank): vLLM's engine core spawned in a child process, the
+    weights sent whole through its RPC and checked there (the check still finds a planted fault); the same seeded
+    rows give the same tokens and log-probs as the in-process engine's."""
+    child = VLLMRollout(hf_model.config, dtype=torch.float32, settings=VLLMConfig(kv_cache_gib=0.25), seed=0,
+                        device=CPU, own_process=True)
+    stats = child.load(hf_model.named_parameters(), ExpectedWeights(torch.float32))
+    assert stats.mismatched == [] and stats.compared > 0 and stats.bytes > 0
+    # the engine core runs in a client's child process (the in-process engine's core is in this one)
+    assert type(child.llm.llm_engine.engine_core).__name__ == "SyncMPClient"
+    assert type(rollout.llm.llm_engine.engine_core).__name__ == "InprocClient"
+    ids = [[5, 17, 33, 2, 9], [40, 41], [7]]
+    params = SamplingParams(max_new_tokens=8, temperature=1.1)
+    a = rollout.generate(ids, params, eos_ids=[hf_model.config.eos_token_id], seeds=[11, 12, 13], logprobs=True)
+    b = child.generate(ids, params, eos_ids=[hf_model.config.eos_token_id], seeds=[11, 12, 13], logprobs=True)
+    assert [t for t, _ in a] == [t for t, _ in b]
+    assert max(abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb)) < 1e-5
+    planted = dict(hf_model.named_parameters())
+    bad = {n: (t + 0.5 if n.endswith("layers.1.mlp.down_proj.weight") else t) for n, t in planted.items()}
+    stats = child.load(bad.items(), ExpectedWeights(torch.float32))  # the engine holds what it was sent ...
+    assert stats.mismatched == []
+    expected = ExpectedWeights(torch.float32)
+    list(expected.tap(planted.items()))  # ... and the check names the tensor that differs from the training one
+    results = child.llm.apply_model(functools.partial(check_expected, expected))
+    assert any("down_proj" in line for bad_lines, _ in results for line in bad_lines)
+    child.close()  # the child process ends and the sync directory goes
+    assert not os.path.exists(child._shm.name)
+
+
 def test_a_sync_writes_new_weights_in_place_and_the_check_names_planted_faults(tmp_path):
     """Weights of another model synced in: vLLM then generates what that model does; a stream that stops short,
     a packed GEMM copy left stale, and a tied head left unpacked are each caught and named."""
@@ -347,35 +376,6 @@ def test_grpo_on_vllm_two_gloo_ranks_zero3(user_dir, tmp_path):
     assert [r["step"] for r in train] == [1, 2]
     assert all(r["gen_logprob_gap_max"] <= 1e-4 for r in train), [r["gen_logprob_gap_max"] for r in train]
     assert summary(out)["generation_path"] == "vllm"
-
-
-def test_an_engine_in_its_own_process_samples_what_the_in_process_one_samples(rollout, hf_model):
-    """own_process=True (a split placement's generation rank): vLLM's engine core spawned in a child process, the
-    weights sent whole through its RPC and checked there (the check still finds a planted fault); the same seeded
-    rows give the same tokens and log-probs as the in-process engine's."""
-    child = VLLMRollout(hf_model.config, dtype=torch.float32, settings=VLLMConfig(kv_cache_gib=0.25), seed=0,
-                        device=CPU, own_process=True)
-    stats = child.load(hf_model.named_parameters(), ExpectedWeights(torch.float32))
-    assert stats.mismatched == [] and stats.compared > 0 and stats.bytes > 0
-    # the engine core runs in a client's child process (the in-process engine's core is in this one)
-    assert type(child.llm.llm_engine.engine_core).__name__ == "SyncMPClient"
-    assert type(rollout.llm.llm_engine.engine_core).__name__ == "InprocClient"
-    ids = [[5, 17, 33, 2, 9], [40, 41], [7]]
-    params = SamplingParams(max_new_tokens=8, temperature=1.1)
-    a = rollout.generate(ids, params, eos_ids=[hf_model.config.eos_token_id], seeds=[11, 12, 13], logprobs=True)
-    b = child.generate(ids, params, eos_ids=[hf_model.config.eos_token_id], seeds=[11, 12, 13], logprobs=True)
-    assert [t for t, _ in a] == [t for t, _ in b]
-    assert max(abs(x - y) for (_, la), (_, lb) in zip(a, b) for x, y in zip(la, lb)) < 1e-5
-    planted = dict(hf_model.named_parameters())
-    bad = {n: (t + 0.5 if n.endswith("layers.1.mlp.down_proj.weight") else t) for n, t in planted.items()}
-    stats = child.load(bad.items(), ExpectedWeights(torch.float32))  # the engine holds what it was sent ...
-    assert stats.mismatched == []
-    expected = ExpectedWeights(torch.float32)
-    list(expected.tap(planted.items()))  # ... and the check names the tensor that differs from the training one
-    results = child.llm.apply_model(functools.partial(check_expected, expected))
-    assert any("down_proj" in line for bad_lines, _ in results for line in bad_lines)
-    child.close()  # the child process ends and the sync directory goes
-    assert not os.path.exists(child._shm.name)
 
 
 def test_split_placement_with_vllm_equals_the_colocated_run(user_dir, tmp_path):
