@@ -136,6 +136,15 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason=why)(test))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (more only add overhead, and stall on a busy machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def interp():
     """Run a function in a child Python with TRITON_INTERPRET=1 (Triton kernels on the CPU)."""

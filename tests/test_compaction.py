@@ -28,12 +28,7 @@ FILTERED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
 TOL = 1e-5  # sampler log-probs, compacted vs full batch (measured <= 1.5e-6: GEMM rounding by batch size)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny models on one intra-op thread
 
 
 def prompts(B: int, seed: int = 1):

@@ -31,13 +31,7 @@ SMALL = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_he
 LLAMA = dict(SMALL, intermediate_size=96)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The models are tiny: intra-op threads only add overhead (and stall on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: the tiny models on one intra-op thread
 
 
 def llama_untied_gqa():
