@@ -49,6 +49,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kernels.testing import TOLERANCES
@@ -284,8 +285,6 @@ def reread_vllm_env() -> None:
 
 def reload_from_file(path: str, worker) -> None:
     """Inside vLLM's worker (`collective_rpc` with a callable): its in-place reload fed from a safetensors file."""
-    from safetensors.torch import load_file
-
     worker.reload_weights(weights_iterator=iter(load_file(path).items()), is_checkpoint_format=True)
 
 
@@ -314,7 +313,8 @@ def _device(module: torch.nn.Module) -> torch.device:
 
 
 class VLLMRollout:
-    """One in-process vLLM engine holding the actor (see the module docstring)."""
+    """One vLLM engine holding the actor, in this process or (`own_process`) in a child of its own (see the
+    module docstring)."""
 
     def __init__(self, config, *, dtype: torch.dtype, settings: VLLMConfig, seed: int, device: torch.device,
                  own_process: bool = False):
@@ -356,7 +356,6 @@ class VLLMRollout:
                       tensor_parallel_size=settings.tensor_parallel_size, max_num_seqs=settings.max_num_seqs)
         if settings.max_model_len is not None:
             kwargs["max_model_len"] = settings.max_model_len
-
         if cpu:
             kwargs["kv_cache_memory_bytes"] = int(settings.kv_cache_gib * (1 << 30))
             # NOTE: no chunked prefill on CPU: a prefill split over steps discards the token sampled in its partial
@@ -441,8 +440,6 @@ class VLLMRollout:
             # which the engine core re-pickles what it received (tensors decoded from the RPC's buffers cannot be:
             # "cannot pickle memoryview objects"): the weights go by a safetensors file in shared memory, which the
             # worker reads into the same in-place reload
-            from safetensors.torch import save_file
-
             path = os.path.join(self._shm.name, f"weights-{self.syncs}.safetensors")
             save_file({n: t.detach().contiguous().cpu() for n, t in stream}, path)
             try:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from .errors import WeightCheckError
 from .generation import BatchInvariantGenerator, HFGenerator
 from .parallelize import TORCH_DTYPES
+from .vllm_backend import ExpectedWeights, VLLMGenerator, VLLMRollout
 from .weight_check import agree, describe, fingerprint
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -322,8 +323,6 @@ class GenerationReplica:
         return stats
 
     def _sync_vllm(self, check: bool) -> None:
-        from .vllm_backend import ExpectedWeights, VLLMRollout
-
         if self._vllm is None:
             # in a process of its own: in this one, vLLM would create process groups over the whole job
             self._vllm = VLLMRollout(self.model.config, dtype=self.dtype, settings=self.cfg.vllm, seed=0,
@@ -347,8 +346,6 @@ class GenerationReplica:
     @contextlib.contextmanager
     def generation(self):
         if self.generation_path == "vllm":
-            from .vllm_backend import VLLMGenerator
-
             yield VLLMGenerator(self._vllm)
             return
         gen = HFGenerator(self.model)

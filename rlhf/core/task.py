@@ -21,7 +21,8 @@ The seventh kind, `countby` (LONG_TASKS), is the long-answer task of `TASK=long 
 (data/long, scripts/make_long_data.py): an arithmetic progression written out term by term (each term
 zero-padded to the digits of the end as the prompt writes it, so every term of a count is as wide), so the
 correct answer's length follows the prompt (50-400 tokens of the shipped character-level tokenizer in
-the shipped data, which counts by one up to a round hundred) and a response that stops one term early, runs past the end or slips one carry is wrong.
+the shipped data, which counts by one up to a round hundred) and a response that stops one term early,
+runs past the end or slips one carry is wrong.
 
 `gold_score(prompt, response)` is 1.0 when the response (surrounding whitespace stripped) is exactly
 the answer, else 0.0. A run's gold score is 100 × the mean over held-out prompts.
