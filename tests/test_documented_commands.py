@@ -73,6 +73,9 @@ NOT_RUN = {
     "bash scripts/bench_vs_commit.sh c537a8b": "GRPO stage runs of two trees at the ~25M shape, tens of minutes: "
     "scripts/bench_rl.py with --baseline, whose smoke form tests/test_bench_rl.py runs (and checks its --eos-spread "
     "rule on values)",
+    "REPS=2 STEPS=3 bash scripts/bench_vs_commit.sh c537a8b": "as bash scripts/bench_vs_commit.sh c537a8b",
+    "BASELINE_OVERRIDES=engine.generation=hf REPS=2 STEPS=3 bash scripts/bench_vs_commit.sh c537a8b": "as bash "
+    "scripts/bench_vs_commit.sh c537a8b",
     "python scripts/bench_kernels.py": "GPU benchmark (its --small form is run)",
     "python scripts/bench_memory.py model=llama model.name_or_path=/models/Llama-3.2-1B engine=zero3 "
     "train.micro_batch_size=8 data.max_len=512": "a real training step of a 1.2B model (GPU benchmark); its plain "

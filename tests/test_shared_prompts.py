@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import SMALL_MODEL, metrics, run_stage
-from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed
+from engine import EngineConfig, OptimConfig, TrainEngine, hf_base_model, init_distributed
 from engine import generation as G
 from engine.generation import SamplingParams, prompt_groups
 from rlhf import config as C
@@ -25,7 +25,8 @@ from rlhf.data import collate_pairs, collate_shared_pairs
 from rlhf.data.packing import pair_layout
 from rlhf.dpo import pair_batch, response_logps
 from rlhf.modeling.forward import batch_scores, position_ids_from_mask
-from rlhf.modeling.roles import Policy, ValueModel, shared_prompt_forward
+from rlhf.modeling import roles
+from rlhf.modeling.roles import Policy, ValueModel, length_buckets, shared_prompt_forward
 from rlhf.rl.rewards import RewardModelScore
 from rlhf.rl.rollout import generate, score_rollout
 
@@ -99,6 +100,73 @@ def test_policy_logprobs_and_gradients_equal_the_whole_rows(name, fused):
     assert (shared - whole)[m].abs().max() < 2e-6 and (ent_shared - ent_whole)[m].abs().max() < 2e-6
     weight = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(1)) * rmask
     assert_grads_close(grads(policy, whole, weight), grads(policy, shared, weight))
+
+
+def test_length_buckets_are_the_cheapest_partition():
+    """Sub-batches by length (rlhf/modeling/roles.py length_buckets): every row once, each sub-batch at its
+    longest extent, and the cost (computed positions + a forward's fixed cost each) the least of every way
+    to cut the sorted rows into at most K runs (brute force)."""
+    from itertools import combinations
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        B, T = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g))
+        ext = torch.randint(0, T + 1, (B,), generator=g)
+        tail = (torch.arange(T)[None] < ext[:, None]).long()
+        K, f = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(0, 6, (1,), generator=g))
+        got = length_buckets(tail, K, f)
+        rows = torch.cat([r for r, _ in got])
+        assert sorted(rows.tolist()) == list(range(B)) and len(got) <= K
+        e = ext.clamp(min=1)
+        assert all(w == int(e[r].max()) for r, w in got)
+        cost = sum(len(r) * w + f for r, w in got)
+        s = sorted(e.tolist())
+        best = min(sum((j - i) * s[j - 1] + f for i, j in zip((0, *c), (*c, B)))
+                   for k in range(min(K, B)) for c in combinations(range(1, B), k))
+        assert cost == best, (trial, ext.tolist(), K, f, got)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt", "qwen2"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_sub_batches_by_length_equal_the_whole_rows(name, fused, monkeypatch):
+    """rollout.length_buckets: the responses on their prompts' cache in sub-batches by length, each at its own
+    width: log-probs, entropy, values and gradients those of the rows run whole, to fp32 rounding."""
+    monkeypatch.setattr(roles, "BUCKET_FORWARD_TOKENS", 0)  # every cut that saves a position is taken
+    seqs, mask, pos, rmask, P = rows(U=3, n=5, T=9, seed=11)
+    policy = Policy(family(name), fused=fused)
+    policy.length_buckets = 4
+    calls = []
+    hf_base_model(policy).get_input_embeddings().register_forward_hook(lambda m, a, out: calls.append(a[0].shape))
+    kw = dict(targets=seqs[:, P:], start=P - 1, temperature=0.7, with_entropy=True)
+    whole, ent_whole = policy(seqs, mask, pos, **kw)
+    calls.clear()
+    shared, ent_shared = policy(seqs, mask, pos, prompt_len=P, **kw)
+    widths = sorted(s[1] for s in calls[1:])
+    assert calls[0] == (3, P) and len(calls) == 5 and widths[0] < widths[-1] <= 9  # 3 prompts, 4 tails
+    m = rmask.bool()
+    assert (shared - whole)[m].abs().max() < 2e-6 and (ent_shared - ent_whole)[m].abs().max() < 2e-6
+    weight = torch.randn(rmask.shape, generator=torch.Generator().manual_seed(1)) * rmask
+    assert_grads_close(grads(policy, whole, weight), grads(policy, shared, weight))
+    if not fused and name != "qwen2":
+        critic = ValueModel(family(name, value=True))
+        critic.length_buckets = 4
+        whole, shared = critic(seqs, mask, pos), critic(seqs, mask, pos, prompt_len=P)
+        assert (shared - whole)[mask.bool()].abs().max() < 2e-6
+        weight = torch.randn(seqs.shape, generator=torch.Generator().manual_seed(2)) * mask
+        assert_grads_close(grads(critic, whole, weight), grads(critic, shared, weight))
+
+
+def test_length_buckets_auto_and_config(monkeypatch):
+    """null = 8 on the CPU with whole parameters; the config refuses < 1 and a run without shared prompts."""
+    seqs, mask, _, _, P = rows(U=2, n=8, T=9, seed=12)
+    monkeypatch.setattr(roles, "BUCKET_FORWARD_TOKENS", 0)
+    assert len(roles._sub_batches(family("llama"), mask[:, P:], None)) > 1
+    assert len(roles._sub_batches(family("llama"), mask[:, P:], 1)) == 1
+    cfg = lambda *o: C.to_config(C.compose("ppo", ["algorithm=grpo", *o]), C.PPOConfig)  # noqa: E731
+    for bad, match in ((["rollout.length_buckets=0"], "rollout.length_buckets must be >= 1"),
+                       (["rollout.length_buckets=4", "rollout.shared_prompt_forward=false"], "leave it null")):
+        with pytest.raises(ConfigError, match=match):
+            validate_ppo(cfg(*bad), init_distributed())
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])

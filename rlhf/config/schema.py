@@ -425,6 +425,12 @@ class RolloutConfig:
     # of every model give the same values up to rounding with fewer tokens (rlhf/modeling/roles.py
     # shared_prompt_forward; docs/engine.md). null = on unless data.packing=true packs the rows instead.
     shared_prompt_forward: bool | None = None  # run a prompt shared by several rows of a forward once (null = unless packed)
+    # Under shared_prompt_forward, a forward's responses run on their prompts' cache in sub-batches by length,
+    # each at its own width (the padding of short responses to the longest not computed), at most this many;
+    # 1 = one sub-batch trimmed to the longest response. null = auto: 8 on the CPU where the model's
+    # parameters are whole, 1 on CUDA (unmeasured there) and under FSDP2 (each sub-batch would all-gather the
+    # parameters again). rlhf/modeling/roles.py length_buckets; docs/engine.md
+    length_buckets: int | None = None  # sub-batches by response length of a shared-prompt forward (null = auto)
     max_new_tokens: int = 16  # response tokens sampled per prompt
     temperature: float = 1.0  # sampling temperature
     top_k: int = 0  # sample among the k most likely tokens (0 = off)

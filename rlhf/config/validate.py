@@ -381,6 +381,11 @@ def shared_prompts(cfg) -> bool:
     if flag and cfg.data.packing is True:
         raise ConfigError("rollout.shared_prompt_forward=true runs each shared prompt once on a padded batch, and "
                           "data.packing=true packs the RL forwards without padding: set one of them false")
+    if cfg.rollout.length_buckets is not None:
+        _need(cfg.rollout.length_buckets >= 1, f"rollout.length_buckets must be >= 1 or null (auto), got "
+              f"{cfg.rollout.length_buckets}")
+        _need(flag is not False and cfg.data.packing is not True, "rollout.length_buckets splits the forwards of rows "
+              "that share a prompt (rollout.shared_prompt_forward), which is off here: leave it null")
     return cfg.data.packing is not True if flag is None else bool(flag)
 
 

@@ -16,10 +16,12 @@ wrapped or not) as `inner`; state-dict names, exports and generation see that mo
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from engine import ModuleView, hf_base_model
@@ -44,7 +46,8 @@ def _mask(module: nn.Module, attention_mask: torch.Tensor | None, position_ids: 
 
 
 def shared_prompt_forward(model: nn.Module, field: str, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          position_ids: torch.Tensor | None, prompt_len: int, keep_from: int = 0):
+                          position_ids: torch.Tensor | None, prompt_len: int, keep_from: int = 0,
+                          max_buckets: int | None = None):
     """`model`'s output `field` (logits or last_hidden_state) at positions keep_from.. of rows whose
     first `prompt_len` columns (a left-padded prompt) repeat across rows, GRPO's n samples of one
     prompt: each distinct prompt runs once, its KV cache is gathered for every row that has it, and
@@ -67,13 +70,87 @@ def shared_prompt_forward(model: nn.Module, field: str, input_ids: torch.Tensor,
         raise ValueError(f"{type(hf_base_model(model)).__name__} returned no KV cache to share a prompt's forward "
                          "between its rows: set rollout.shared_prompt_forward=false (RL) or data.shared_prompts=false "
                          "(reward, dpo)")
-    cache.batch_select_indices(inverse)
-    tail = model(input_ids=input_ids[:, P:], attention_mask=attention_mask, position_ids=position_ids[:, P:],
-                 use_cache=True, **{CACHE_KWARG: cache})
-    tail = getattr(tail, field)
+    T = input_ids.shape[1] - P
+    buckets = _sub_batches(model, attention_mask[:, P:], max_buckets) if hasattr(cache, "layers") else \
+        [(torch.arange(input_ids.shape[0], device=input_ids.device), T)]
+    if len(buckets) == 1:  # every row at the longest response's width
+        w = buckets[0][1]
+        cache.batch_select_indices(inverse)
+        tail = getattr(model(input_ids=input_ids[:, P : P + w], attention_mask=attention_mask[:, : P + w],
+                             position_ids=position_ids[:, P : P + w], use_cache=True, **{CACHE_KWARG: cache}), field)
+        tail = F.pad(tail, (0, 0, 0, T - w)) if w < T else tail
+    else:
+        parts = []
+        for rows, w in buckets:
+            out = getattr(model(input_ids=input_ids[rows, P : P + w], attention_mask=attention_mask[rows, : P + w],
+                                position_ids=position_ids[rows, P : P + w], use_cache=True,
+                                **{CACHE_KWARG: _select_cache(cache, inverse[rows])}), field)
+            parts.append(F.pad(out, (0, 0, 0, T - w)))
+        tail = torch.cat(parts)[torch.argsort(torch.cat([rows for rows, _ in buckets]))]
     if keep_from >= P:
         return tail[:, keep_from - P :]
     return torch.cat([getattr(head, field)[:, keep_from:][inverse], tail], 1)
+
+
+# A forward's fixed cost, in tokens of its rows' work: `length_buckets` makes another sub-batch only where it
+# saves more padded positions than this (on this CPU 16-256 measured alike on the ~25M shape: docs/engine.md).
+BUCKET_FORWARD_TOKENS = 64
+# length_buckets=None (auto): sub-batches by length on the CPU with whole parameters; one trimmed forward on CUDA
+# (a small model's forward there is launch-bound, padding nearly free: unmeasured) and under FSDP2 (each
+# sub-batch's forward all-gathers the parameters again)
+AUTO_BUCKETS = 8
+
+
+def length_buckets(tail_mask: torch.Tensor, max_buckets: int,
+                   forward_tokens: int = BUCKET_FORWARD_TOKENS) -> list[tuple[torch.Tensor, int]]:
+    """Rows of right-padded responses (`tail_mask` [B, T]) as (rows, width) sub-batches by length, each run at its
+    own width (the longest extent in it: its last real column + 1): the rows sorted by extent and cut into at
+    most `max_buckets` runs, the cuts that minimise the computed positions plus `forward_tokens` per sub-batch
+    (dynamic programming over the sorted extents: exact). One sub-batch is the rows trimmed to their longest."""
+    B, T = tail_mask.shape
+    if T == 0:
+        return [(torch.arange(B, device=tail_mask.device), 0)]
+    cols = torch.arange(1, T + 1, device=tail_mask.device)
+    extent = (tail_mask.bool() * cols).amax(1).clamp(min=1)
+    order = torch.argsort(extent, stable=True)
+    e = extent[order].tolist()
+    inf = float("inf")
+    # costs[k][j]: the first j sorted rows in exactly k + 1 sub-batches, the last of them starting at cuts[k][j]
+    costs, cuts = [[inf] + [j * e[j - 1] + forward_tokens for j in range(1, B + 1)]], [[0] * (B + 1)]
+    for _ in range(1, max(1, min(max_buckets, B))):
+        prev, cost, cut = costs[-1], [inf] * (B + 1), [0] * (B + 1)
+        for j in range(2, B + 1):
+            for i in range(1, j):
+                c = prev[i] + (j - i) * e[j - 1] + forward_tokens
+                if c < cost[j]:
+                    cost[j], cut[j] = c, i
+        costs.append(cost)
+        cuts.append(cut)
+    k = min(range(len(costs)), key=lambda k: costs[k][B])  # the fewest sub-batches among equal costs
+    bounds, j = [], B
+    for k in range(k, -1, -1):
+        i = cuts[k][j]
+        bounds.append((i, j))
+        j = i
+    return [(order[i:j], e[j - 1]) for i, j in reversed(bounds)]
+
+
+def _sub_batches(model: nn.Module, tail_mask: torch.Tensor, max_buckets: int | None) -> list[tuple[torch.Tensor, int]]:
+    if max_buckets is None:
+        # NOTE: FSDP2's module class, not DTensor parameters: between a ZeRO-2 forward and its backward the
+        # parameters are the unsharded plain tensors, and ranks that split differently would hang
+        local = tail_mask.device.type == "cpu" and not any(isinstance(m, FSDPModule) for m in model.modules())
+        max_buckets = AUTO_BUCKETS if local else 1
+    return length_buckets(tail_mask, max_buckets, BUCKET_FORWARD_TOKENS)
+
+
+def _select_cache(cache, rows: torch.Tensor):
+    """A dynamic KV cache's copy holding `rows` (the original stays whole for the next sub-batch; the layers'
+    tensors are indexed, not written, so gradients flow back to the shared prompt's forward)."""
+    new = copy.copy(cache)
+    new.layers = [copy.copy(layer) for layer in cache.layers]
+    new.batch_select_indices(rows)
+    return new
 
 
 class Policy(ModuleView):
@@ -94,6 +171,10 @@ class Policy(ModuleView):
     checked on first use). The model's own logits stay where the head is not a plain linear layer
     (an adapter on it) and for top-k / top-p truncated log-probs (`truncate`).
     """
+
+    # rows sharing a prompt: the most sub-batches by response length of their forward (`length_buckets`;
+    # None = auto: AUTO_BUCKETS on the CPU with whole parameters, else 1; rollout.length_buckets)
+    length_buckets: int | None = None
 
     def __init__(self, lm: nn.Module, *, fused: bool = False, max_logits_mb: float | None = None):
         super().__init__(lm)
@@ -132,7 +213,8 @@ class Policy(ModuleView):
             return self._fused(input_ids, attention_mask, position_ids, targets, start, temperature, with_entropy,
                                reduction, prompt_len, impl=impl, chunk_size=chunk)
         logits = None if prompt_len is None else shared_prompt_forward(
-            self.inner, "logits", input_ids, attention_mask, position_ids, prompt_len, keep_from=start)
+            self.inner, "logits", input_ids, attention_mask, position_ids, prompt_len, keep_from=start,
+            max_buckets=self.length_buckets)
         if logits is None:
             logits = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False).logits[:, start:]
@@ -156,7 +238,8 @@ class Policy(ModuleView):
         base = hf_base_model(self)
         backbone = getattr(base, base.base_model_prefix)
         hidden = None if prompt_len is None else shared_prompt_forward(
-            backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len, keep_from=start)
+            backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len, keep_from=start,
+            max_buckets=self.length_buckets)
         if hidden is None:
             hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state[:, start:]
@@ -210,6 +293,7 @@ class ValueModel(ModuleView):
     # With backbone_grad 0, run the backbone without an autograd graph where its gradients stay in this
     # process (one rank, plain tensors); False keeps the zero-scaled backward there too (the same update).
     head_only_without_graph: bool = True
+    length_buckets: int | None = None  # as Policy's
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor | None = None, prompt_len: int | None = None) -> torch.Tensor:
@@ -221,7 +305,8 @@ class ValueModel(ModuleView):
                   and _local_params(backbone) and any(p.requires_grad for p in base.score.parameters()))
         with torch.no_grad() if frozen else contextlib.nullcontext():
             hidden = None if prompt_len is None else shared_prompt_forward(
-                backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len)
+                backbone, "last_hidden_state", input_ids, attention_mask, position_ids, prompt_len,
+                max_buckets=self.length_buckets)
             if hidden is None:
                 hidden = backbone(input_ids=input_ids, attention_mask=_mask(self, attention_mask, position_ids),
                                   position_ids=position_ids, use_cache=False).last_hidden_state

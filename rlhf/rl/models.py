@@ -86,6 +86,7 @@ class Models:
                 raise ConfigError(f"{key if '[' in key else key + '.model'} must be a reward/value model with one output (num_labels=1)")
         for m in (actor, critic, ref, rm, *(m for _, m in member_models)):
             if m is not None:
+                m.length_buckets = cfg.rollout.length_buckets  # shared-prompt forwards by length (roles.py)
                 check_context(m, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
                               "data.max_prompt_len + rollout.max_new_tokens")
         self.pack_length = rl_pack_length(cfg, [m for m in (actor, critic, ref, rm) if m is not None])

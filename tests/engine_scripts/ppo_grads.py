@@ -168,6 +168,9 @@ def main(out_dir: str) -> None:
         torch.save(result, os.path.join(out_dir, f"grads_w{info.world_size}.pt"))
         if plain:
             plain["outputs"] = plain_outputs(mb)
+            # the real positions: a shared-prompt forward computes no column past its rows' longest response
+            plain["masks"] = {"logp": mb["response_mask"], "entropy": mb["response_mask"],
+                              "values": mb["attention_mask"].float()}
             torch.save(plain, os.path.join(out_dir, "grads_plain.pt"))
     dist.barrier()
 
