@@ -119,6 +119,15 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     assert a["activation_bytes"] == act and a["activation_ckpt_bytes"] == 7 * tokens * 512 * 2 + act / 7
     assert a["logits_bytes"] == tokens * 4099 * 10 and a["gathered_bytes"] == a["total_params"] * 2
     assert ppo["peak_bytes"] == ppo["resident_bytes"] + max(ppo["phases"].values())
+    # the injected model's weights and KV cache stay between phases (resident) unless released after each
+    kept = ppo["kv_cache_bytes"] + ppo["generation_weight_bytes"]
+    states = sum(m["device_bytes"] for m in ppo["models"].values())
+    assert ppo["inference_kept_bytes"] == kept and ppo["phases"]["generation"] == 0
+    assert ppo["resident_bytes"] == states + kept
+    freed, _ = run_plan(["stage=ppo", "world_size=2", *paths, "rollout.max_new_tokens=32",
+                         "engine.release_inference_cache=true"])
+    assert freed["inference_kept_bytes"] == 0 and freed["phases"]["generation"] == kept
+    assert freed["resident_bytes"] == states and freed["peak_bytes"] <= ppo["peak_bytes"]
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
     # on CPU the plan is of the process's RSS: the process itself (torch and transformers loaded) counts too

@@ -37,9 +37,12 @@ e bytes of the compute dtype (2 or 4):
                          the injected decoder's cache P + turns*T + (turns - 1)*E (every turn's new
                          tokens, resumed; the hf path re-prefills: P + E)
     generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
+                         (the injected copy and its KV cache stay resident through training too, unless
+                         engine.release_inference_cache=true frees them after each generation phase)
 Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
 gathered params of the trained model that needs most), scoring (logits + gathered params of one
-no-grad forward) or generation (KV cache + generation weights); device=cpu adds the process itself
+no-grad forward) or generation (KV cache + generation weights; resident instead where the injected
+model keeps them between phases); device=cpu adds the process itself
 (Python with torch and transformers loaded: the planner's own resident memory, as it imports what a
 stage does), so the plan is of the run's peak RSS. Not counted: the CUDA context (~0.5 GiB), allocator
 fragmentation, communication buffers.
@@ -279,10 +282,13 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
             # decoder's holds every turn's new tokens, gen_len; both P + T for single-turn rollouts)
             kv = 2 * a.layers * gen_rows * (cache_slots(gen_len) if path == "injected" else m.seq) * a.kv * e
             weights = a.total * e if path == "injected" or ecfg.stage >= 2 else 0
-            report.update(generation_path=path, generation_why=why, kv_cache_bytes=kv, generation_weight_bytes=weights)
-            phases["generation"] = kv + weights
+            # the injected model's weights and cache stay between phases unless engine.release_inference_cache
+            kept = kv + weights if path == "injected" and not ecfg.release_inference_cache else 0
+            report.update(generation_path=path, generation_why=why, kv_cache_bytes=kv, generation_weight_bytes=weights,
+                          inference_kept_bytes=kept)
+            phases["generation"] = kv + weights - kept
             actor = a
-    resident = sum(m["device_bytes"] for m in report["models"].values())
+    resident = sum(m["device_bytes"] for m in report["models"].values()) + report.get("inference_kept_bytes", 0)
     # on CPU the process's own memory counts too: Python with torch and transformers loaded (this planner's, which
     # imports what a stage does); on CUDA the context is left out (see the module's notes)
     runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
@@ -417,8 +423,9 @@ def format_plan(report: dict, change: list[str] | None) -> str:
                   f"    activations ({m['rows']:g} x {m['seq']} tokens) {_g(m['activation_bytes'])} | with checkpointing "
                   f"{_g(m['activation_ckpt_bytes'])} | logits {_g(m['logits_bytes'])} | gathered params {_g(m['gathered_bytes'])}"]
     if "kv_cache_bytes" in r:
+        kept = " (kept between phases: engine.release_inference_cache=false)" if r.get("inference_kept_bytes") else ""
         lines.append(f"  generation: {r['generation_path']} path ({r['generation_why']}): KV cache {_g(r['kv_cache_bytes'])}"
-                     f" | weights {_g(r['generation_weight_bytes'])}")
+                     f" | weights {_g(r['generation_weight_bytes'])}{kept}")
     runtime = f"the process {_g(r['runtime_bytes'])} + " if r.get("runtime_bytes") else ""
     lines.append(f"  {runtime}resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
         f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
