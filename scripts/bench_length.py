@@ -4,6 +4,7 @@ Llama (CPU), with row-count micro-batches and with a token budget, each run in a
 
     PYTHONPATH=. python scripts/bench_length.py                                  # 128 / 512 / 2048 tokens
     python scripts/bench_length.py --lengths 16 32 --rows 8 --micro 4 --small --work outputs/bench_length_smoke
+    python scripts/bench_length.py --lengths 16 --ways rows --rows 8 --micro 4 --small --full --work outputs/bench_length_smoke
 
 1. Stage outputs built once in `--work` (scripts/bench_rl.py build_models): an SFT model and a reward model of one
    step each in the ~25M shape (hidden 512, 8 layers, 8 heads, 2 KV heads, MLP 1408, the shipped 4k vocabulary),
@@ -11,7 +12,8 @@ Llama (CPU), with row-count micro-batches and with a token budget, each run in a
 2. Per length L and way of batching, `python -m rlhf.ppo algorithm=grpo rollout.max_new_tokens=L` with `--rows`
    rows per step (`--rows / 4` prompts x 4 samples, one mini-batch), `--steps` steps (the first left out), run by
    scripts/bench_rl.py's worker with its `--eos-spread` rule, strict (the model's own EOS never drawn): responses
-   end uniformly between 10% and 100% of L, as an RL step's do, whatever the model would say. The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
+   end uniformly between 10% and 100% of L, as an RL step's do, whatever the model would say (`--full`: every
+   response L tokens, the plan's worst case). The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
    width; `tokens` = `rollout.micro_batch_tokens` = --micro x (data.max_prompt_len + L), the same worst case.
    The step's phases are the worker's timers (generate, score, advantages, update, the rest; `--clock cpu`, the
    default: the process's CPU seconds on one thread, which a shared machine's other jobs barely move); the peak resident
@@ -47,9 +49,9 @@ def overrides(sft: str, reward: str, length: int, a: argparse.Namespace, way: st
             f"train.max_steps={a.steps}", f"engine.generation={a.generation}", *QUIET, *a.extra]
 
 
-def measure(out: str, args: list[str], length: int, clock: str) -> dict:
+def measure(out: str, args: list[str], length: int, clock: str, low: float = 0.1) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    res = run_worker(ROOT, out, args, plant=length, plant_strict=True, clock=clock)
+    res = run_worker(ROOT, out, args, plant=length, plant_strict=True, clock=clock, plant_low=low)
     steps = res["steps"][1:] or res["steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r.get("kind") == "train"]
@@ -79,6 +81,8 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more rlhf.ppo overrides for every run")
     ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="cpu: the process's CPU seconds, one "
                     "thread (OMP_NUM_THREADS=1), which other jobs on a shared machine barely move; wall: seconds")
+    ap.add_argument("--full", action="store_true", help="every response the full L tokens (the plan's worst case) "
+                    "instead of ends spread between 10%% and 100%% of L")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.clock == "cpu":
@@ -95,8 +99,9 @@ def main() -> None:
     for length in a.lengths:
         for way in a.ways:
             args = overrides(sft, reward, length, a, way)
+            low = 1.0 if a.full else 0.1
             row = {"new_tokens": length, "batching": way,
-                   **measure(os.path.join(work, f"{way}_{length}"), args, length, a.clock), "plan_gib": planned(args)}
+                   **measure(os.path.join(work, f"{way}_{length}"), args, length, a.clock, low), "plan_gib": planned(args)}
             prev = [r for r in results if r["batching"] == way]
             if prev:
                 row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])

@@ -156,7 +156,7 @@ def worker(args: argparse.Namespace) -> None:
         return wrapper
 
     if args.plant:
-        plant_eos(args.plant, strict=args.plant_strict)
+        plant_eos(args.plant, strict=args.plant_strict, low=args.plant_low)
     lengths: list[float] = []  # per step: mean response length / max_new_tokens (--eos-spread)
 
     def generated(fn):
@@ -195,10 +195,10 @@ def worker(args: argparse.Namespace) -> None:
     finish()
 
 
-def plant_eos(n: int, strict: bool = False):
+def plant_eos(n: int, strict: bool = False, low: float = 0.1):
     """--eos-spread: responses of up to `n` tokens end uniformly between n/10 and n (see the module doc), on
-    the injected decoder and on transformers `generate` alike, patched into the tree's modules from here.
-    Returns the undo."""
+    the injected decoder and on transformers `generate` alike, patched into the tree's modules from here
+    (`low`: the shortest end as a fraction of n; 1 = every response n tokens). Returns the undo."""
     import torch
     import transformers
 
@@ -207,7 +207,7 @@ def plant_eos(n: int, strict: bool = False):
     inj = importlib.import_module("engine.inference.generate")  # the module (the package's `generate`: the function)
     from engine.inference.sampling import row_noise
 
-    first = max(1, n // 10) - 1  # the first response index that may end a row
+    first = max(1, int(n * low)) - 1  # the first response index that may end a row
 
     def ends(prev: torch.Tensor, t) -> torch.Tensor:
         """[B] bool: the row whose previous token is prev [B] ends with its token t (an int or a [1] tensor)."""
@@ -386,10 +386,10 @@ def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
 
 
 def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall",
-               profile: str | None = None, plant: int = 0, plant_strict: bool = False) -> dict:
+               profile: str | None = None, plant: int = 0, plant_strict: bool = False, plant_low: float = 0.1) -> dict:
     result = out + ".json"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
-           "--plant", str(plant), *(["--plant-strict"] if plant_strict else []),
+           "--plant", str(plant), *(["--plant-strict"] if plant_strict else []), "--plant-low", str(plant_low),
            *(["--count-flops"] if count_flops else []), *(["--profile", profile] if profile else []),
            "--", f"output_dir={out}", *overrides]
     proc = subprocess.run(cmd, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True)
@@ -463,6 +463,7 @@ def main() -> None:
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--count-flops", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plant", type=int, default=0, help=argparse.SUPPRESS)  # the worker's --eos-spread: N
+    ap.add_argument("--plant-low", type=float, default=0.1, help=argparse.SUPPRESS)  # the shortest end / N
     ap.add_argument("--plant-strict", action="store_true", help=argparse.SUPPRESS)  # and the model's own EOS never
     ap.add_argument("overrides", nargs="*", help="extra rlhf.ppo overrides for every run (after --)")
     args = ap.parse_args()
