@@ -90,6 +90,8 @@ NOT_RUN = {
         "tests/test_bench_rl.py runs it (checking the phases and the counted FLOPs on values)",
     "PYTHONPATH=. python scripts/bench_length.py": "GRPO runs at 128 / 512 / 2048 new tokens on a ~25M model, an hour on "
                                                    "2 cores (docs/algorithms.md's table); its --small form is run",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 2048 --ways rows --full --work outputs/bench_length_full":
+        "a GRPO run at 2,048 new tokens on a ~25M model, 20 minutes on 2 cores; its --small --full form is run",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
                                            "reproduces them",
     "python scripts/make_tool_data.py": "rewrites the shipped tool data; tests/test_multiturn.py checks that it "
