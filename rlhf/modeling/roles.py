@@ -93,7 +93,8 @@ def shared_prompt_forward(model: nn.Module, field: str, input_ids: torch.Tensor,
 
 
 # A forward's fixed cost, in tokens of its rows' work: `length_buckets` makes another sub-batch only where it
-# saves more padded positions than this (on this CPU 16-256 measured alike on the ~25M shape: docs/engine.md).
+# saves more padded positions than this (on this CPU 16 and 64 measured alike on the ~25M shape, 128 and 256 slower:
+# docs/engine.md).
 BUCKET_FORWARD_TOKENS = 64
 # length_buckets=None (auto): sub-batches by length on the CPU with whole parameters; one trimmed forward on CUDA
 # (a small model's forward there is launch-bound, padding nearly free: unmeasured) and under FSDP2 (each
@@ -114,18 +115,22 @@ def length_buckets(tail_mask: torch.Tensor, max_buckets: int,
     extent = (tail_mask.bool() * cols).amax(1).clamp(min=1)
     order = torch.argsort(extent, stable=True)
     e = extent[order].tolist()
-    inf = float("inf")
     # costs[k][j]: the first j sorted rows in exactly k + 1 sub-batches, the last of them starting at cuts[k][j]
-    costs, cuts = [[inf] + [j * e[j - 1] + forward_tokens for j in range(1, B + 1)]], [[0] * (B + 1)]
+    # (float64 holds these integer costs exactly; ties go to the first cut, torch.min's first index)
+    ext = torch.tensor(e, dtype=torch.float64)
+    j = torch.arange(B + 1, dtype=torch.float64)
+    first = torch.cat([torch.tensor([float("inf")], dtype=torch.float64), j[1:] * ext + forward_tokens])
+    costs, cuts = [first.tolist()], [[0] * (B + 1)]
+    # cand[i, j] = the first i rows' cost + rows i..j-1 at row j-1's extent + a forward, for 1 <= i < j
+    width = torch.cat([torch.zeros(1, dtype=torch.float64), ext])  # width[j] = e[j - 1]
+    span = (j[None, :] - j[:, None]) * width[None, :] + forward_tokens
+    valid = (j[:, None] >= 1) & (j[:, None] < j[None, :])
+    prev = first
     for _ in range(1, max(1, min(max_buckets, B))):
-        prev, cost, cut = costs[-1], [inf] * (B + 1), [0] * (B + 1)
-        for j in range(2, B + 1):
-            for i in range(1, j):
-                c = prev[i] + (j - i) * e[j - 1] + forward_tokens
-                if c < cost[j]:
-                    cost[j], cut[j] = c, i
-        costs.append(cost)
-        cuts.append(cut)
+        cand = torch.where(valid, prev[:, None] + span, torch.tensor(float("inf"), dtype=torch.float64))
+        prev, cut = cand.min(0)
+        costs.append(prev.tolist())
+        cuts.append(cut.tolist())
     k = min(range(len(costs)), key=lambda k: costs[k][B])  # the fewest sub-batches among equal costs
     bounds, j = [], B
     for k in range(k, -1, -1):
