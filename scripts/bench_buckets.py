@@ -9,10 +9,10 @@ largest log-prob difference on the real positions.
 The rows: `--rows` rows sharing `--prompts` prompts of 31-40 tokens (left-padded to 40), responses ending uniformly
 between 10% and 100% of `--new` tokens (bench_rl.py's --eos-spread rule), bf16 autocast as the stages'
 precision=auto on a bf16 CPU. The model: the ~25M shape (hidden 512, 8 layers, 8 heads, 2 KV heads, MLP 1408, 4,096
-tokens of vocabulary; `--small`: hidden 64, 2 layers; `--embedded`: conf/model/tiny.yaml's shape), random weights. The times: the process's CPU seconds, the
-median of `--repeat` repetitions after an untimed warm-up, each mode run in turn within a repetition. `whole` is the
-forward before sub-batches (every row at the full width); a number is BUCKET_FORWARD_TOKENS, the fixed cost a cut
-must save (at most 8 sub-batches, the CPU's auto).
+tokens of vocabulary; `--small`: hidden 64, 2 layers; `--embedded`: conf/model/tiny.yaml's shape), random weights.
+The times: the process's CPU seconds, the median of `--repeat` repetitions after an untimed warm-up, each mode run
+in turn within a repetition. `whole` is the forward before sub-batches (every row at the full width); a number is
+BUCKET_FORWARD_TOKENS, the fixed cost a cut must save (at most 8 sub-batches, the CPU's auto).
 """
 from __future__ import annotations
 

@@ -79,14 +79,15 @@ def shared_prompt_forward(model: nn.Module, field: str, input_ids: torch.Tensor,
         tail = getattr(model(input_ids=input_ids[:, P : P + w], attention_mask=attention_mask[:, : P + w],
                              position_ids=position_ids[:, P : P + w], use_cache=True, **{CACHE_KWARG: cache}), field)
         tail = F.pad(tail, (0, 0, 0, T - w)) if w < T else tail
-    else:
-        parts = []
+    else:  # each sub-batch's output written into its rows of one [B, T, ...] (no padded copies, no gather)
+        tail = None
         for rows, w in buckets:
             out = getattr(model(input_ids=input_ids[rows, P : P + w], attention_mask=attention_mask[rows, : P + w],
                                 position_ids=position_ids[rows, P : P + w], use_cache=True,
                                 **{CACHE_KWARG: _select_cache(cache, inverse[rows])}), field)
-            parts.append(F.pad(out, (0, 0, 0, T - w)))
-        tail = torch.cat(parts)[torch.argsort(torch.cat([rows for rows, _ in buckets]))]
+            if tail is None:
+                tail = out.new_zeros((input_ids.shape[0], T, *out.shape[2:]))
+            tail[rows, :w] = out
     if keep_from >= P:
         return tail[:, keep_from - P :]
     return torch.cat([getattr(head, field)[:, keep_from:][inverse], tail], 1)
