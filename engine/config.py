@@ -88,6 +88,12 @@ class EngineConfig:
     # Free the injected model's weights, KV cache and CUDA graphs on leaving generation mode (memory
     # for training) instead of keeping them for the next phase (an in-place weight refresh).
     release_inference_cache: bool = False  # free the injected weights/KV cache/graphs after each generation phase
+    # Host memory on the CPU (glibc; a no-op elsewhere, engine/memory.py). Freed blocks stay in the heap, so a
+    # process's resident memory stays near its high-water mark and a phase's freed sizes rarely fit the next
+    # phase's: allocations of at least this many MiB get their own mapping, returned to the system when freed.
+    # null: glibc's own (dynamic) threshold, the default: 16 costs ~4% of a 128-token step (docs/engine.md).
+    cpu_mmap_threshold_mb: float | None = None  # CPU: host allocations >= this many MiB are mapped apart and freed to the system (glibc; 16: long responses' peak RSS -14% for +3.5% time); null = glibc's default
+    cpu_trim_heap: bool = True  # CPU: give the heap's free pages back to the system at each switch between generation and training (glibc malloc_trim)
     # The injected decoder decodes only the rows still running once a quarter of them have ended (their KV
     # cache rows and step state moved to the front; batch sizes in buckets under CUDA graphs): finished rows
     # stop costing compute. Measured in docs/engine.md. Not applied under engine.deterministic (a row's
@@ -186,6 +192,13 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.check_weights must be one of {CHECK_WEIGHTS}, got {cfg.check_weights!r}")
     if not isinstance(cfg.compact_finished, bool):
         raise ValueError(f"engine.compact_finished must be true or false, got {cfg.compact_finished!r}")
+    if not isinstance(cfg.cpu_trim_heap, bool):
+        raise ValueError(f"engine.cpu_trim_heap must be true or false, got {cfg.cpu_trim_heap!r}")
+    mmap_mb = cfg.cpu_mmap_threshold_mb
+    if mmap_mb is not None and (isinstance(mmap_mb, bool) or not isinstance(mmap_mb, (int, float))
+                                or not 0 < mmap_mb <= 32):
+        raise ValueError(f"engine.cpu_mmap_threshold_mb must be null (glibc's default) or a size in MiB in (0, 32] "
+                         f"(glibc refuses a larger threshold), got {mmap_mb!r}")
     if not isinstance(cfg.deterministic, bool):
         raise ValueError(f"engine.deterministic must be true or false, got {cfg.deterministic!r}")
     if isinstance(cfg.deterministic_rows, bool) or not isinstance(cfg.deterministic_rows, int) \

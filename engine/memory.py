@@ -19,13 +19,20 @@ exp_avg_sq like the parameter plus a 4-byte `step` per parameter.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
 import math
+import platform
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from .loss_scale import local_tensor
+
+log = logging.getLogger(__name__)
 
 ZERO_FORMULAS = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}
 
@@ -177,6 +184,43 @@ def process_memory(field: str = "VmRSS") -> int | None:
     return None
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (malloc_trim, mallopt); None elsewhere (musl, macOS, Windows)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        lib.malloc_trim.argtypes, lib.mallopt.argtypes = [ctypes.c_size_t], [ctypes.c_int, ctypes.c_int]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def set_mmap_threshold(mib: float | None) -> bool:
+    """Serve host allocations of `mib` MiB or more with their own mmap, unmapped when freed (glibc's
+    M_MMAP_THRESHOLD): large CPU tensors then go back to the system as soon as they die instead of staying in
+    the heap, where freed blocks of one size are rarely reused by the next phase's other sizes and the
+    process's resident memory stays at its high-water mark. Setting it also stops glibc raising the
+    threshold by itself (it does, up to 32 MiB, each time a mapped block is freed). None: glibc's default.
+    Returns whether it was applied (glibc only)."""
+    if mib is None or (lib := _glibc()) is None:
+        return False
+    return bool(lib.mallopt(M_MMAP_THRESHOLD, int(mib * 2**20)))
+
+
+def trim_host_heap() -> bool:
+    """Give the heap's free pages back to the system (glibc malloc_trim(0), every arena): a phase's freed
+    blocks stop counting in the resident memory of the next. False where the C library is not glibc."""
+    if (lib := _glibc()) is None:
+        return False
+    lib.malloc_trim(0)
+    return True
+
+
 class PhasePeaks:
     """Peak memory of the phases a process alternates between (generation, then training), each phase's
     own: on CUDA the allocator's peak (reset at each phase's start), on CPU the process's peak resident
@@ -211,4 +255,9 @@ class PhasePeaks:
         self._reset()
 
     def as_metrics(self) -> dict[str, float]:
-        return {f"mem_{phase}_peak_gib": b / (1 << 30) for phase, b in self.peaks.items()}
+        """{mem_<phase>_peak_gib}: each phase's peak the last time it ran, the phase in progress its peak so far
+        (the RL stage asks after the update: the step's own generation and training phases)."""
+        peaks = dict(self.peaks)
+        if self._phase is not None and (now := self._peak()) is not None:
+            peaks[self._phase] = now
+        return {f"mem_{phase}_peak_gib": b / (1 << 30) for phase, b in peaks.items()}

@@ -44,7 +44,7 @@ from .errors import CheckpointError
 from .lora import lora_layers, merge_lora
 from .distributed import DistInfo, all_reduce_sum, barrier, group, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
-from .memory import PhasePeaks, memory_report, tensor_bytes
+from .memory import PhasePeaks, memory_report, set_mmap_threshold, tensor_bytes, trim_host_heap
 from .optim import build_optimizer, build_scheduler, validate_optim_config
 from .parallelize import TORCH_DTYPES, clean_name, hf_base_model, inner_module, parallelize
 from .vllm_backend import ExpectedWeights, VLLMGenerator, VLLMRollout
@@ -224,6 +224,8 @@ class TrainEngine(_ShardedModule):
         self._vllm = None  # engine.generation=vllm: the VLLMRollout, built on first use and kept
         self.sync_stats = None  # the last weight sync into vLLM (engine/vllm_backend.py SyncStats)
         self.phase_peaks = PhasePeaks(info.device)  # peak memory of the generation and training phases
+        if info.device.type == "cpu":  # the host allocator (engine.cpu_mmap_threshold_mb; glibc only)
+            set_mmap_threshold(engine_cfg.cpu_mmap_threshold_mb)
         # engine.selfcheck: the injected decoder is compared with transformers on its first use
         self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
         # the mergeable LoRA layers ({} without adapters; None: adapters the injected model cannot take)
@@ -475,7 +477,7 @@ class TrainEngine(_ShardedModule):
             return BatchInvariantGenerator(gen, self.cfg.deterministic_rows) if self.cfg.deterministic else gen
 
         check = self.cfg.check_weights == "every" or (self.cfg.check_weights == "first" and self.weight_checks == 0)
-        self.phase_peaks.enter("generation")
+        self._switch_phase("generation")
         try:
             if self._generation_path() == "vllm":
                 rollout = self._refresh_vllm(check=check)
@@ -487,7 +489,14 @@ class TrainEngine(_ShardedModule):
             with self._generation_local(check, wrap) as gen:
                 yield gen
         finally:
-            self.phase_peaks.enter("training")
+            self._switch_phase("training")
+
+    def _switch_phase(self, phase: str) -> None:
+        """Between generation and training: on the CPU the heap's free pages go back to the system first
+        (engine.cpu_trim_heap), so the phase's resident memory (and its measured peak) starts from what is live."""
+        if self.info.device.type == "cpu" and self.cfg.cpu_trim_heap:
+            trim_host_heap()
+        self.phase_peaks.enter(phase)
 
     @contextlib.contextmanager
     def _generation_local(self, check: bool, wrap):

@@ -4,7 +4,8 @@ Llama (CPU), with row-count micro-batches and with a token budget, each run in a
 
     PYTHONPATH=. python scripts/bench_length.py                                  # 128 / 512 / 2048 tokens
     python scripts/bench_length.py --lengths 16 32 --rows 8 --micro 4 --small --work outputs/bench_length_smoke
-    python scripts/bench_length.py --lengths 16 --ways rows --rows 8 --micro 4 --small --full --work outputs/bench_length_smoke
+    python scripts/bench_length.py --lengths 16 --ways rows --rows 8 --micro 4 --small --full --work outputs/bench_length_smoke --variants engine.cpu_mmap_threshold_mb=null engine.cpu_mmap_threshold_mb=4
+    PYTHONPATH=. python scripts/bench_length.py --lengths 2048 --ways rows --full --steps 1 --work outputs/bench_length_full --variants engine.cpu_mmap_threshold_mb=null engine.cpu_mmap_threshold_mb=16 engine.cpu_mmap_threshold_mb=4
 
 1. Stage outputs built once in `--work` (scripts/bench_rl.py build_models): an SFT model and a reward model of one
    step each in the ~25M shape (hidden 512, 8 layers, 8 heads, 2 KV heads, MLP 1408, the shipped 4k vocabulary),
@@ -83,6 +84,9 @@ def main() -> None:
                     "thread (OMP_NUM_THREADS=1), which other jobs on a shared machine barely move; wall: seconds")
     ap.add_argument("--full", action="store_true", help="every response the full L tokens (the plan's worst case) "
                     "instead of ends spread between 10%% and 100%% of L")
+    ap.add_argument("--variants", nargs="+", default=[""], help="run each length and way once per variant: a "
+                    "space-separated string of rlhf.ppo overrides each (e.g. 'engine.cpu_mmap_threshold_mb=null' "
+                    "'engine.cpu_mmap_threshold_mb=16'), in turn, the first the reference of the ratios")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.clock == "cpu":
@@ -93,23 +97,30 @@ def main() -> None:
     sft, reward = build_models(os.path.join(work, f"{'small' if a.small else '25m'}_{a.prompt + max(a.lengths)}"), shape)
     sft, reward = os.path.join(sft, "model"), os.path.join(reward, "model")
     results: list[dict] = []
-    print("| new tokens | batching | mean length | step s | generate s | score s | update s | peak GiB | plan GiB | "
-          "plan / peak | exponent |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    variants = len(a.variants) > 1
+    print("| new tokens | batching |" + " variant | step / first's | peak / first's |" * variants + " mean length | "
+          "step s | generate s | score s | update s | peak GiB | plan GiB | plan / peak | exponent |")
+    print("|---" * (11 + 3 * variants) + "|")
     for length in a.lengths:
         for way in a.ways:
-            args = overrides(sft, reward, length, a, way)
-            low = 1.0 if a.full else 0.1
-            row = {"new_tokens": length, "batching": way,
-                   **measure(os.path.join(work, f"{way}_{length}"), args, length, a.clock, low), "plan_gib": planned(args)}
-            prev = [r for r in results if r["batching"] == way]
-            if prev:
-                row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])
-                                   / math.log(length / prev[-1]["new_tokens"]))
-            results.append(row)
-            print(f"| {length} | {way} | {row['mean_length']:.0f} | {row['step_s']:.1f} | {row['generate_s']:.1f} | "
-                  f"{row['score_s']:.1f} | {row['update_s']:.1f} | {row['peak_gib']:.2f} | {row['plan_gib']:.2f} | "
-                  f"{row['plan_gib'] / row['peak_gib']:.2f} | {row.get('exponent', float('nan')):.2f} |", flush=True)
+            for v, variant in enumerate(a.variants):
+                args = overrides(sft, reward, length, a, way) + variant.split()
+                low = 1.0 if a.full else 0.1
+                row = {"new_tokens": length, "batching": way, "variant": variant,
+                       **measure(os.path.join(work, f"{way}_{length}" + (f"_v{v}" if variants else "")), args, length,
+                                 a.clock, low), "plan_gib": planned(args)}
+                prev = [r for r in results if r["batching"] == way and r["variant"] == variant]
+                if prev:
+                    row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])
+                                       / math.log(length / prev[-1]["new_tokens"]))
+                first = next(r for r in [*results, row] if r["new_tokens"] == length and r["batching"] == way)
+                results.append(row)
+                cols = (f" {variant or '(none)'} | {row['step_s'] / first['step_s']:.3f} | "
+                        f"{row['peak_gib'] / first['peak_gib']:.3f} |" if variants else "")
+                print(f"| {length} | {way} |{cols} {row['mean_length']:.0f} | {row['step_s']:.1f} | "
+                      f"{row['generate_s']:.1f} | {row['score_s']:.1f} | {row['update_s']:.1f} | {row['peak_gib']:.2f} | "
+                      f"{row['plan_gib']:.2f} | {row['plan_gib'] / row['peak_gib']:.2f} | "
+                      f"{row.get('exponent', float('nan')):.2f} |", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

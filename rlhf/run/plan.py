@@ -44,8 +44,11 @@ gathered params of the trained model that needs most), scoring (logits + gathere
 no-grad forward) or generation (KV cache + generation weights; resident instead where the injected
 model keeps them between phases); device=cpu adds the process itself
 (Python with torch and transformers loaded: the planner's own resident memory, as it imports what a
-stage does), so the plan is of the run's peak RSS. Not counted: the CUDA context (~0.5 GiB), allocator
-fragmentation, communication buffers.
+stage does), so the plan is of the run's peak RSS: of what is live. At glibc's own mmap threshold
+(engine.cpu_mmap_threshold_mb=null, the default) freed blocks of up to 32 MiB stay in the heap, and the peak RSS of
+2,048-token responses was 1.2x this plan (0.95x with engine.cpu_mmap_threshold_mb=16; docs/algorithms.md): the
+printed plan says so on the CPU.
+Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
 """
 from __future__ import annotations
 
@@ -294,6 +297,11 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
     report.update(phases=phases, resident_bytes=resident, runtime_bytes=runtime,
                   peak_bytes=runtime + resident + max(phases.values()))
+    if device == "cpu" and ecfg.cpu_mmap_threshold_mb is None:  # glibc's own threshold: freed blocks stay resident
+        report["allocator_note"] = ("engine.cpu_mmap_threshold_mb=null: glibc keeps freed blocks of up to 32 MiB in its "
+                                    "heap, which this plan does not count (2,048-token responses: peak RSS 1.2x the "
+                                    "plan); engine.cpu_mmap_threshold_mb=16 returns them (0.95x, for ~4% more time; "
+                                    "docs/engine.md)")
     worst = report["peak_bytes"]
     if split:
         report["generation_rank"] = g = split_generation_rank(cfg, actor, trainers=world, e=e, gen_len=gen_len)
@@ -429,6 +437,8 @@ def format_plan(report: dict, change: list[str] | None) -> str:
     runtime = f"the process {_g(r['runtime_bytes'])} + " if r.get("runtime_bytes") else ""
     lines.append(f"  {runtime}resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
         f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
+    if "allocator_note" in r:
+        lines.append(f"  note: {r['allocator_note']}")
     if "generation_rank" in r:
         g = r["generation_rank"]
         lines.append(f"  a generation rank: the actor's weights {_g(g['weight_bytes'])} | KV cache ({g['rows']} rows) "

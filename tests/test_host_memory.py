@@ -1,0 +1,116 @@
+"""The host allocator on the CPU (engine/memory.py): engine.cpu_mmap_threshold_mb, engine.cpu_trim_heap, and the
+phases' peaks the RL stage reports.
+
+The allocator's behaviour is measured in fresh processes (a test process's heap has a history): the resident
+memory (VmRSS) a freed tensor leaves behind, with and without our settings. glibc only (skipped elsewhere).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed, validate_engine_config
+from engine.memory import PhasePeaks, _glibc, process_memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+glibc = pytest.mark.skipif(_glibc() is None or process_memory() is None, reason="glibc and /proc (Linux) only")
+
+# A fresh process: (optionally) our threshold; a 24 MiB tensor allocated and freed (glibc then raises its own
+# threshold to 24 MiB: it does so for mapped blocks of up to 32 MiB), then a 16 MiB tensor, written, and freed:
+# how many bytes of it stay resident.
+KEPT_AFTER_FREE = """
+import json, sys, torch
+from engine.memory import process_memory, set_mmap_threshold
+applied = set_mmap_threshold(float(sys.argv[1])) if sys.argv[1] != "none" else False
+x = torch.ones(6 << 20); del x
+base = process_memory()
+y = torch.ones(4 << 20); del y
+print(json.dumps({"applied": applied, "kept": process_memory() - base}))
+"""
+
+# A fresh process: 4,096 tensors of 64 KiB (below every mmap threshold: in the heap), every other one freed
+# (holes the heap keeps), then (optionally) trim_host_heap: how many of the freed 128 MiB stay resident.
+KEPT_HOLES = """
+import json, sys, torch
+from engine.memory import process_memory, trim_host_heap
+base = process_memory()
+xs = [torch.ones(16 << 10) for _ in range(4096)]
+full = process_memory()
+del xs[::2]
+trimmed = trim_host_heap() if sys.argv[1] == "trim" else False
+print(json.dumps({"trimmed": trimmed, "grew": full - base, "kept": process_memory() - base}))
+"""
+
+
+def fresh(code: str, arg: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", code, arg], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@glibc
+def test_a_threshold_returns_a_freed_tensor_to_the_system():
+    default, ours = fresh(KEPT_AFTER_FREE, "none"), fresh(KEPT_AFTER_FREE, "4")
+    assert ours["applied"] and not default["applied"]
+    assert ours["kept"] < 2 << 20  # the 16 MiB went back when freed
+    assert default["kept"] > 12 << 20  # glibc's raised threshold put it in the heap, which keeps it
+
+
+@glibc
+def test_trim_gives_the_heaps_holes_back():
+    kept, trimmed = fresh(KEPT_HOLES, "keep"), fresh(KEPT_HOLES, "trim")
+    assert trimmed["trimmed"] and kept["grew"] > 200 << 20
+    assert kept["kept"] > 0.9 * kept["grew"]  # without a trim the freed holes stay resident
+    assert trimmed["kept"] < 0.6 * trimmed["grew"]  # half of the blocks live: ~0.5 of the growth (+ headers)
+
+
+def test_the_options_are_validated_naming_the_key():
+    info = init_distributed()
+    assert EngineConfig().cpu_trim_heap is True and EngineConfig().cpu_mmap_threshold_mb is None
+    validate_engine_config(EngineConfig(cpu_mmap_threshold_mb=None), info)
+    validate_engine_config(EngineConfig(cpu_mmap_threshold_mb=32), info)
+    for bad in (0, -1, 64, "4", True):
+        with pytest.raises(ValueError, match=r"^engine.cpu_mmap_threshold_mb must be null .* in \(0, 32\]"):
+            validate_engine_config(EngineConfig(cpu_mmap_threshold_mb=bad), info)
+    with pytest.raises(ValueError, match=r"^engine.cpu_trim_heap must be true or false, got 'yes'$"):
+        validate_engine_config(EngineConfig(cpu_trim_heap="yes"), info)
+
+
+def test_phase_peaks_report_the_phase_in_progress():
+    peaks = PhasePeaks(torch.device("cpu"))
+    assert peaks.as_metrics() == {}
+    peaks.enter("generation")
+    peaks.enter("training")
+    x = torch.ones(64 << 20)  # 256 MiB written during the training phase: its peak so far counts them
+    x += 1
+    m = peaks.as_metrics()
+    del x
+    if process_memory() is None:
+        assert m == {}
+        return
+    assert set(m) == {"mem_generation_peak_gib", "mem_training_peak_gib"}
+    assert m["mem_training_peak_gib"] >= m["mem_generation_peak_gib"] + 0.2
+
+
+@pytest.mark.parametrize("trim", [True, False])
+def test_the_engine_trims_at_each_switch_between_generation_and_training(monkeypatch, trim):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engine.train_engine as te
+
+    calls = []
+    monkeypatch.setattr(te, "trim_host_heap", lambda: calls.append(1) or True)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    eng = TrainEngine(model, EngineConfig(generation="hf", cpu_trim_heap=trim), OptimConfig(), total_steps=1,
+                      info=init_distributed())
+    for _ in range(2):
+        with eng.generation():
+            pass
+    assert len(calls) == (4 if trim else 0)  # entering and leaving each generation phase
