@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import logging
 import math
 import platform
 from collections.abc import Iterable
@@ -31,8 +30,6 @@ import torch
 from torch import nn
 
 from .loss_scale import local_tensor
-
-log = logging.getLogger(__name__)
 
 ZERO_FORMULAS = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}
 

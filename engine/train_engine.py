@@ -224,8 +224,10 @@ class TrainEngine(_ShardedModule):
         self._vllm = None  # engine.generation=vllm: the VLLMRollout, built on first use and kept
         self.sync_stats = None  # the last weight sync into vLLM (engine/vllm_backend.py SyncStats)
         self.phase_peaks = PhasePeaks(info.device)  # peak memory of the generation and training phases
-        if info.device.type == "cpu":  # the host allocator (engine.cpu_mmap_threshold_mb; glibc only)
-            set_mmap_threshold(engine_cfg.cpu_mmap_threshold_mb)
+        if info.device.type == "cpu" and engine_cfg.cpu_mmap_threshold_mb is not None \
+                and not set_mmap_threshold(engine_cfg.cpu_mmap_threshold_mb):  # the host allocator (glibc only)
+            logger.warning("engine.cpu_mmap_threshold_mb=%s does nothing here: the C library is not glibc (or refused "
+                        "the value); host allocations keep the C library's own rule", engine_cfg.cpu_mmap_threshold_mb)
         # engine.selfcheck: the injected decoder is compared with transformers on its first use
         self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
         # the mergeable LoRA layers ({} without adapters; None: adapters the injected model cannot take)

@@ -114,3 +114,22 @@ def test_the_engine_trims_at_each_switch_between_generation_and_training(monkeyp
         with eng.generation():
             pass
     assert len(calls) == (4 if trim else 0)  # entering and leaving each generation phase
+
+
+def test_a_threshold_the_c_library_cannot_take_is_said(monkeypatch, caplog):
+    """engine.cpu_mmap_threshold_mb where the C library is not glibc: one warning naming the key, and the run goes on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engine.train_engine as te
+
+    monkeypatch.setattr(te, "set_mmap_threshold", lambda mib: False)
+    caplog.set_level("WARNING", logger="engine.train_engine")
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    TrainEngine(model, EngineConfig(cpu_mmap_threshold_mb=16), OptimConfig(), total_steps=1, info=init_distributed())
+    said = [r.getMessage() for r in caplog.records if "engine.cpu_mmap_threshold_mb" in r.getMessage()]
+    assert said == ["engine.cpu_mmap_threshold_mb=16 does nothing here: the C library is not glibc (or refused the "
+                    "value); host allocations keep the C library's own rule"]
+    caplog.clear()
+    TrainEngine(model, EngineConfig(), OptimConfig(), total_steps=1, info=init_distributed())  # null: nothing to say
+    assert not [r for r in caplog.records if "cpu_mmap_threshold_mb" in r.getMessage()]
