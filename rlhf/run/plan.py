@@ -46,7 +46,7 @@ model keeps them between phases); device=cpu adds the process itself
 (Python with torch and transformers loaded: the planner's own resident memory, as it imports what a
 stage does), so the plan is of the run's peak RSS: of what is live. At glibc's own mmap threshold
 (engine.cpu_mmap_threshold_mb=null, the default) freed blocks of up to 32 MiB stay in the heap, and the peak RSS of
-2,048-token responses was 1.2x this plan (0.95x with engine.cpu_mmap_threshold_mb=16; docs/algorithms.md): the
+2,048-token responses was 1.2x this plan (1.06x with engine.cpu_mmap_threshold_mb=16; docs/algorithms.md): the
 printed plan says so on the CPU.
 Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
 """
@@ -300,7 +300,7 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     if device == "cpu" and ecfg.cpu_mmap_threshold_mb is None:  # glibc's own threshold: freed blocks stay resident
         report["allocator_note"] = ("engine.cpu_mmap_threshold_mb=null: glibc keeps freed blocks of up to 32 MiB in its "
                                     "heap, which this plan does not count (2,048-token responses: peak RSS 1.2x the "
-                                    "plan); engine.cpu_mmap_threshold_mb=16 returns them (0.95x, for ~4% more time; "
+                                    "plan); engine.cpu_mmap_threshold_mb=16 returns them (1.06x, for ~4% more time; "
                                     "docs/engine.md)")
     worst = report["peak_bytes"]
     if split:
