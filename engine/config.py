@@ -196,9 +196,9 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
         raise ValueError(f"engine.cpu_trim_heap must be true or false, got {cfg.cpu_trim_heap!r}")
     mmap_mb = cfg.cpu_mmap_threshold_mb
     if mmap_mb is not None and (isinstance(mmap_mb, bool) or not isinstance(mmap_mb, (int, float))
-                                or not 0 < mmap_mb <= 32):
-        raise ValueError(f"engine.cpu_mmap_threshold_mb must be null (glibc's default) or a size in MiB in (0, 32] "
-                         f"(glibc refuses a larger threshold), got {mmap_mb!r}")
+                                or not mmap_mb > 0):
+        raise ValueError(f"engine.cpu_mmap_threshold_mb must be null (glibc's default) or a size in MiB > 0, "
+                         f"got {mmap_mb!r}")
     if not isinstance(cfg.deterministic, bool):
         raise ValueError(f"engine.deterministic must be true or false, got {cfg.deterministic!r}")
     if isinstance(cfg.deterministic_rows, bool) or not isinstance(cfg.deterministic_rows, int) \
