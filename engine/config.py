@@ -91,8 +91,11 @@ class EngineConfig:
     # Host memory on the CPU (glibc; a no-op elsewhere, engine/memory.py). Freed blocks stay in the heap, so a
     # process's resident memory stays near its high-water mark and a phase's freed sizes rarely fit the next
     # phase's: allocations of at least this many MiB get their own mapping, returned to the system when freed.
-    # null: glibc's own (dynamic) threshold, the default: 16 costs ~4% of a 128-token step (docs/engine.md).
-    cpu_mmap_threshold_mb: float | None = None  # CPU: host allocations >= this many MiB are mapped apart and freed to the system (glibc; 16: long responses' peak RSS -14% for +3.5% time); null = glibc's default
+    # null: glibc's own (dynamic) threshold, which rises to 32 MiB and puts long rows' activations in the heap (the
+    # peak RSS of 2,048-token responses 1.16x the threshold's). Rows shorter than cpu_mmap_min_row_tokens keep
+    # glibc's own: there the threshold saved no memory and cost up to 4.5% of a 128-token GRPO step (docs/engine.md).
+    cpu_mmap_threshold_mb: float | None = 16  # CPU: host allocations >= this many MiB are mapped apart and freed to the system (glibc); null = glibc's own threshold
+    cpu_mmap_min_row_tokens: int = 512  # CPU: apply cpu_mmap_threshold_mb only where the training engine's longest row has >= this many tokens (0 = always)
     cpu_trim_heap: bool = True  # CPU: give the heap's free pages back to the system at each switch between generation and training (glibc malloc_trim)
     # The injected decoder decodes only the rows still running once a quarter of them have ended (their KV
     # cache rows and step state moved to the front; batch sizes in buckets under CUDA graphs): finished rows
@@ -155,6 +158,15 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def host_mmap_threshold(cfg: EngineConfig, row_tokens: int | None) -> float | None:
+    """The host allocator's mmap threshold (MiB) a training engine on the CPU sets, or None for glibc's own:
+    engine.cpu_mmap_threshold_mb where the longest row it trains on (`row_tokens`; None = not known) has at least
+    engine.cpu_mmap_min_row_tokens tokens."""
+    if cfg.cpu_mmap_threshold_mb is None or (row_tokens is not None and row_tokens < cfg.cpu_mmap_min_row_tokens):
+        return None
+    return cfg.cpu_mmap_threshold_mb
+
+
 def resolve_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:
     """`precision="auto"` made concrete for `device` (a copy): bf16 on CUDA and on a CPU with native
     bf16 (`cpu_has_bf16`), fp32 elsewhere; any other config is returned as it is. Call it before
@@ -199,6 +211,10 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
                                 or not mmap_mb > 0):
         raise ValueError(f"engine.cpu_mmap_threshold_mb must be null (glibc's default) or a size in MiB > 0, "
                          f"got {mmap_mb!r}")
+    rows = cfg.cpu_mmap_min_row_tokens
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"engine.cpu_mmap_min_row_tokens must be an integer >= 0 (tokens of the longest row; 0 = "
+                         f"always), got {rows!r}")
     if not isinstance(cfg.deterministic, bool):
         raise ValueError(f"engine.deterministic must be true or false, got {cfg.deterministic!r}")
     if isinstance(cfg.deterministic_rows, bool) or not isinstance(cfg.deterministic_rows, int) \

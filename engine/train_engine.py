@@ -39,7 +39,7 @@ from .checkpoint import (
     set_rng_state,
     write_meta,
 )
-from .config import EngineConfig, OptimConfig, selfcheck_enabled, validate_engine_config
+from .config import EngineConfig, OptimConfig, host_mmap_threshold, selfcheck_enabled, validate_engine_config
 from .errors import CheckpointError
 from .lora import lora_layers, merge_lora
 from .distributed import DistInfo, all_reduce_sum, barrier, group, init_distributed
@@ -199,7 +199,10 @@ class TrainEngine(_ShardedModule):
         *,
         total_steps: int,
         info: DistInfo | None = None,
+        row_tokens: int | None = None,
     ):
+        """`row_tokens`: the longest row (tokens) this engine will train on, if known: on the CPU the host
+        allocator's threshold applies from engine.cpu_mmap_min_row_tokens on (engine.config.host_mmap_threshold)."""
         info = info or init_distributed()
         validate_engine_config(engine_cfg, info)
         validate_optim_config(optim_cfg, total_steps)
@@ -224,10 +227,10 @@ class TrainEngine(_ShardedModule):
         self._vllm = None  # engine.generation=vllm: the VLLMRollout, built on first use and kept
         self.sync_stats = None  # the last weight sync into vLLM (engine/vllm_backend.py SyncStats)
         self.phase_peaks = PhasePeaks(info.device)  # peak memory of the generation and training phases
-        if info.device.type == "cpu" and engine_cfg.cpu_mmap_threshold_mb is not None \
-                and not set_mmap_threshold(engine_cfg.cpu_mmap_threshold_mb):  # the host allocator (glibc only)
+        mmap_mb = host_mmap_threshold(engine_cfg, row_tokens) if info.device.type == "cpu" else None
+        if mmap_mb is not None and not set_mmap_threshold(mmap_mb):  # the host allocator (glibc only)
             logger.warning("engine.cpu_mmap_threshold_mb=%s does nothing here: the C library is not glibc (or refused "
-                        "the value); host allocations keep the C library's own rule", engine_cfg.cpu_mmap_threshold_mb)
+                           "the value); host allocations keep the C library's own rule", mmap_mb)
         # engine.selfcheck: the injected decoder is compared with transformers on its first use
         self._check_decoder_first = selfcheck_enabled(engine_cfg, info.device.type)
         # the mergeable LoRA layers ({} without adapters; None: adapters the injected model cannot take)

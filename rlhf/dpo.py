@@ -258,7 +258,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     if shared is not False:
         logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=data.total,
-                         info=info)
+                         info=info, row_tokens=d.max_len if pack_len is None else (pack_len or None))
     state, lora = PolicyState(engine), cfg.model.lora.r > 0
     needs_ref, online = NEEDS_REFERENCE[p.loss_type], p.reference == "online"
     ref_engine = None

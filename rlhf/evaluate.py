@@ -98,7 +98,8 @@ def scorable(prompts: Sequence[EvalPrompt], key: str, g: GenerationConfig) -> No
 
 def eval_engine(model: torch.nn.Module, cfg: EvaluateConfig, info) -> TrainEngine:
     """The model in the engine the stages train it in (its optimizer is built, never stepped)."""
-    return TrainEngine(model, engine_config(cfg.engine, info), OptimConfig(), total_steps=1, info=info)
+    return TrainEngine(model, engine_config(cfg.engine, info), OptimConfig(), total_steps=1, info=info,
+                       row_tokens=cfg.data.max_len)
 
 
 def evaluate_policy(cfg: EvaluateConfig, tok: Any, info) -> tuple[dict[str, Any], list[dict]]:

@@ -73,7 +73,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     if shared is not False:
         logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
-                         info=run.info)
+                         info=run.info, row_tokens=d.max_len if pack_len is None else (pack_len or None))
     run.begin(engine, data.total, lambda: evaluate_pairs(engine, data.eval, data.eval_examples, tok.pad_token_id,
                                                    cfg.train.micro_batch_size, pack_len, shared=shared),
               _eval_line, memory=engine)

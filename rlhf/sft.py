@@ -66,8 +66,9 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         model = Policy(load_causal_lm(cfg.model, tok, seed=seed), fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb)
         check_context(model, d.max_len, "data.max_len")
         pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+        # the widest row a forward takes (a pack's width; data.pack_length=0, one pack of all rows: not known)
         return TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
-                           info=run.info)
+                           info=run.info, row_tokens=d.max_len if pack_len is None else (pack_len or None))
 
     def batch(idx: list[int]) -> dict:
         rows = [data.train[i] for i in idx]

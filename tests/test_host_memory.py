@@ -72,13 +72,17 @@ def test_trim_gives_the_heaps_holes_back():
 
 def test_the_options_are_validated_naming_the_key():
     info = init_distributed()
-    assert EngineConfig().cpu_trim_heap is True and EngineConfig().cpu_mmap_threshold_mb is None
+    assert EngineConfig().cpu_trim_heap is True and EngineConfig().cpu_mmap_threshold_mb == 16
     validate_engine_config(EngineConfig(cpu_mmap_threshold_mb=None), info)
     validate_engine_config(EngineConfig(cpu_mmap_threshold_mb=0.5), info)
     for bad in (0, -1, "4", True):
         with pytest.raises(ValueError, match=r"^engine.cpu_mmap_threshold_mb must be null \(glibc's default\) or a "
                                              r"size in MiB > 0, got "):
             validate_engine_config(EngineConfig(cpu_mmap_threshold_mb=bad), info)
+    for bad in (-1, 1.5, "512", True):
+        with pytest.raises(ValueError, match=r"^engine.cpu_mmap_min_row_tokens must be an integer >= 0 \(tokens of "
+                                             r"the longest row; 0 = always\), got "):
+            validate_engine_config(EngineConfig(cpu_mmap_min_row_tokens=bad), info)
     with pytest.raises(ValueError, match=r"^engine.cpu_trim_heap must be true or false, got 'yes'$"):
         validate_engine_config(EngineConfig(cpu_trim_heap="yes"), info)
 
@@ -132,5 +136,42 @@ def test_a_threshold_the_c_library_cannot_take_is_said(monkeypatch, caplog):
     assert said == ["engine.cpu_mmap_threshold_mb=16 does nothing here: the C library is not glibc (or refused the "
                     "value); host allocations keep the C library's own rule"]
     caplog.clear()
-    TrainEngine(model, EngineConfig(), OptimConfig(), total_steps=1, info=init_distributed())  # null: nothing to say
+    # null, or rows shorter than engine.cpu_mmap_min_row_tokens: no threshold is set, nothing to say
+    TrainEngine(model, EngineConfig(cpu_mmap_threshold_mb=None), OptimConfig(), total_steps=1, info=init_distributed())
+    TrainEngine(model, EngineConfig(), OptimConfig(), total_steps=1, info=init_distributed(), row_tokens=511)
     assert not [r for r in caplog.records if "cpu_mmap_threshold_mb" in r.getMessage()]
+
+
+@pytest.mark.parametrize("row_tokens, min_rows, threshold, applied", [
+    (None, 512, 16, 16), (511, 512, 16, None), (512, 512, 16, 16), (2096, 512, 4.5, 4.5), (0, 0, 16, 16),
+    (4096, 512, None, None)])
+def test_the_threshold_applies_from_the_longest_rows_length(monkeypatch, row_tokens, min_rows, threshold, applied):
+    """engine.cpu_mmap_min_row_tokens: the threshold only where the engine's longest row reaches it (not known: set)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engine.train_engine as te
+    from engine.config import host_mmap_threshold
+
+    cfg = EngineConfig(cpu_mmap_threshold_mb=threshold, cpu_mmap_min_row_tokens=min_rows)
+    assert host_mmap_threshold(cfg, row_tokens) == applied
+    calls = []
+    monkeypatch.setattr(te, "set_mmap_threshold", lambda mib: calls.append(mib) or True)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    TrainEngine(model, cfg, OptimConfig(), total_steps=1, info=init_distributed(), row_tokens=row_tokens)
+    assert calls == ([] if applied is None else [applied])
+
+
+def test_the_stages_pass_their_longest_row():
+    """RL: the prompt and the response, or a multi-turn episode's budget (the rows the update trains on)."""
+    from rlhf.config import PPOConfig, compose, to_config
+    from rlhf.config.validate import trained_row_tokens
+
+    def rl(*over):
+        return trained_row_tokens(to_config(compose("ppo", list(over)), PPOConfig))
+
+    assert rl("data.max_prompt_len=48", "rollout.max_new_tokens=2048") == 2096
+    env = ("data.max_prompt_len=40", "rollout.max_new_tokens=16", "rollout.max_turns=3",
+           "rollout.env=rlhf.rl.environments.calculator:Calculator")
+    assert rl(*env, "rollout.max_episode_tokens=null") == 88  # 40 + 3 x 16
+    assert rl(*env, "rollout.max_episode_tokens=100") == 140

@@ -133,14 +133,24 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     # on CPU the plan is of the process's RSS: the process itself (torch and transformers loaded) counts too
     assert 100 * 2**20 < grpo["runtime_bytes"] < 4 * 2**30 and ppo["runtime_bytes"] == 0
     assert grpo["peak_bytes"] == grpo["runtime_bytes"] + grpo["resident_bytes"] + max(grpo["phases"].values())
-    # glibc's own threshold (engine.cpu_mmap_threshold_mb=null, the default): on the CPU the plan says what it does
-    # not count; not with a threshold set, nor on CUDA
-    assert "engine.cpu_mmap_threshold_mb=null" in grpo["allocator_note"] and "allocator_note" not in ppo
-    assert "  note: engine.cpu_mmap_threshold_mb=null: glibc keeps freed blocks" in format_plan(grpo, None)
-    mapped, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
-                          "engine.cpu_mmap_threshold_mb=16"])
-    assert mapped["peak_bytes"] - mapped["runtime_bytes"] == grpo["peak_bytes"] - grpo["runtime_bytes"]
-    assert "allocator_note" not in mapped
+    # glibc's own threshold (engine.cpu_mmap_threshold_mb=null; the default is 16): on the CPU the plan says what it
+    # does not count; not with a threshold set (the default), nor on CUDA
+    assert "allocator_note" not in grpo and "allocator_note" not in ppo
+    glibc, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
+                         "engine.cpu_mmap_threshold_mb=null"])
+    assert "engine.cpu_mmap_threshold_mb=null" in glibc["allocator_note"]
+    assert "  note: engine.cpu_mmap_threshold_mb=null: glibc keeps freed blocks" in format_plan(glibc, None)
+    assert glibc["peak_bytes"] - glibc["runtime_bytes"] == grpo["peak_bytes"] - grpo["runtime_bytes"]
+    # the threshold the training engines set: from rows of engine.cpu_mmap_min_row_tokens (512) on
+    row = grpo["models"]["actor"]["seq"]
+    assert row < 512 and grpo["host_mmap"] == {"threshold_mb": None, "row_tokens": row, "min_row_tokens": 512}
+    assert f"host allocator: glibc's own mmap threshold (rows of {row} tokens < engine.cpu_mmap_min_row_tokens=512)" \
+        in format_plan(grpo, None)
+    always, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
+                          "engine.cpu_mmap_min_row_tokens=0"])
+    assert always["host_mmap"]["threshold_mb"] == 16 and "host_mmap" not in ppo
+    assert (f"host allocator: blocks of 16 MiB or more mapped apart (engine.cpu_mmap_threshold_mb; rows of {row} "
+            "tokens >= engine.cpu_mmap_min_row_tokens=0)") in format_plan(always, None)
     # multi-turn: rows of prompt + the episode budget (48 + 64), the KV cache every turn's new tokens
     # (48 + 3 x 16 + 2 x 64 = 224 slots, a multiple of 32) for 8 prompts x 8 samples
     tools, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]",

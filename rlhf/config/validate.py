@@ -367,6 +367,14 @@ def score_batch_size(r: RolloutConfig, world_size: int) -> int:
     return min(r.score_batch_size or 2 * r.micro_batch_size, max(per_rank, 1))
 
 
+def trained_row_tokens(cfg) -> int:
+    """The longest row an RL update trains on: the prompt and the response, or (rollout.env, multi-turn) the
+    episode's token budget (rollout.max_episode_tokens, null = max_turns x max_new_tokens)."""
+    r = cfg.rollout
+    return cfg.data.max_prompt_len + ((r.max_episode_tokens or r.max_turns * r.max_new_tokens) if r.env
+                                      else r.max_new_tokens)
+
+
 def score_batch_tokens(r: RolloutConfig) -> int | None:
     """Tokens per no-grad scoring forward on one rank with rollout.micro_batch_tokens (None: row counts): the
     update's budget times the rows' ratio, rollout.score_batch_size / rollout.micro_batch_size (null: 2)."""

@@ -21,7 +21,7 @@ from engine.ema import ParamEMA
 from rlhf.algos.rl import advantage_estimator
 from rlhf.config import ModelConfig, PPOConfig
 from rlhf.config.validate import (engine_config, optim_config, score_batch_size, score_batch_tokens, shared_prompts,
-                                  trainer_truncation)
+                                  trained_row_tokens, trainer_truncation)
 from rlhf.core.errors import ConfigError
 from rlhf.modeling.export import export_hf
 from rlhf.modeling.load import (
@@ -106,9 +106,11 @@ class Models:
         # last scoring pass (micro-batches, computed and real tokens; with a budget only)
         self.micro_batch_tokens, self.score_batching = score_batch_tokens(cfg.rollout), {}
         self.truncate = trainer_truncation(cfg)  # ppo.trainer_logprobs=sampler: (top_k, top_p), else None
-        self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info)
+        rows = trained_row_tokens(cfg)
+        self.actor = TrainEngine(actor, ecfg, optim_config(cfg.actor, "actor"), total_steps=n_updates, info=info,
+                                 row_tokens=rows)
         self.critic = critic and TrainEngine(critic, ecfg, optim_config(cfg.critic, "critic"), total_steps=n_updates,
-                                             info=info)
+                                             info=info, row_tokens=rows)
         self.reference_role = ref_key
         self.reference = FrozenEngine(ref, dataclasses.replace(ecfg, offload=getattr(cfg, self.reference_role).offload),
                                       info)

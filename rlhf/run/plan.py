@@ -44,10 +44,13 @@ gathered params of the trained model that needs most), scoring (logits + gathere
 no-grad forward) or generation (KV cache + generation weights; resident instead where the injected
 model keeps them between phases); device=cpu adds the process itself
 (Python with torch and transformers loaded: the planner's own resident memory, as it imports what a
-stage does), so the plan is of the run's peak RSS: of what is live. At glibc's own mmap threshold
-(engine.cpu_mmap_threshold_mb=null, the default) freed blocks of up to 32 MiB stay in the heap, and the peak RSS of
-2,048-token responses was 1.2x this plan (1.06x with engine.cpu_mmap_threshold_mb=16; docs/algorithms.md): the
-printed plan says so on the CPU.
+stage does), so the plan is of the run's peak RSS: of what is live. Where rows reach
+engine.cpu_mmap_min_row_tokens (512) the training engines' host threshold (engine.cpu_mmap_threshold_mb=16) gives
+freed blocks of 16 MiB or more back to the system; smaller ones, and every block of shorter rows (glibc's own
+threshold), stay in glibc's heap, which keeps what it frees: the measured peak RSS of GRPO at 128 / 512 / 2,048
+new tokens, every response full, was 1.12x / 1.13x / 1.06x this plan (docs/algorithms.md); the printed plan names
+the threshold that applies. At engine.cpu_mmap_threshold_mb=null freed blocks of up to 32 MiB stay in the heap
+at any length: 2,048-token responses measured 1.22x this plan, which the printed plan says on the CPU.
 Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
 """
 from __future__ import annotations
@@ -62,7 +65,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from engine.config import resolve_precision
+from engine.config import host_mmap_threshold, resolve_precision
 from engine.generation import choose_generation_path
 from engine.inference import cache_slots
 from engine.lora import lora_layers
@@ -297,11 +300,15 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
     report.update(phases=phases, resident_bytes=resident, runtime_bytes=runtime,
                   peak_bytes=runtime + resident + max(phases.values()))
+    if device == "cpu":  # the host threshold the training engines set (engine.config.host_mmap_threshold)
+        row = max(int(m.seq) for m in models if m.trained)
+        report["host_mmap"] = {"threshold_mb": host_mmap_threshold(ecfg, row), "row_tokens": row,
+                               "min_row_tokens": ecfg.cpu_mmap_min_row_tokens}
     if device == "cpu" and ecfg.cpu_mmap_threshold_mb is None:  # glibc's own threshold: freed blocks stay resident
         report["allocator_note"] = ("engine.cpu_mmap_threshold_mb=null: glibc keeps freed blocks of up to 32 MiB in its "
-                                    "heap, which this plan does not count (2,048-token responses: peak RSS 1.2x the "
-                                    "plan); engine.cpu_mmap_threshold_mb=16 returns them (1.06x, for ~4% more time; "
-                                    "docs/engine.md)")
+                                    "heap, which this plan does not count (2,048-token responses: peak RSS 1.22x the "
+                                    "plan); the default, engine.cpu_mmap_threshold_mb=16, returns those of 16 MiB or "
+                                    "more where rows reach engine.cpu_mmap_min_row_tokens (1.06x; docs/engine.md)")
     worst = report["peak_bytes"]
     if split:
         report["generation_rank"] = g = split_generation_rank(cfg, actor, trainers=world, e=e, gen_len=gen_len)
@@ -437,6 +444,14 @@ def format_plan(report: dict, change: list[str] | None) -> str:
     runtime = f"the process {_g(r['runtime_bytes'])} + " if r.get("runtime_bytes") else ""
     lines.append(f"  {runtime}resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
         f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
+    if "host_mmap" in r:
+        h = r["host_mmap"]
+        lines.append("  host allocator: " + (
+            f"blocks of {h['threshold_mb']:g} MiB or more mapped apart (engine.cpu_mmap_threshold_mb; rows of "
+            f"{h['row_tokens']} tokens >= engine.cpu_mmap_min_row_tokens={h['min_row_tokens']})"
+            if h["threshold_mb"] is not None else "glibc's own mmap threshold (" + (
+                "engine.cpu_mmap_threshold_mb=null)" if "allocator_note" in r else
+                f"rows of {h['row_tokens']} tokens < engine.cpu_mmap_min_row_tokens={h['min_row_tokens']})")))
     if "allocator_note" in r:
         lines.append(f"  note: {r['allocator_note']}")
     if "generation_rank" in r:
