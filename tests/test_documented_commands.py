@@ -102,6 +102,16 @@ NOT_RUN = {
     "PYTHONPATH=. python scripts/bench_length.py --lengths 128 512 --ways rows --full --steps 2 --work "
     "outputs/bench_alloc_default --variants engine.cpu_mmap_threshold_mb=16 engine.cpu_mmap_threshold_mb=null":
         "four GRPO runs at 128 and 512 new tokens on a ~25M model, 7 minutes on 2 cores; its --small form is run",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 2048 --ways rows --work outputs/bench_length_2048":
+        "two GRPO steps at 2,048 new tokens on a ~25M model, 10 minutes on 2 cores; its --small form is run",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 512 --ways rows --steps 4 --work outputs/bench_diag512":
+        "four GRPO steps at 512 new tokens on a ~25M model, 3 minutes on 2 cores; its --small form is run",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 256 --ways rows --steps 8 --small --work "
+    "outputs/bench_diag_small": "eight GRPO steps of 256 new tokens (a minute); the header's --small form covers the "
+                                "script",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 256 --ways rows --steps 8 --small --full --work "
+    "outputs/bench_diag_small_full": "eight GRPO steps of 256 new tokens (a minute); the header's --small --full form "
+                                     "covers the script",
     "OMP_NUM_THREADS=1 python scripts/bench_host_memory.py": "forward + backward passes of a ~25M model at 512 and "
         "2,048 tokens in 12 fresh processes, ~10 minutes; its --small form (the script's header) is run",
     "python scripts/make_default_data.py": "rewrites the shipped data; tests/test_foundation.py checks that it "
