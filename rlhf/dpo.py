@@ -51,7 +51,7 @@ from rlhf.config import DPOAlgoConfig, DPOConfig
 from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_dpo
 from rlhf.core.errors import ConfigError
 from rlhf.data import collate_pairs, collate_shared_pairs
-from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, pair_layout
+from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, pair_layout, widest_row
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
@@ -258,7 +258,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     if shared is not False:
         logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=data.total,
-                         info=info, row_tokens=d.max_len if pack_len is None else (pack_len or None))
+                         info=info, row_tokens=widest_row(d, pack_len))
     state, lora = PolicyState(engine), cfg.model.lora.r > 0
     needs_ref, online = NEEDS_REFERENCE[p.loss_type], p.reference == "online"
     ref_engine = None

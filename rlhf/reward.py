@@ -33,7 +33,7 @@ from engine import TrainEngine
 from rlhf.algos.reward_model import pair_accuracy, pairwise_loss
 from rlhf.config import RewardConfig
 from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_reward
-from rlhf.data.packing import pack_length_of, pair_collate
+from rlhf.data.packing import pack_length_of, pair_collate, widest_row
 from rlhf.data.stage import stage_data
 from rlhf.evaluation.pairs import evaluate_pairs, held_out_summary
 from rlhf.modeling.export import export_model
@@ -73,7 +73,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     if shared is not False:
         logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
-                         info=run.info, row_tokens=d.max_len if pack_len is None else (pack_len or None))
+                         info=run.info, row_tokens=widest_row(d, pack_len))
     run.begin(engine, data.total, lambda: evaluate_pairs(engine, data.eval, data.eval_examples, tok.pad_token_id,
                                                    cfg.train.micro_batch_size, pack_len, shared=shared),
               _eval_line, memory=engine)

@@ -25,7 +25,7 @@ from rlhf.config import SFTConfig
 from rlhf.core.errors import ConfigError
 from rlhf.config.validate import engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft
-from rlhf.data.packing import pack_length_of, pack_sft, packs
+from rlhf.data.packing import pack_length_of, pack_sft, packs, widest_row
 from rlhf.data.stage import StepOrder, stage_data
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.evaluation.perplexity import perplexity
@@ -66,9 +66,8 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         model = Policy(load_causal_lm(cfg.model, tok, seed=seed), fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb)
         check_context(model, d.max_len, "data.max_len")
         pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
-        # the widest row a forward takes (a pack's width; data.pack_length=0, one pack of all rows: not known)
         return TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
-                           info=run.info, row_tokens=d.max_len if pack_len is None else (pack_len or None))
+                           info=run.info, row_tokens=widest_row(d, pack_len))
 
     def batch(idx: list[int]) -> dict:
         rows = [data.train[i] for i in idx]

@@ -162,10 +162,17 @@ def test_the_threshold_applies_from_the_longest_rows_length(monkeypatch, row_tok
     assert calls == ([] if applied is None else [applied])
 
 
-def test_the_stages_pass_their_longest_row():
-    """RL: the prompt and the response, or a multi-turn episode's budget (the rows the update trains on)."""
+def test_the_longest_row_a_stage_trains_on():
+    """RL: the prompt and the response, or a multi-turn episode's budget (the rows the update trains on); the
+    row-trained stages: data.max_len, or the pack's width (data.pack_length=0, one pack of all rows: not known)."""
+    from types import SimpleNamespace
+
     from rlhf.config import PPOConfig, compose, to_config
     from rlhf.config.validate import trained_row_tokens
+    from rlhf.data.packing import widest_row
+
+    d = SimpleNamespace(max_len=96)
+    assert (widest_row(d, None), widest_row(d, 1024), widest_row(d, 0)) == (96, 1024, None)
 
     def rl(*over):
         return trained_row_tokens(to_config(compose("ppo", list(over)), PPOConfig))

@@ -149,6 +149,13 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     always, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
                           "engine.cpu_mmap_min_row_tokens=0"])
     assert always["host_mmap"]["threshold_mb"] == 16 and "host_mmap" not in ppo
+    # bf16 on the CPU: the note on later steps' growth (the plan models a run's first steps); not in fp32, nor on CUDA
+    assert ("shapes_note" in grpo) == (grpo["precision"] == "bf16") and "shapes_note" not in ppo
+    fp32, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
+                        "engine.precision=fp32"])
+    assert "shapes_note" not in fp32 and "  note: bf16 on the CPU" not in format_plan(fp32, None)
+    if grpo["precision"] == "bf16":
+        assert "  note: bf16 on the CPU keeps native kernel state per matrix shape" in format_plan(grpo, None)
     assert (f"host allocator: blocks of 16 MiB or more mapped apart (engine.cpu_mmap_threshold_mb; rows of {row} "
             "tokens >= engine.cpu_mmap_min_row_tokens=0)") in format_plan(always, None)
     # multi-turn: rows of prompt + the episode budget (48 + 64), the KV cache every turn's new tokens

@@ -32,6 +32,12 @@ def pack_length_of(data_cfg: Any) -> int:
     return data_cfg.max_len if data_cfg.pack_length is None else data_cfg.pack_length
 
 
+def widest_row(data_cfg: Any, pack_len: int | None) -> int | None:
+    """Tokens of the widest row a stage's forward takes: data.max_len unpacked, else the pack's width;
+    None where it is not known ahead (data.pack_length=0: one pack of all rows)."""
+    return data_cfg.max_len if pack_len is None else (pack_len or None)
+
+
 def pack_bins(lengths: Sequence[int], pack_length: int) -> list[list[int]]:
     """Row indices grouped into packs of at most `pack_length` tokens (0 = one pack of all rows).
 

@@ -51,6 +51,9 @@ threshold), stay in glibc's heap, which keeps what it frees: the measured peak R
 new tokens, every response full, was 1.12x / 1.13x / 1.06x this plan (docs/algorithms.md); the printed plan names
 the threshold that applies. At engine.cpu_mmap_threshold_mb=null freed blocks of up to 32 MiB stay in the heap
 at any length: 2,048-token responses measured 1.22x this plan, which the printed plan says on the CPU.
+These hold for a run's first steps. On the CPU in bf16 the kernels keep native state per matrix shape, so with
+response lengths that vary from step to step the peak grew past the plan after the first step (2,048 tokens:
+1.37x by the second step; docs/algorithms.md), which the printed plan notes.
 Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
 """
 from __future__ import annotations
@@ -76,7 +79,7 @@ from engine.optim import param_groups
 from engine.parallelize import find_blocks
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS
 from rlhf.config import SCHEMAS, cli, compose, to_config
-from rlhf.config.validate import unused_sources
+from rlhf.config.validate import trained_row_tokens, unused_sources
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.core.paths import CONF_DIR
@@ -199,12 +202,9 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
     if est is None:
         raise ConfigError(f"ppo.advantage_estimator={cfg.ppo.advantage_estimator!r} is not registered")
     tok = lambda: _tokenizer(model_cfg(cfg, cfg.actor.model), "actor")  # noqa: E731
-    seq = cfg.data.max_prompt_len + r.max_new_tokens
-    gen_len = seq
-    if r.env:  # multi-turn episodes (rlhf/rl/multiturn.py): a row's response side is the episode's token budget;
-        # the injected decoder's KV cache holds every turn's new tokens at once (generate_episodes' reserve)
-        budget = r.max_episode_tokens or r.max_turns * r.max_new_tokens
-        seq = cfg.data.max_prompt_len + budget
+    seq = gen_len = trained_row_tokens(cfg)  # multi-turn (rollout.env): the prompt + the episode's token budget
+    if r.env:  # the injected decoder's KV cache holds every turn's new tokens at once (generate_episodes' reserve)
+        budget = seq - cfg.data.max_prompt_len
         gen_len = cfg.data.max_prompt_len + r.max_turns * r.max_new_tokens + (r.max_turns - 1) * budget
     unused = unused_sources(cfg)
     wanted = [("actor", cfg.actor.model, cfg.actor.lora, True, False, False),
@@ -309,6 +309,10 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
                                     "heap, which this plan does not count (2,048-token responses: peak RSS 1.22x the "
                                     "plan); the default, engine.cpu_mmap_threshold_mb=16, returns those of 16 MiB or "
                                     "more where rows reach engine.cpu_mmap_min_row_tokens (1.06x; docs/engine.md)")
+    if device == "cpu" and ecfg.precision == "bf16":  # oneDNN's per-shape state (docs/algorithms.md), not modelled
+        report["shapes_note"] = ("bf16 on the CPU keeps native kernel state per matrix shape: with row lengths "
+                                 "that vary between steps the peak RSS grew past this plan after the first step "
+                                 "(2,048 tokens: 1.37x by the second; docs/algorithms.md)")
     worst = report["peak_bytes"]
     if split:
         report["generation_rank"] = g = split_generation_rank(cfg, actor, trainers=world, e=e, gen_len=gen_len)
@@ -452,8 +456,7 @@ def format_plan(report: dict, change: list[str] | None) -> str:
             if h["threshold_mb"] is not None else "glibc's own mmap threshold (" + (
                 "engine.cpu_mmap_threshold_mb=null)" if "allocator_note" in r else
                 f"rows of {h['row_tokens']} tokens < engine.cpu_mmap_min_row_tokens={h['min_row_tokens']})")))
-    if "allocator_note" in r:
-        lines.append(f"  note: {r['allocator_note']}")
+    lines += [f"  note: {r[k]}" for k in ("allocator_note", "shapes_note") if k in r]
     if "generation_rank" in r:
         g = r["generation_rank"]
         lines.append(f"  a generation rank: the actor's weights {_g(g['weight_bytes'])} | KV cache ({g['rows']} rows) "
