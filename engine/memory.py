@@ -23,7 +23,9 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import os
 import platform
+import re
 from collections.abc import Iterable
 
 import torch
@@ -179,6 +181,25 @@ def process_memory(field: str = "VmRSS") -> int | None:
     except OSError:
         pass
     return None
+
+
+# PyTorch's cuBLAS workspace per (handle, stream) (aten's CublasHandlePool): 32 MiB on compute capability 9-12 (Hopper,
+# Blackwell), :4096:2:16:8 (8.125 MiB) before
+CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024
+CUBLAS_WORKSPACE_OLDER = (4096 * 2 + 16 * 8) * 1024
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] | None = None, config: str | None = None) -> int:
+    """The workspace PyTorch gives cuBLAS at a (handle, stream)'s first matmul and keeps for the process's life:
+    CUBLAS_WORKSPACE_CONFIG's `:KiB:count` pairs summed where it is set (`config`, default the environment's), else
+    32 MiB on compute capability 9-12 and 8.125 MiB before. `capability` None (no GPU to ask): 32 MiB, the larger.
+    Each thread that runs matmuls has its own handle (the autograd engine's backward thread too), and each stream
+    its own workspace."""
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "") if config is None else config
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if pairs:
+        return sum(int(kib) * int(n) for kib, n in pairs) * 1024
+    return CUBLAS_WORKSPACE_SM90 if capability is None or 9 <= capability[0] <= 12 else CUBLAS_WORKSPACE_OLDER
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)

@@ -35,6 +35,7 @@ RTOL = 1e-12
 CHUNK = 1 << 20  # elements per float64 pass: the check's extra memory stays ~20 MiB
 PEFT_PREFIX = "base_model.model."  # stripped from names, as the injected model's load_weights does
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}  # per device: [2, CHUNK] float64, rows 1 and w(i) = frac(i * phi) + 0.5
+CACHED_BYTES = 2 * CHUNK * 8  # what _WEIGHTS keeps per device for the process's life once a check ran there (16 MiB)
 
 
 def _chunk_weights(device: torch.device) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The RL step against response length: step time and peak memory of GRPO at `--lengths` new tokens on a ~25M
-Llama (CPU), with row-count micro-batches and with a token budget, each run in a fresh process, the memory
-`python -m rlhf.plan` predicts beside it, and the growth exponent of the step's cost in length.
+Llama (on the CPU, or on the GPU where one is visible), with row-count micro-batches and with a token budget, each
+run in a fresh process, the memory `python -m rlhf.plan` predicts beside it, and the growth exponent of the step's
+cost in length.
 
     PYTHONPATH=. python scripts/bench_length.py                                  # 128 / 512 / 2048 tokens
     python scripts/bench_length.py --lengths 16 32 --rows 8 --micro 4 --small --work outputs/bench_length_smoke
     python scripts/bench_length.py --lengths 16 --ways rows --rows 8 --micro 4 --small --full --work outputs/bench_length_smoke --variants engine.cpu_mmap_threshold_mb=null engine.cpu_mmap_threshold_mb=4
     PYTHONPATH=. python scripts/bench_length.py --lengths 2048 --ways rows --full --steps 1 --work outputs/bench_length_full --variants engine.cpu_mmap_threshold_mb=null engine.cpu_mmap_threshold_mb=16 engine.cpu_mmap_threshold_mb=4
+    python scripts/bench_length.py --lengths 128 512 2048 --ways rows --full --steps 3 --trace --work /tmp/bench_length_gpu   # on a GPU
 
 1. Stage outputs built once in `--work` (scripts/bench_rl.py build_models): an SFT model and a reward model of one
    step each in the ~25M shape (hidden 512, 8 layers, 8 heads, 2 KV heads, MLP 1408, the shipped 4k vocabulary),
@@ -17,11 +19,14 @@ Llama (CPU), with row-count micro-batches and with a token budget, each run in a
    response L tokens, the plan's worst case). The ways: `rows` = `rollout.micro_batch_size=--micro` rows per forward at the step's
    width; `tokens` = `rollout.micro_batch_tokens` = --micro x (data.max_prompt_len + L), the same worst case.
    The step's phases are the worker's timers (generate, score, advantages, update, the rest; `--clock cpu`, the
-   default: the process's CPU seconds on one thread, which a shared machine's other jobs barely move); the peak resident
-   memory is the largest mem_generation_peak_gib / mem_training_peak_gib of the run's metrics.jsonl (the
-   process's VmHWM, reset at each phase's start). Generation runs on the injected decoder (`--generation`).
-3. The plan: `python -m rlhf.plan stage=ppo device=cpu` with the same overrides (rlhf/run/plan.py, a plan of the
-   worst case: every response L tokens), against the measured peak, as plan / measured.
+   default on the CPU (wall on a GPU): the process's CPU seconds on one thread, which a shared machine's other jobs barely move); the peak resident
+   memory is the largest mem_generation_peak_gib / mem_training_peak_gib of the run's metrics.jsonl (on the CPU the
+   process's VmHWM, on a GPU torch.cuda.max_memory_allocated, reset at each phase's start; each step's in the
+   JSON). Generation runs on the injected decoder (`--generation`).
+3. The plan: `python -m rlhf.plan stage=ppo device=cpu` (device=cuda on a GPU) with the same overrides
+   (rlhf/run/plan.py, a plan of the worst case: every response L tokens), against the measured peak, as plan / measured.
+   `--trace` (GPU): each run under scripts/cuda_peak.py, which prints what was live at its peak by the line that
+   allocated it (what a plan that is off has left out).
 4. The growth exponent between consecutive lengths: log(t2 / t1) / log(L2 / L1) of the step's time (1 = linear).
 Ratios are what a shared machine measures well; absolute seconds move with its load.
 """
@@ -50,21 +55,28 @@ def overrides(sft: str, reward: str, length: int, a: argparse.Namespace, way: st
             f"train.max_steps={a.steps}", f"engine.generation={a.generation}", *QUIET, *a.extra]
 
 
-def measure(out: str, args: list[str], length: int, clock: str, low: float = 0.1) -> dict:
+def measure(out: str, args: list[str], length: int, clock: str, low: float = 0.1, trace: bool = False) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    res = run_worker(ROOT, out, args, plant=length, plant_strict=True, clock=clock, plant_low=low)
+    wrap = [os.path.join(ROOT, "scripts", "cuda_peak.py"), "--out", out + "_trace", "--"] if trace else []
+    res = run_worker(ROOT, out, args, plant=length, plant_strict=True, clock=clock, plant_low=low, wrap=wrap)
     steps = res["steps"][1:] or res["steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [r for r in map(json.loads, f) if r.get("kind") == "train"]
-    peak = max(max(r.get("mem_generation_peak_gib", 0.0), r.get("mem_training_peak_gib", 0.0)) for r in rows)
+    per_step = [max(r.get("mem_generation_peak_gib", 0.0), r.get("mem_training_peak_gib", 0.0)) for r in rows]
     return {"step_s": statistics.median(sum(s[p] for p in PHASES) for s in steps),
             **{f"{p}_s": statistics.median(s[p] for s in steps) for p in PHASES},
-            "mean_length": statistics.mean(r["response_len"] for r in rows), "peak_gib": peak}
+            "mean_length": statistics.mean(r["response_len"] for r in rows), "peak_gib": max(per_step),
+            "step_peaks_gib": per_step, **({"trace": read(os.path.join(out + "_trace", "peak.txt"))} if trace else {})}
 
 
-def planned(args: list[str]) -> float:
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def planned(args: list[str], device: str) -> float:
     from rlhf.run import plan
-    report, _ = plan.run_plan(["stage=ppo", "device=cpu", *args])
+    report, _ = plan.run_plan(["stage=ppo", f"device={device}", *args])
     return report["peak_bytes"] / 2**30
 
 
@@ -80,15 +92,24 @@ def main() -> None:
     ap.add_argument("--generation", default="injected")
     ap.add_argument("--small", action="store_true", help="the tests' tiny model shape (a smoke run)")
     ap.add_argument("--extra", nargs="*", default=[], help="more rlhf.ppo overrides for every run")
-    ap.add_argument("--clock", default="cpu", choices=("cpu", "wall"), help="cpu: the process's CPU seconds, one "
-                    "thread (OMP_NUM_THREADS=1), which other jobs on a shared machine barely move; wall: seconds")
+    ap.add_argument("--clock", default=None, choices=("cpu", "wall"), help="cpu (the default on the CPU): the "
+                    "process's CPU seconds, one thread (OMP_NUM_THREADS=1), which other jobs on a shared machine "
+                    "barely move; wall (the default on a GPU): seconds")
     ap.add_argument("--full", action="store_true", help="every response the full L tokens (the plan's worst case) "
                     "instead of ends spread between 10%% and 100%% of L")
     ap.add_argument("--variants", nargs="+", default=[""], help="run each length and way once per variant: a "
                     "space-separated string of rlhf.ppo overrides each (e.g. 'engine.cpu_mmap_threshold_mb=null' "
                     "'engine.cpu_mmap_threshold_mb=16'), in turn, the first the reference of the ratios")
+    ap.add_argument("--trace", action="store_true", help="GPU: run each worker under scripts/cuda_peak.py and print "
+                    "what was live at its peak, by the line that allocated it (<run>_trace/peak.txt)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the runs train (engine/distributed.py's rule)
+    a.clock = a.clock or ("wall" if device == "cuda" else "cpu")
+    if a.trace and device != "cuda":
+        raise SystemExit("--trace needs a GPU (the CUDA allocator's history)")
     if a.clock == "cpu":
         os.environ["OMP_NUM_THREADS"] = "1"
     work = os.path.abspath(a.work)
@@ -108,7 +129,7 @@ def main() -> None:
                 low = 1.0 if a.full else 0.1
                 row = {"new_tokens": length, "batching": way, "variant": variant,
                        **measure(os.path.join(work, f"{way}_{length}" + (f"_v{v}" if variants else "")), args, length,
-                                 a.clock, low), "plan_gib": planned(args)}
+                                 a.clock, low, a.trace), "plan_gib": planned(args, device), "device": device}
                 prev = [r for r in results if r["batching"] == way and r["variant"] == variant]
                 if prev:
                     row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])
@@ -121,6 +142,8 @@ def main() -> None:
                       f"{row['generate_s']:.1f} | {row['score_s']:.1f} | {row['update_s']:.1f} | {row['peak_gib']:.2f} | "
                       f"{row['plan_gib']:.2f} | {row['plan_gib'] / row['peak_gib']:.2f} | "
                       f"{row.get('exponent', float('nan')):.2f} |", flush=True)
+                if a.trace:
+                    print("\n".join(row["trace"].splitlines()[:14]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -386,9 +386,11 @@ def run_stage(tree: str, module: str, out: str, *overrides: str) -> None:
 
 
 def run_worker(tree: str, out: str, overrides: list[str], count_flops: bool = False, clock: str = "wall",
-               profile: str | None = None, plant: int = 0, plant_strict: bool = False, plant_low: float = 0.1) -> dict:
+               profile: str | None = None, plant: int = 0, plant_strict: bool = False, plant_low: float = 0.1,
+               wrap: list[str] = ()) -> dict:
+    """`wrap`: a script (and its arguments) that runs the worker in its process, e.g. scripts/cuda_peak.py."""
     result = out + ".json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
+    cmd = [sys.executable, *wrap, os.path.abspath(__file__), "--worker", "--tree", tree, "--result", result, "--clock", clock,
            "--plant", str(plant), *(["--plant-strict"] if plant_strict else []), "--plant-low", str(plant_low),
            *(["--count-flops"] if count_flops else []), *(["--profile", profile] if profile else []),
            "--", f"output_dir={out}", *overrides]

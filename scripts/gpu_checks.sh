@@ -8,7 +8,10 @@
 #   3. scripts/bench_kernels.py: fused log-probs, a train step and the PPO scoring pass, kernels on vs off;
 #   4. scripts/bench_rl.py: the default GRPO and PPO steps phase by phase against a baseline tree, with the
 #      matmul limit and the step's achieved FLOP rate on the ~25M shape;
-#   5. (GPU_PARTS=vllm, where vLLM's CUDA wheel is installed) the vLLM lane and vLLM's generation benchmark.
+#   5. (GPU_PARTS=vllm, where vLLM's CUDA wheel is installed) the vLLM lane and vLLM's generation benchmark;
+#   6. (GPU_PARTS=memory) scripts/bench_length.py on the GPU: the GRPO step's peak (torch.cuda.max_memory_allocated)
+#      at 128 / 512 / 2048 new tokens, every response full, against `python -m rlhf.plan device=cuda`, each run
+#      traced by scripts/cuda_peak.py (what was live at the peak); about 2.5 minutes on an H200.
 # Each part has its own time limit and writes its log to $OUT (or ./gpu_checks when OUT is unset); a part
 # that fails does not stop the next. Usage, from the repository root on the GPU machine:
 #     bash scripts/gpu_checks.sh [baseline]      # baseline: a commit (needs git) or a directory holding one
@@ -51,6 +54,8 @@ want stages && RLHF_TESTS_CUDA=1 TAILN=60 part stages 240 timeout -s INT 230 pyt
   tests/test_rl_algorithms.py tests/test_sft.py tests/test_reward.py tests/test_dpo.py tests/test_old_logprobs.py \
   tests/test_sampler_gap.py tests/test_generation_mode.py tests/test_policy_losses.py tests/test_evaluate.py \
   tests/test_online_dpo.py tests/test_distill.py tests/test_kto.py tests/test_reward_ensemble.py
+want memory && TAILN=60 part memory 240 python3 scripts/bench_length.py --lengths 128 512 2048 --ways rows --full \
+  --steps 3 --trace --work /tmp/bench_length_gpu --json "$out/bench_length_gpu.json"
 # the vLLM lane on CUDA (vLLM's CUDA wheel installed: pip install -e ".[vllm]"; too large to carry as .whl/ onto a
 # lent machine, so it runs where vLLM is installed) and the generation benchmark with vLLM at 1.2B, 512 and 2048
 # new tokens, rows ending between 10% and 100% of the budget; parts: vllm

@@ -169,7 +169,7 @@ def test_compaction_with_cuda_graph_buckets(monkeypatch):
     eos = planted_eos(model, ids, mask, SAMPLED, seeds, [10, 15, 20] + [None] * 17)  # 3 EOS ids: rows end at 3-40
     ref = generate(model, ids, mask, NEW, eos_token_id=eos, pad_token_id=PAD, sampling=SAMPLED, row_seeds=seeds,
                    return_logprobs=True, compact_finished=False)
-    fake_cuda_graphs(monkeypatch, gen)
+    captured_on = fake_cuda_graphs(monkeypatch, gen)
     hook = Batches(model, monkeypatch)
     for _ in range(2):  # the second call replays the graphs the first captured
         hook.seen.clear()
@@ -177,6 +177,9 @@ def test_compaction_with_cuda_graph_buckets(monkeypatch):
                        return_logprobs=True, check_every=8)
         assert_same(got, ref)
         assert sorted({k[0] for k in model.graphs}) == [8, 12, 20]
+    # three captures, all on the model's one stream (a stream each cost a cuBLAS workspace each: 32 MiB on Hopper)
+    assert len(captured_on) == 3 and model.graph_stream is not None
+    assert all(s is model.graph_stream for s in captured_on)
     # the second call: the prefill, then replays only; sizes change at the reads (every 8 steps): 20 rows until
     # step 16 (4 of them ended by step 8: 16 running, no bucket a quarter smaller), 12 until 32, then 8
     assert hook.seen == [B] + [20] * 15 + [12] * 16 + [8] * (len(hook.seen) - 32), hook.seen

@@ -57,6 +57,12 @@ NOT_RUN = {
     "pip install .": "installs the package: tests/test_install.py builds the wheel, installs it into a fresh venv "
                      "and runs the stages from an empty directory",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
+    "python scripts/bench_length.py --lengths 128 512 2048 --ways rows --full --steps 3 --trace --work "
+    "/tmp/bench_length_gpu": "GPU only (--trace records the CUDA allocator's history): scripts/gpu_checks.sh's memory "
+    "part; the same script's --small forms run here",
+    "python scripts/cuda_peak.py --out outputs/cuda_peak -- scripts/bench_rl.py --worker --tree . --result /tmp/r.json "
+    "-- output_dir=/tmp/run algorithm=grpo": "GPU only (the CUDA allocator's history); tests/test_cuda_peak.py checks "
+    "its replay of a trace",
     "python scripts/bench_async.py --actor outputs/sft --seeds 1234 1 2 --steps 12": "six torchrun PPO runs, a "
     "measurement (docs/engine.md); tests/test_split.py runs both modes, and the script's 2-step form is run",
     "python scripts/bench_generation.py --device cpu --dtype fp32 --shapes llama-25m --batch 64 --prompt 64 --new 128 "

@@ -305,12 +305,14 @@ class _FakeCudaGraph:
         self.generators.append(generator)
 
 
-def fake_cuda_graphs(monkeypatch, gen) -> None:
+def fake_cuda_graphs(monkeypatch, gen) -> list:
     """Fake torch.cuda's graph API on CPU for engine.inference.generate (`gen`, the module): graphs are
-    enabled, 'capture' runs the step once and 'replay' re-runs it on the same state tensors."""
+    enabled, 'capture' runs the step once and 'replay' re-runs it on the same state tensors. Returns the list
+    of the streams the captures were on (one entry per capture)."""
     import contextlib
 
     fake_stream = type("FakeStream", (), {"wait_stream": lambda self, other: None})
+    captured_on = []  # the stream each capture was on
     monkeypatch.setattr(gen, "graphs_enabled", lambda model: True)
     monkeypatch.setattr(gen.DecodeGraph, "replay", lambda self: self._step())
     monkeypatch.setattr(torch.cuda, "Stream", fake_stream)
@@ -318,7 +320,9 @@ def fake_cuda_graphs(monkeypatch, gen) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeCudaGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: (captured_on.append(stream),
+                                                                               contextlib.nullcontext())[1])
+    return captured_on
 
 
 def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
@@ -330,7 +334,7 @@ def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
 
     gen = importlib.import_module("engine.inference.generate")  # the module, not the function
 
-    fake_cuda_graphs(monkeypatch, gen)
+    captured_on = fake_cuda_graphs(monkeypatch, gen)
 
     hf = hf_model(llama_untied_gqa)
     ids, mask = ragged_batch()
@@ -350,6 +354,9 @@ def test_cuda_graph_host_logic_with_faked_cuda(monkeypatch):
                                       generator=torch.Generator().manual_seed(seed)).sequences
     assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
     assert len(model.graphs) == 2
+    # both graphs warmed up and captured on the model's one stream (cuBLAS keeps a workspace per stream)
+    assert len(captured_on) == 2 and model.graph_stream is not None
+    assert all(s is model.graph_stream for s in captured_on)
     model.setup_cache(len(PADS), 200)  # reallocated: the graphs pointed into the old cache
     assert not model.graphs
 
@@ -366,7 +373,7 @@ def test_a_failed_capture_decodes_eagerly_with_one_warning(monkeypatch, caplog):
     tries = []
 
     @contextlib.contextmanager
-    def refused(g, pool=None):
+    def refused(g, pool=None, stream=None):
         tries.append(1)
         yield
         raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore")

@@ -123,11 +123,16 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     kept = ppo["kv_cache_bytes"] + ppo["generation_weight_bytes"]
     states = sum(m["device_bytes"] for m in ppo["models"].values())
     assert ppo["inference_kept_bytes"] == kept and ppo["phases"]["generation"] == 0
-    assert ppo["resident_bytes"] == states + kept
+    # + the buffers a run keeps: the weight check's position weights (2 x 2^20 float64) and, on CUDA, cuBLAS's
+    # workspaces (no GPU here to ask its compute capability: 32 MiB each) for the forward's and the backward's thread
+    # and the decode graphs' stream
+    buffers = 2 * 2**20 * 8 + 3 * 32 * 2**20
+    assert ppo["buffers"] == {"weight check": 2 * 2**20 * 8, "cuBLAS workspaces": 3 * 32 * 2**20}
+    assert ppo["resident_bytes"] == states + kept + buffers
     freed, _ = run_plan(["stage=ppo", "world_size=2", *paths, "rollout.max_new_tokens=32",
                          "engine.release_inference_cache=true"])
     assert freed["inference_kept_bytes"] == 0 and freed["phases"]["generation"] == kept
-    assert freed["resident_bytes"] == states and freed["peak_bytes"] <= ppo["peak_bytes"]
+    assert freed["resident_bytes"] == states + buffers and freed["peak_bytes"] <= ppo["peak_bytes"]
     grpo, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"])
     assert list(grpo["models"]) == ["actor", "reference"] and grpo["generation_path"] == "hf"
     # on CPU the plan is of the process's RSS: the process itself (torch and transformers loaded) counts too
@@ -253,3 +258,44 @@ def test_a_token_budget_sizes_the_rl_forwards_and_is_what_the_plan_halves(llama2
     fixed, more = run_plan([*base, "rollout.micro_batch_tokens=4096", f"budget_gib={gib}", *change])
     assert fixed["fits"] is True and more is None
     assert "rollout.micro_batch_tokens=256" not in " ".join(change)  # never below one whole row (512 tokens)
+
+
+def test_cublas_workspace_rule():
+    """PyTorch's cuBLAS workspace per (handle, stream): CUBLAS_WORKSPACE_CONFIG's :KiB:count pairs summed where set,
+    else 32 MiB on compute capability 9-12 (Hopper, Blackwell) and :4096:2:16:8 before; unknown (no GPU): 32 MiB."""
+    from engine.memory import cublas_workspace_bytes
+
+    assert cublas_workspace_bytes((9, 0), config="") == 32 * 2**20
+    assert cublas_workspace_bytes((12, 0), config="") == 32 * 2**20
+    assert cublas_workspace_bytes((8, 0), config="") == (4096 * 2 + 16 * 8) * 1024
+    assert cublas_workspace_bytes(None, config="") == 32 * 2**20
+    assert cublas_workspace_bytes((9, 0), config=":4096:2:16:8") == (4096 * 2 + 16 * 8) * 1024
+    assert cublas_workspace_bytes((8, 0), config=":16:8") == 16 * 8 * 1024
+    assert cublas_workspace_bytes((8, 0), config=":0:0") == 0  # workspaces off
+    assert cublas_workspace_bytes((9, 0), config="garbage") == 32 * 2**20  # unparsed: torch's default, as torch does
+
+
+def test_the_buffers_a_run_keeps(llama25m, monkeypatch):
+    """The kept buffers follow the run: cuBLAS workspaces on CUDA only (2 threads on the default stream, + the decode
+    graphs' stream with the injected path), the weight check's cache only in RL with engine.check_weights on; both
+    in `resident` and in the printed plan."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    paths = [f"actor.model={llama25m}", f"critic.model={llama25m}", TOKENIZER]
+    mib = 2**20
+    sft, _ = run_plan(["stage=sft", f"model.name_or_path={llama25m}", TOKENIZER])
+    assert sft["buffers"] == {"cuBLAS workspaces": 2 * 32 * mib}
+    line = "  kept buffers: cuBLAS workspaces 64.00 MiB (2 x 32.00 MiB: forward, backward) (in resident)"
+    assert line in format_plan(sft, None).splitlines()
+    hf, _ = run_plan(["stage=ppo", *paths, "engine.generation=hf", "engine.check_weights=never"])
+    assert hf["buffers"] == {"cuBLAS workspaces": 2 * 32 * mib}
+    small, _ = run_plan(["stage=ppo", *paths])
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:1")
+    env, _ = run_plan(["stage=ppo", *paths])
+    assert env["buffers"] == {"weight check": 16 * mib, "cuBLAS workspaces": 3 * 4 * mib}
+    assert small["resident_bytes"] - env["resident_bytes"] == 3 * 28 * mib
+    assert ("  kept buffers: weight check 16.00 MiB | cuBLAS workspaces 12.00 MiB (3 x 4.00 MiB: forward, backward, "
+            "decode graphs) (in resident)") in format_plan(env, None).splitlines()
+    cpu, _ = run_plan(["stage=ppo", *paths, "device=cpu"])
+    assert cpu["buffers"] == {"weight check": 16 * mib}
+    sft_cpu, _ = run_plan(["stage=sft", f"model.name_or_path={llama25m}", TOKENIZER, "device=cpu"])
+    assert sft_cpu["buffers"] == {} and "kept buffers" not in format_plan(sft_cpu, None)

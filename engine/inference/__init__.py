@@ -13,7 +13,9 @@ Memory timeline of one generation phase (`with engine.generation():`), per rank:
     2. cache    `setup_cache` / `generate` allocates k, v [L, B, Hkv, cache_slots(P + max_new), D] (zeros:
                 the length rounded up to 32 slots) and reuses it while batch and length fit.
     3. graphs   CUDA only: the first decode step per (batch size, sampling) is captured; its private
-                memory pool holds one step's activations and is shared by all graphs of the model.
+                memory pool holds one step's activations and is shared by all graphs of the model, and
+                all of them warm up and are captured on the model's one stream (cuBLAS keeps a workspace,
+                32 MiB on Hopper, per stream it has run on).
     4. decode   no allocation per token besides the output columns; when finished rows are compacted away
                 (`compact_finished`), one layer's moved cache rows as a temporary and the smaller batch's
                 step state (CUDA: its graph, captured once per bucket size).

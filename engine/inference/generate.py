@@ -224,7 +224,14 @@ class DecodeGraph:
         # next slot to decode (no row has written it yet; each is rewritten before it is read), and sets every
         # step input afterwards.
         state.input_pos.fill_(warm_slot)
-        side = torch.cuda.Stream()
+        # One stream per model for every graph's warm-up and capture: cuBLAS allocates a workspace per (handle,
+        # stream) at its first call there and keeps it (32 MiB on Hopper). A new stream per graph, and capture on
+        # torch's own capture stream, cost one workspace per graph captured plus one (traced on an H200: 5 x 32 MiB
+        # live at a 25M model's GRPO peak, docs/algorithms.md); the warm-up also makes this stream's workspace
+        # before capture, so the capture allocates none.
+        if model.graph_stream is None:
+            model.graph_stream = torch.cuda.Stream()
+        side = model.graph_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -234,7 +241,7 @@ class DecodeGraph:
             model.graph_pool = torch.cuda.graph_pool_handle()  # shared by all of the model's graphs
         self.graph = torch.cuda.CUDAGraph()
         self.graph.register_generator_state(self.generator)
-        with torch.cuda.graph(self.graph, pool=model.graph_pool):
+        with torch.cuda.graph(self.graph, pool=model.graph_pool, stream=side):
             step()
 
     def seed(self, generator: torch.Generator | None) -> None:

@@ -97,6 +97,9 @@ class InferenceModel:
         # pointers into the weights and cache, so they are dropped whenever either is reallocated.
         self.graphs: dict = {}
         self.graph_pool = None
+        # the one side stream every graph of this model warms up and is captured on: cuBLAS keeps a workspace per
+        # (handle, stream) for the process's life (32 MiB on Hopper), so a stream per graph cost one each
+        self.graph_stream = None
         self._slots: dict[str, torch.Tensor] | None = None
         # What the switches to generation cost, for the engine's log and the tests: `allocations`
         # counts every allocation of the fused weights or of the KV cache (a switch after the first

@@ -39,7 +39,12 @@ e bytes of the compute dtype (2 or 4):
     generation weights   the injected path keeps a fused Psi*e copy; the hf path gathers Psi*e at stage 2/3
                          (the injected copy and its KV cache stay resident through training too, unless
                          engine.release_inference_cache=true frees them after each generation phase)
-Peak = model states on the device (offloaded: 0) + the largest phase: training (activations + logits +
+    kept buffers         on CUDA cuBLAS's workspaces, one per (thread, stream) that runs matmuls, kept for the
+                         process's life (32 MiB on compute capability 9-12, 8.125 MiB before, CUBLAS_WORKSPACE_CONFIG's
+                         where set; no GPU to ask: 32 MiB): the forward's thread and autograd's backward thread, + the
+                         injected decoder's graph stream; RL with engine.check_weights on: the check's 16 MiB of
+                         position weights (traced on an H200 with scripts/cuda_peak.py: docs/algorithms.md)
+Peak = model states on the device (offloaded: 0) + kept buffers + the largest phase: training (activations + logits +
 gathered params of the trained model that needs most), scoring (logits + gathered params of one
 no-grad forward) or generation (KV cache + generation weights; resident instead where the injected
 model keeps them between phases); device=cpu adds the process itself
@@ -73,10 +78,11 @@ from engine.generation import choose_generation_path
 from engine.inference import cache_slots
 from engine.lora import lora_layers
 from engine.memory import (
-    ZERO_FORMULAS, fmt_bytes, layout_bytes, planned_bytes, process_memory, zero_formula_bytes,
+    ZERO_FORMULAS, cublas_workspace_bytes, fmt_bytes, layout_bytes, planned_bytes, process_memory, zero_formula_bytes,
 )
 from engine.optim import param_groups
 from engine.parallelize import find_blocks
+from engine.weight_check import CACHED_BYTES as WEIGHT_CHECK_BYTES
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS
 from rlhf.config import SCHEMAS, cli, compose, to_config
 from rlhf.config.validate import trained_row_tokens, unused_sources
@@ -294,7 +300,21 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
                           inference_kept_bytes=kept)
             phases["generation"] = kv + weights - kept
             actor = a
-    resident = sum(m["device_bytes"] for m in report["models"].values()) + report.get("inference_kept_bytes", 0)
+    # buffers kept for the run's life besides the models: the weight check's cached position weights (RL, unless
+    # engine.check_weights=never), and on CUDA cuBLAS's workspaces, one per (thread, stream) that runs matmuls: the
+    # forward's thread and autograd's backward thread on the default stream, and the injected decoder's graph stream
+    # (traced on an H200, scripts/cuda_peak.py: 32 MiB each)
+    buffers = {}
+    if stage == "ppo" and ecfg.check_weights != "never":
+        buffers["weight check"] = WEIGHT_CHECK_BYTES
+    if device == "cuda":
+        streams = 2 + (report.get("generation_path") == "injected")
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        report["cublas"] = {"workspaces": streams, "bytes_each": cublas_workspace_bytes(capability)}
+        buffers["cuBLAS workspaces"] = streams * report["cublas"]["bytes_each"]
+    report["buffers"] = buffers
+    resident = (sum(m["device_bytes"] for m in report["models"].values()) + report.get("inference_kept_bytes", 0)
+                + sum(buffers.values()))
     # on CPU the process's own memory counts too: Python with torch and transformers loaded (this planner's, which
     # imports what a stage does); on CUDA the context is left out (see the module's notes)
     runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
@@ -445,6 +465,11 @@ def format_plan(report: dict, change: list[str] | None) -> str:
         kept = " (kept between phases: engine.release_inference_cache=false)" if r.get("inference_kept_bytes") else ""
         lines.append(f"  generation: {r['generation_path']} path ({r['generation_why']}): KV cache {_g(r['kv_cache_bytes'])}"
                      f" | weights {_g(r['generation_weight_bytes'])}{kept}")
+    if r.get("buffers"):
+        parts = [f"{k} {_g(v)}" + (f" ({r['cublas']['workspaces']} x {_g(r['cublas']['bytes_each'])}: forward, "
+                                     f"backward{', decode graphs' if r['cublas']['workspaces'] > 2 else ''})"
+                                     if k == "cuBLAS workspaces" else "") for k, v in r["buffers"].items()]
+        lines.append("  kept buffers: " + " | ".join(parts) + " (in resident)")
     runtime = f"the process {_g(r['runtime_bytes'])} + " if r.get("runtime_bytes") else ""
     lines.append(f"  {runtime}resident {_g(r['resident_bytes'])} + largest phase (" + ", ".join(
         f"{k} {_g(v)}" for k, v in r["phases"].items()) + f") = peak {_g(r['peak_bytes'])}")
