@@ -97,6 +97,11 @@ class EngineConfig:
     cpu_mmap_threshold_mb: float | None = 16  # CPU: host allocations >= this many MiB are mapped apart and freed to the system (glibc); null = glibc's own threshold
     cpu_mmap_min_row_tokens: int = 512  # CPU: apply cpu_mmap_threshold_mb only where the training engine's longest row has >= this many tokens (0 = always)
     cpu_trim_heap: bool = True  # CPU: give the heap's free pages back to the system at each switch between generation and training (glibc malloc_trim)
+    # bf16 kernels on the CPU (oneDNN) are made per matrix shape and cached with their buffers, in oneDNN's primitive
+    # cache and in ideep's (PyTorch's) LRU cache, 1,024 entries each by default: with response lengths that vary from
+    # step to step every step brings new shapes, and the process grew by ~85 MiB a step (measured: docs/engine.md).
+    # At 64 entries it stays flat, and the step is no slower (a step's repeats are its layers', near in time).
+    cpu_kernel_cache: int | None = 64  # CPU: entries of oneDNN's and ideep's kernel caches (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY; the environment's own values win); null = the libraries' 1024
     # The injected decoder decodes only the rows still running once a quarter of them have ended (their KV
     # cache rows and step state moved to the front; batch sizes in buckets under CUDA graphs): finished rows
     # stop costing compute. Measured in docs/engine.md. Not applied under engine.deterministic (a row's
@@ -215,6 +220,10 @@ def validate_engine_config(cfg: EngineConfig, info: DistInfo, *, frozen: bool = 
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"engine.cpu_mmap_min_row_tokens must be an integer >= 0 (tokens of the longest row; 0 = "
                          f"always), got {rows!r}")
+    cache = cfg.cpu_kernel_cache
+    if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int) or cache < 0):
+        raise ValueError(f"engine.cpu_kernel_cache must be null (the libraries' 1024) or an integer >= 0 (entries; "
+                         f"0 = no cache: each bf16 kernel made anew, ~2x slower), got {cache!r}")
     if not isinstance(cfg.deterministic, bool):
         raise ValueError(f"engine.deterministic must be true or false, got {cfg.deterministic!r}")
     if isinstance(cfg.deterministic_rows, bool) or not isinstance(cfg.deterministic_rows, int) \

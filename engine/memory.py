@@ -183,6 +183,23 @@ def process_memory(field: str = "VmRSS") -> int | None:
     return None
 
 
+# the environment variables that size oneDNN's primitive cache and ideep's LRU cache of bf16 kernels on the CPU (each
+# library reads its own once, at its first kernel)
+KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def set_cpu_kernel_cache(entries: int | None) -> dict[str, str]:
+    """Bound the CPU kernel caches at `entries` each (None: leave the libraries' defaults) through their environment
+    variables, where the environment does not set them already (the user's values win). Returns {variable: value}
+    of those set in the environment now. Takes effect only before the process's first bf16 kernel: each library
+    reads its variable once (a stage's engine starts before any forward)."""
+    if entries is None:
+        return {}
+    for var in KERNEL_CACHE_ENV:
+        os.environ.setdefault(var, str(entries))
+    return {var: os.environ[var] for var in KERNEL_CACHE_ENV}
+
+
 # PyTorch's cuBLAS workspace per (handle, stream) (aten's CublasHandlePool): 32 MiB on compute capability 9-12 (Hopper,
 # Blackwell), :4096:2:16:8 (8.125 MiB) before
 CUBLAS_WORKSPACE_SM90 = 4096 * 8 * 1024

@@ -44,7 +44,7 @@ from .errors import CheckpointError
 from .lora import lora_layers, merge_lora
 from .distributed import DistInfo, all_reduce_sum, barrier, group, init_distributed
 from .loss_scale import DynamicLossScaler, global_grad_norm, scale_grads_
-from .memory import PhasePeaks, memory_report, set_mmap_threshold, tensor_bytes, trim_host_heap
+from .memory import PhasePeaks, memory_report, set_cpu_kernel_cache, set_mmap_threshold, tensor_bytes, trim_host_heap
 from .optim import build_optimizer, build_scheduler, validate_optim_config
 from .parallelize import TORCH_DTYPES, clean_name, hf_base_model, inner_module, parallelize
 from .vllm_backend import ExpectedWeights, VLLMGenerator, VLLMRollout
@@ -188,6 +188,20 @@ class _ShardedModule:
         )
 
 
+_KERNEL_CACHE_LOGGED: list = []
+
+
+def _kernel_cache(entries: int | None) -> None:
+    """engine.cpu_kernel_cache: the CPU's bf16 kernel caches bounded (engine/memory.py), logged once a process."""
+    applied = set_cpu_kernel_cache(entries)
+    if applied and applied not in _KERNEL_CACHE_LOGGED:
+        _KERNEL_CACHE_LOGGED.append(applied)
+        mine = all(v == str(entries) for v in applied.values())
+        logger.info("CPU kernel caches: %s (%s)", ", ".join(f"{k}={v}" for k, v in applied.items()),
+                    "engine.cpu_kernel_cache" if mine else f"the environment's; engine.cpu_kernel_cache={entries} "
+                    "applies where a variable is unset")
+
+
 class TrainEngine(_ShardedModule):
     """A trainable model sharded per `engine_cfg.stage`, with AdamW, an LR schedule and loss scaling."""
 
@@ -227,6 +241,8 @@ class TrainEngine(_ShardedModule):
         self._vllm = None  # engine.generation=vllm: the VLLMRollout, built on first use and kept
         self.sync_stats = None  # the last weight sync into vLLM (engine/vllm_backend.py SyncStats)
         self.phase_peaks = PhasePeaks(info.device)  # peak memory of the generation and training phases
+        if info.device.type == "cpu":
+            _kernel_cache(engine_cfg.cpu_kernel_cache)
         mmap_mb = host_mmap_threshold(engine_cfg, row_tokens) if info.device.type == "cpu" else None
         if mmap_mb is not None and not set_mmap_threshold(mmap_mb):  # the host allocator (glibc only)
             logger.warning("engine.cpu_mmap_threshold_mb=%s does nothing here: the C library is not glibc (or refused "

@@ -4,7 +4,7 @@ run in a fresh process, the memory `python -m rlhf.plan` predicts beside it, and
 cost in length.
 
     PYTHONPATH=. python scripts/bench_length.py                                  # 128 / 512 / 2048 tokens
-    python scripts/bench_length.py --lengths 16 32 --rows 8 --micro 4 --small --work outputs/bench_length_smoke
+    python scripts/bench_length.py --lengths 16 32 --rows 8 --micro 4 --small --heap --work outputs/bench_length_smoke
     python scripts/bench_length.py --lengths 16 --ways rows --rows 8 --micro 4 --small --full --work outputs/bench_length_smoke --variants engine.cpu_mmap_threshold_mb=null engine.cpu_mmap_threshold_mb=4
     PYTHONPATH=. python scripts/bench_length.py --lengths 2048 --ways rows --full --steps 1 --work outputs/bench_length_full --variants engine.cpu_mmap_threshold_mb=null engine.cpu_mmap_threshold_mb=16 engine.cpu_mmap_threshold_mb=4
     python scripts/bench_length.py --lengths 128 512 2048 --ways rows --full --steps 3 --trace --work /tmp/bench_length_gpu   # on a GPU
@@ -26,7 +26,9 @@ cost in length.
 3. The plan: `python -m rlhf.plan stage=ppo device=cpu` (device=cuda on a GPU) with the same overrides
    (rlhf/run/plan.py, a plan of the worst case: every response L tokens), against the measured peak, as plan / measured.
    `--trace` (GPU): each run under scripts/cuda_peak.py, which prints what was live at its peak by the line that
-   allocated it (what a plan that is off has left out).
+   allocated it (what a plan that is off has left out). `--heap` (CPU, glibc): each run under scripts/heap_probe.py,
+   which records after each heap trim the resident memory by kind and glibc's bytes in use (in the JSON: `heap`;
+   printed: the bytes in use at each trim).
 4. The growth exponent between consecutive lengths: log(t2 / t1) / log(L2 / L1) of the step's time (1 = linear).
 Ratios are what a shared machine measures well; absolute seconds move with its load.
 """
@@ -55,9 +57,11 @@ def overrides(sft: str, reward: str, length: int, a: argparse.Namespace, way: st
             f"train.max_steps={a.steps}", f"engine.generation={a.generation}", *QUIET, *a.extra]
 
 
-def measure(out: str, args: list[str], length: int, clock: str, low: float = 0.1, trace: bool = False) -> dict:
+def measure(out: str, args: list[str], length: int, clock: str, low: float = 0.1, trace: bool = False,
+            heap: bool = False) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    wrap = [os.path.join(ROOT, "scripts", "cuda_peak.py"), "--out", out + "_trace", "--"] if trace else []
+    wrap = ([os.path.join(ROOT, "scripts", "cuda_peak.py"), "--out", out + "_trace", "--"] if trace else
+            [os.path.join(ROOT, "scripts", "heap_probe.py"), "--out", out + "_heap.jsonl", "--"] if heap else [])
     res = run_worker(ROOT, out, args, plant=length, plant_strict=True, clock=clock, plant_low=low, wrap=wrap)
     steps = res["steps"][1:] or res["steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -66,7 +70,8 @@ def measure(out: str, args: list[str], length: int, clock: str, low: float = 0.1
     return {"step_s": statistics.median(sum(s[p] for p in PHASES) for s in steps),
             **{f"{p}_s": statistics.median(s[p] for s in steps) for p in PHASES},
             "mean_length": statistics.mean(r["response_len"] for r in rows), "peak_gib": max(per_step),
-            "step_peaks_gib": per_step, **({"trace": read(os.path.join(out + "_trace", "peak.txt"))} if trace else {})}
+            "step_peaks_gib": per_step, **({"trace": read(os.path.join(out + "_trace", "peak.txt"))} if trace else {}),
+            **({"heap": [json.loads(line) for line in read(out + "_heap.jsonl").splitlines()]} if heap else {})}
 
 
 def read(path: str) -> str:
@@ -102,6 +107,8 @@ def main() -> None:
                     "'engine.cpu_mmap_threshold_mb=16'), in turn, the first the reference of the ratios")
     ap.add_argument("--trace", action="store_true", help="GPU: run each worker under scripts/cuda_peak.py and print "
                     "what was live at its peak, by the line that allocated it (<run>_trace/peak.txt)")
+    ap.add_argument("--heap", action="store_true", help="CPU (glibc): run each worker under scripts/heap_probe.py and "
+                    "print glibc's bytes in use at each heap trim (each switch between generation and training)")
     ap.add_argument("--json")
     a = ap.parse_args()
     import torch
@@ -110,6 +117,8 @@ def main() -> None:
     a.clock = a.clock or ("wall" if device == "cuda" else "cpu")
     if a.trace and device != "cuda":
         raise SystemExit("--trace needs a GPU (the CUDA allocator's history)")
+    if a.heap and (device != "cpu" or a.trace):
+        raise SystemExit("--heap is for runs on the CPU, without --trace")
     if a.clock == "cpu":
         os.environ["OMP_NUM_THREADS"] = "1"
     work = os.path.abspath(a.work)
@@ -129,7 +138,7 @@ def main() -> None:
                 low = 1.0 if a.full else 0.1
                 row = {"new_tokens": length, "batching": way, "variant": variant,
                        **measure(os.path.join(work, f"{way}_{length}" + (f"_v{v}" if variants else "")), args, length,
-                                 a.clock, low, a.trace), "plan_gib": planned(args, device), "device": device}
+                                 a.clock, low, a.trace, a.heap), "plan_gib": planned(args, device), "device": device}
                 prev = [r for r in results if r["batching"] == way and r["variant"] == variant]
                 if prev:
                     row["exponent"] = (math.log(row["step_s"] / prev[-1]["step_s"])
@@ -144,6 +153,9 @@ def main() -> None:
                       f"{row.get('exponent', float('nan')):.2f} |", flush=True)
                 if a.trace:
                     print("\n".join(row["trace"].splitlines()[:14]), flush=True)
+                if a.heap:
+                    print("  glibc bytes in use at each trim, MiB: " + ", ".join(
+                        f"{h['in_use'] / 2**20:.0f}" for h in row["heap"]), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

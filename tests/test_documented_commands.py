@@ -57,9 +57,17 @@ NOT_RUN = {
     "pip install .": "installs the package: tests/test_install.py builds the wheel, installs it into a fresh venv "
                      "and runs the stages from an empty directory",
     "python scripts/bench_generation.py": "GPU benchmark (its --small form is run)",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 256 --ways rows --steps 8 --small --heap --work "
+    "outputs/bench_small_cache": "8 GRPO steps at 256 new tokens under the heap probe (minutes); the script's "
+    "--small --heap smoke form runs",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 512 --ways rows --steps 6 --work outputs/bench_cache512 "
+    "--extra engine.cpu_kernel_cache=null": "six GRPO steps at 512 new tokens on a ~25M model (minutes)",
     "python scripts/bench_length.py --lengths 128 512 2048 --ways rows --full --steps 3 --trace --work "
     "/tmp/bench_length_gpu": "GPU only (--trace records the CUDA allocator's history): scripts/gpu_checks.sh's memory "
     "part; the same script's --small forms run here",
+    "python scripts/heap_probe.py --out /tmp/heap.jsonl -- scripts/bench_rl.py --worker --tree . --result "
+    "/tmp/r.json -- output_dir=/tmp/run algorithm=grpo": "a whole default GRPO run under the probe; scripts/"
+    "bench_length.py's --small --heap smoke form runs it on tiny runs",
     "python scripts/cuda_peak.py --out outputs/cuda_peak -- scripts/bench_rl.py --worker --tree . --result /tmp/r.json "
     "-- output_dir=/tmp/run algorithm=grpo": "GPU only (the CUDA allocator's history); tests/test_cuda_peak.py checks "
     "its replay of a trace",

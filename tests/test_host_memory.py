@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, OptimConfig, TrainEngine, init_distributed, validate_engine_config
-from engine.memory import PhasePeaks, _glibc, process_memory
+from engine.memory import KERNEL_CACHE_ENV, PhasePeaks, _glibc, process_memory, set_cpu_kernel_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 glibc = pytest.mark.skipif(_glibc() is None or process_memory() is None, reason="glibc and /proc (Linux) only")
@@ -47,9 +47,25 @@ print(json.dumps({"trimmed": trimmed, "grew": full - base, "kept": process_memor
 """
 
 
-def fresh(code: str, arg: str) -> dict:
+# A fresh process: (optionally) engine.cpu_kernel_cache's setting, then a bf16 matmul and its backward at 400 row
+# counts (every one a new shape, as rows of varying lengths give): how much the process grew.
+KERNEL_SHAPES = """
+import json, sys, torch
+from engine.memory import process_memory, set_cpu_kernel_cache
+applied = set_cpu_kernel_cache(None if sys.argv[1] == "none" else int(sys.argv[1]))
+w = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+(torch.randn(8, 256, dtype=torch.bfloat16) @ w).float().sum().backward()
+base = process_memory()
+for n in range(1, 401):
+    (torch.randn(n, 256, dtype=torch.bfloat16, requires_grad=True) @ w).float().sum().backward()
+print(json.dumps({"applied": applied, "grew": process_memory() - base}))
+"""
+
+
+def fresh(code: str, arg: str, env: dict | None = None) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHE_ENV}
     out = subprocess.run([sys.executable, "-c", code, arg], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+                         env={**clean, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **(env or {})})
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -70,6 +86,56 @@ def test_trim_gives_the_heaps_holes_back():
     assert trimmed["kept"] < 0.6 * trimmed["grew"]  # half of the blocks live: ~0.5 of the growth (+ headers)
 
 
+def uses_onednn_bf16() -> bool:
+    """Whether PyTorch runs bf16 matmuls through oneDNN here (a CPU with AVX-512: its bf16 kernels; elsewhere its
+    own, which cache nothing per shape)."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    return torch.backends.mkldnn.is_available() and " avx512bw " in flags and " avx512vl " in flags
+
+
+def test_the_kernel_caches_bound_what_new_shapes_keep():
+    """engine.cpu_kernel_cache: bf16 kernels are cached per shape with their buffers (oneDNN's primitive cache and
+    ideep's LRU, 1,024 entries each): 400 new shapes kept hundreds of MiB (measured here: +727 MiB); bounded at 64
+    entries the process stays within a few tens (+73 MiB)."""
+    bounded = fresh(KERNEL_SHAPES, "64")
+    assert bounded["applied"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+    assert bounded["grew"] < 160 << 20, bounded
+    if uses_onednn_bf16():
+        default = fresh(KERNEL_SHAPES, "none")
+        assert default["applied"] == {}
+        assert default["grew"] > 3 * bounded["grew"] and default["grew"] > 300 << 20, (default, bounded)
+
+
+@pytest.mark.parametrize("entries", [64, None])
+def test_a_cpu_engine_bounds_the_kernel_caches(monkeypatch, entries, caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engine.train_engine as te
+
+    for var in KERNEL_CACHE_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(te, "_KERNEL_CACHE_LOGGED", [])
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    with caplog.at_level("INFO", logger="engine.train_engine"):
+        TrainEngine(model, EngineConfig(cpu_kernel_cache=entries), OptimConfig(), total_steps=1, info=init_distributed())
+    if entries is None:
+        assert not any(v in os.environ for v in KERNEL_CACHE_ENV) and "CPU kernel caches" not in caplog.text
+    else:
+        assert all(os.environ[v] == "64" for v in KERNEL_CACHE_ENV)
+        assert ("CPU kernel caches: ONEDNN_PRIMITIVE_CACHE_CAPACITY=64, LRU_CACHE_CAPACITY=64 "
+                "(engine.cpu_kernel_cache)") in caplog.text
+
+
+def test_the_kernel_cache_setting_leaves_the_environments_values(monkeypatch):
+    for var in KERNEL_CACHE_ENV:
+        monkeypatch.delenv(var, raising=False)
+    assert set_cpu_kernel_cache(None) == {} and not any(v in os.environ for v in KERNEL_CACHE_ENV)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")  # the user's
+    assert set_cpu_kernel_cache(64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "8"}
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+
+
 def test_the_options_are_validated_naming_the_key():
     info = init_distributed()
     assert EngineConfig().cpu_trim_heap is True and EngineConfig().cpu_mmap_threshold_mb == 16
@@ -85,6 +151,13 @@ def test_the_options_are_validated_naming_the_key():
             validate_engine_config(EngineConfig(cpu_mmap_min_row_tokens=bad), info)
     with pytest.raises(ValueError, match=r"^engine.cpu_trim_heap must be true or false, got 'yes'$"):
         validate_engine_config(EngineConfig(cpu_trim_heap="yes"), info)
+    assert EngineConfig().cpu_kernel_cache == 64
+    validate_engine_config(EngineConfig(cpu_kernel_cache=None), info)
+    validate_engine_config(EngineConfig(cpu_kernel_cache=0), info)
+    for bad in (-1, 1.5, "64", True):
+        with pytest.raises(ValueError, match=r"^engine.cpu_kernel_cache must be null \(the libraries' 1024\) or an "
+                                             r"integer >= 0 \(entries; 0 = no cache"):
+            validate_engine_config(EngineConfig(cpu_kernel_cache=bad), info)
 
 
 def test_phase_peaks_report_the_phase_in_progress():
@@ -182,3 +255,16 @@ def test_the_longest_row_a_stage_trains_on():
            "rollout.env=rlhf.rl.environments.calculator:Calculator")
     assert rl(*env, "rollout.max_episode_tokens=null") == 88  # 40 + 3 x 16
     assert rl(*env, "rollout.max_episode_tokens=100") == 140
+
+
+def test_heap_probe_reads_resident_memory_by_kind_of_mapping():
+    """scripts/heap_probe.py's split of /proc/<pid>/smaps: the heap, anonymous mappings and the rest."""
+    from scripts.heap_probe import smaps_rss
+
+    lines = ["55d0c0a00000-55d0c0b00000 rw-p 00000000 00:00 0                          [heap]\n", "Size: 1024 kB\n",
+             "Rss:                 800 kB\n",
+             "7f0000000000-7f0000100000 rw-p 00000000 00:00 0 \n", "Rss:                 300 kB\n",
+             "7f0000200000-7f0000300000 rw-p 00000000 00:00 0    [anon:glibc]\n", "Rss:  20 kB\n",
+             "7f0000400000-7f0000500000 r-xp 00000000 fd:01 123   /usr/lib/libc.so.6\n", "Rss:                  64 kB\n",
+             "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]\n", "Rss: 8 kB\n"]
+    assert smaps_rss(lines) == {"heap": 800 << 10, "anon": 320 << 10, "file": 72 << 10}
