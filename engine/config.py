@@ -96,7 +96,7 @@ class EngineConfig:
     # glibc's own: there the threshold saved no memory and cost up to 4.5% of a 128-token GRPO step (docs/engine.md).
     cpu_mmap_threshold_mb: float | None = 16  # CPU: host allocations >= this many MiB are mapped apart and freed to the system (glibc); null = glibc's own threshold
     cpu_mmap_min_row_tokens: int = 512  # CPU: apply cpu_mmap_threshold_mb only where the training engine's longest row has >= this many tokens (0 = always)
-    cpu_trim_heap: bool = True  # CPU: give the heap's free pages back to the system at each switch between generation and training (glibc malloc_trim)
+    cpu_trim_heap: bool = True  # CPU: give the heap's free pages back to the system at each switch between generation and training, and where rows reach cpu_mmap_min_row_tokens after each micro-batch's backward (glibc malloc_trim)
     # bf16 kernels on the CPU (oneDNN) are made per matrix shape and cached with their buffers, in oneDNN's primitive
     # cache and in ideep's (PyTorch's) LRU cache, 1,024 entries each by default: with response lengths that vary from
     # step to step every step brings new shapes, and the process grew by ~85 MiB a step (measured: docs/engine.md).

@@ -62,6 +62,10 @@ NOT_RUN = {
     "--small --heap smoke form runs",
     "PYTHONPATH=. python scripts/bench_length.py --lengths 512 --ways rows --steps 6 --work outputs/bench_cache512 "
     "--extra engine.cpu_kernel_cache=null": "six GRPO steps at 512 new tokens on a ~25M model (minutes)",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 512 --ways rows --steps 6 --work outputs/bench_cache512":
+    "six GRPO steps at 512 new tokens on a ~25M model (minutes)",
+    "PYTHONPATH=. python scripts/bench_length.py --lengths 2048 --ways rows --steps 3 --work outputs/bench_length_2048":
+    "three GRPO steps at 2,048 new tokens on a ~25M model (half an hour)",
     "python scripts/bench_length.py --lengths 128 512 2048 --ways rows --full --steps 3 --trace --work "
     "/tmp/bench_length_gpu": "GPU only (--trace records the CUDA allocator's history): scripts/gpu_checks.sh's memory "
     "part; the same script's --small forms run here",

@@ -106,6 +106,38 @@ def test_the_kernel_caches_bound_what_new_shapes_keep():
         assert default["grew"] > 3 * bounded["grew"] and default["grew"] > 300 << 20, (default, bounded)
 
 
+@pytest.mark.parametrize("trim,row_tokens,calls", [(True, 2048, 3), (True, None, 3), (True, 100, 0), (False, 2048, 0)])
+def test_long_rows_trim_the_heap_after_each_micro_batch(monkeypatch, trim, row_tokens, calls):
+    """engine.cpu_trim_heap where the rows reach engine.cpu_mmap_min_row_tokens (or are not known): a trim after each
+    micro-batch's backward too (before the update), and the step's result is the same as without."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import engine.train_engine as te
+
+    def run(trim_heap: bool) -> tuple[list[torch.Tensor], int]:
+        trims: list = []
+        monkeypatch.setattr(te, "trim_host_heap", lambda: trims.append(1) or True)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2))
+        eng = TrainEngine(model, EngineConfig(generation="hf", cpu_trim_heap=trim_heap), OptimConfig(), total_steps=1,
+                          info=init_distributed(), row_tokens=row_tokens)
+        batches = [{"input_ids": torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(i))}
+                   for i in range(3)]
+
+        def loss_fn(m, mb):
+            out = m(input_ids=mb["input_ids"], labels=mb["input_ids"])
+            return out.loss * 5, 5, {}
+
+        eng.train_step(batches, loss_fn)
+        return [p.detach().clone() for p in eng.unwrapped.parameters()], len(trims)
+
+    params, n = run(trim)
+    assert n == calls
+    untrimmed, none = run(False)
+    assert none == 0 and all(torch.equal(a, b) for a, b in zip(params, untrimmed))
+
+
 @pytest.mark.parametrize("entries", [64, None])
 def test_a_cpu_engine_bounds_the_kernel_caches(monkeypatch, entries, caplog):
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -154,17 +154,19 @@ def test_ppo_models_follow_the_algorithm(llama25m):
     always, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
                           "engine.cpu_mmap_min_row_tokens=0"])
     assert always["host_mmap"]["threshold_mb"] == 16 and "host_mmap" not in ppo
-    # bf16 on the CPU: the note on later steps' growth (the plan models a run's first steps); not in fp32, nor on CUDA
-    assert ("shapes_note" in grpo) == (grpo["precision"] == "bf16") and "shapes_note" not in ppo
-    fp32, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
-                        "engine.precision=fp32"])
-    assert "shapes_note" not in fp32 and "  note: with response lengths" not in format_plan(fp32, None)
+    # bf16 on the CPU: a note on later steps' growth only where a setting lifts the engines' bounds on it (the kernel
+    # caches; the trims after each micro-batch where rows reach the floor); never in fp32, nor on CUDA
+    assert "shapes_note" not in grpo and "shapes_note" not in ppo
+    cpu = ["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu"]
+    unbounded, _ = run_plan([*cpu, "engine.cpu_kernel_cache=null"])
+    untrimmed, _ = run_plan([*cpu, "engine.cpu_trim_heap=false", "engine.cpu_mmap_min_row_tokens=0"])
+    short, _ = run_plan([*cpu, "engine.cpu_trim_heap=false"])  # rows under the floor: never trimmed per micro-batch
+    fp32, _ = run_plan([*cpu, "engine.precision=fp32", "engine.cpu_kernel_cache=null"])
+    assert "shapes_note" not in fp32 and "shapes_note" not in short
     if grpo["precision"] == "bf16":
-        assert "  note: with response lengths that vary between steps the training phase's peak RSS at 2,048" \
-            in format_plan(grpo, None)
-        unbounded, _ = run_plan(["stage=ppo", *paths, "algorithm=grpo", "reward.sources=[judge]", "device=cpu",
-                                 "engine.cpu_kernel_cache=null"])
         assert unbounded["shapes_note"].startswith("engine.cpu_kernel_cache=null: oneDNN and ideep keep up to 1,024")
+        assert "  note: engine.cpu_kernel_cache=null: oneDNN" in format_plan(unbounded, None)
+        assert untrimmed["shapes_note"].startswith("engine.cpu_trim_heap=false: the heap keeps what each micro-batch")
     assert (f"host allocator: blocks of 16 MiB or more mapped apart (engine.cpu_mmap_threshold_mb; rows of {row} "
             "tokens >= engine.cpu_mmap_min_row_tokens=0)") in format_plan(always, None)
     # multi-turn: rows of prompt + the episode budget (48 + 64), the KV cache every turn's new tokens

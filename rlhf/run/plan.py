@@ -56,11 +56,12 @@ threshold), stay in glibc's heap, which keeps what it frees: the measured peak R
 new tokens, every response full, was 1.12x / 1.13x / 1.06x this plan (docs/algorithms.md); the printed plan names
 the threshold that applies. At engine.cpu_mmap_threshold_mb=null freed blocks of up to 32 MiB stay in the heap
 at any length: 2,048-token responses measured 1.22x this plan, which the printed plan says on the CPU.
-These hold for a run's first steps. On the CPU in bf16, oneDNN and ideep cache a kernel per matrix shape, which
-with response lengths that vary from step to step grew the process past the plan step after step; a training
-engine bounds those caches (engine.cpu_kernel_cache=64: docs/engine.md), after which 256-1,024-token runs stayed
-near their first steps' peaks, but 2,048-token ones still reached 1.34x the plan by the third step (cause open;
-docs/algorithms.md). The printed plan notes either.
+Over steps with response lengths that vary, two things grew the CPU's peak past the plan, and the training engines
+now bound both: oneDNN's and ideep's caches of bf16 kernels, one per matrix shape (engine.cpu_kernel_cache=64),
+and the heap's blocks that one micro-batch frees and the next does not reuse (engine.cpu_trim_heap also trims after
+each micro-batch where rows reach engine.cpu_mmap_min_row_tokens). Ends spread, the plan / the run's peak was then
+0.93 at 512 tokens over 6 steps and 0.98 at 2,048 over 3 (docs/algorithms.md); the printed plan notes the
+growth where engine.cpu_kernel_cache=null or engine.cpu_trim_heap=false lifts a bound.
 Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
 """
 from __future__ import annotations
@@ -332,13 +333,17 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
                                     "plan); the default, engine.cpu_mmap_threshold_mb=16, returns those of 16 MiB or "
                                     "more where rows reach engine.cpu_mmap_min_row_tokens (1.06x; docs/engine.md)")
     if device == "cpu" and ecfg.precision == "bf16":  # what varying lengths add over steps (docs/algorithms.md)
-        report["shapes_note"] = (
-            "engine.cpu_kernel_cache=null: oneDNN and ideep keep up to 1,024 bf16 kernels each, one per matrix "
-            "shape, so with row lengths that vary between steps the process grows step after step past this plan "
-            "(the tests' tiny model at 256 tokens: 1.8x by the eighth step; docs/engine.md)"
-            if ecfg.cpu_kernel_cache is None else
-            "with response lengths that vary between steps the training phase's peak RSS at 2,048 tokens reached "
-            "1.34x this plan by the third step (not at 256-1,024 tokens; cause open: docs/algorithms.md)")
+        row = max(int(m.seq) for m in models if m.trained)
+        if ecfg.cpu_kernel_cache is None:
+            report["shapes_note"] = (
+                "engine.cpu_kernel_cache=null: oneDNN and ideep keep up to 1,024 bf16 kernels each, one per matrix "
+                "shape, so with row lengths that vary between steps the process grows step after step past this "
+                "plan (the tests' tiny model at 256 tokens: 1.8x by the eighth step; docs/engine.md)")
+        elif not ecfg.cpu_trim_heap and row >= ecfg.cpu_mmap_min_row_tokens:
+            report["shapes_note"] = (
+                "engine.cpu_trim_heap=false: the heap keeps what each micro-batch frees, so with response lengths "
+                "that vary between steps the training phase's peak grows past this plan (2,048 tokens: 1.34x by "
+                "the third step; docs/algorithms.md)")
     worst = report["peak_bytes"]
     if split:
         report["generation_rank"] = g = split_generation_rank(cfg, actor, trainers=world, e=e, gen_len=gen_len)
