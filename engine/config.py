@@ -100,7 +100,8 @@ class EngineConfig:
     # bf16 kernels on the CPU (oneDNN) are made per matrix shape and cached with their buffers, in oneDNN's primitive
     # cache and in ideep's (PyTorch's) LRU cache, 1,024 entries each by default: with response lengths that vary from
     # step to step every step brings new shapes, and the process grew by ~85 MiB a step (measured: docs/engine.md).
-    # At 64 entries it stays flat, and the step is no slower (a step's repeats are its layers', near in time).
+    # At 64 entries it stays flat; a step's reuse is its layers' (the same shapes in a row), and the 128-token GRPO
+    # step measured 0.98x, within a step's noise here.
     cpu_kernel_cache: int | None = 64  # CPU: entries of oneDNN's and ideep's kernel caches (ONEDNN_PRIMITIVE_CACHE_CAPACITY, LRU_CACHE_CAPACITY; the environment's own values win); null = the libraries' 1024
     # The injected decoder decodes only the rows still running once a quarter of them have ended (their KV
     # cache rows and step state moved to the front; batch sizes in buckets under CUDA graphs): finished rows
@@ -163,13 +164,17 @@ def cpu_has_bf16() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def long_rows(cfg: EngineConfig, row_tokens: int | None) -> bool:
+    """Whether the longest row a training engine trains on (`row_tokens`; None = not known, taken as long) reaches
+    engine.cpu_mmap_min_row_tokens: where the host allocator's threshold and the heap trims after each micro-batch
+    apply on the CPU."""
+    return row_tokens is None or row_tokens >= cfg.cpu_mmap_min_row_tokens
+
+
 def host_mmap_threshold(cfg: EngineConfig, row_tokens: int | None) -> float | None:
     """The host allocator's mmap threshold (MiB) a training engine on the CPU sets, or None for glibc's own:
-    engine.cpu_mmap_threshold_mb where the longest row it trains on (`row_tokens`; None = not known) has at least
-    engine.cpu_mmap_min_row_tokens tokens."""
-    if cfg.cpu_mmap_threshold_mb is None or (row_tokens is not None and row_tokens < cfg.cpu_mmap_min_row_tokens):
-        return None
-    return cfg.cpu_mmap_threshold_mb
+    engine.cpu_mmap_threshold_mb where its rows are long (`long_rows`)."""
+    return cfg.cpu_mmap_threshold_mb if long_rows(cfg, row_tokens) else None
 
 
 def resolve_precision(cfg: EngineConfig, device: torch.device) -> EngineConfig:

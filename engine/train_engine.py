@@ -39,7 +39,7 @@ from .checkpoint import (
     set_rng_state,
     write_meta,
 )
-from .config import EngineConfig, OptimConfig, host_mmap_threshold, selfcheck_enabled, validate_engine_config
+from .config import EngineConfig, OptimConfig, host_mmap_threshold, long_rows, selfcheck_enabled, validate_engine_config
 from .errors import CheckpointError
 from .lora import lora_layers, merge_lora
 from .distributed import DistInfo, all_reduce_sum, barrier, group, init_distributed
@@ -249,7 +249,7 @@ class TrainEngine(_ShardedModule):
         # the next micro-batches rarely reuse them: the training phase's peak grew from step to step (2,048 tokens,
         # ends spread: 5.02 GiB at the second step, 3.93 with these trims; docs/engine.md)
         self._trim_each_micro_batch = (info.device.type == "cpu" and engine_cfg.cpu_trim_heap
-                                       and (row_tokens is None or row_tokens >= engine_cfg.cpu_mmap_min_row_tokens))
+                                       and long_rows(engine_cfg, row_tokens))
         if mmap_mb is not None and not set_mmap_threshold(mmap_mb):  # the host allocator (glibc only)
             logger.warning("engine.cpu_mmap_threshold_mb=%s does nothing here: the C library is not glibc (or refused "
                            "the value); host allocations keep the C library's own rule", mmap_mb)

@@ -76,7 +76,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from engine.config import host_mmap_threshold, resolve_precision
+from engine.config import host_mmap_threshold, long_rows, resolve_precision
 from engine.generation import choose_generation_path
 from engine.inference import cache_slots
 from engine.lora import lora_layers
@@ -323,8 +323,8 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
     report.update(phases=phases, resident_bytes=resident, runtime_bytes=runtime,
                   peak_bytes=runtime + resident + max(phases.values()))
+    row = max(int(m.seq) for m in models if m.trained)  # the longest row a training engine takes (its row_tokens)
     if device == "cpu":  # the host threshold the training engines set (engine.config.host_mmap_threshold)
-        row = max(int(m.seq) for m in models if m.trained)
         report["host_mmap"] = {"threshold_mb": host_mmap_threshold(ecfg, row), "row_tokens": row,
                                "min_row_tokens": ecfg.cpu_mmap_min_row_tokens}
     if device == "cpu" and ecfg.cpu_mmap_threshold_mb is None:  # glibc's own threshold: freed blocks stay resident
@@ -333,13 +333,12 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
                                     "plan); the default, engine.cpu_mmap_threshold_mb=16, returns those of 16 MiB or "
                                     "more where rows reach engine.cpu_mmap_min_row_tokens (1.06x; docs/engine.md)")
     if device == "cpu" and ecfg.precision == "bf16":  # what varying lengths add over steps (docs/algorithms.md)
-        row = max(int(m.seq) for m in models if m.trained)
         if ecfg.cpu_kernel_cache is None:
             report["shapes_note"] = (
                 "engine.cpu_kernel_cache=null: oneDNN and ideep keep up to 1,024 bf16 kernels each, one per matrix "
                 "shape, so with row lengths that vary between steps the process grows step after step past this "
                 "plan (the tests' tiny model at 256 tokens: 1.8x by the eighth step; docs/engine.md)")
-        elif not ecfg.cpu_trim_heap and row >= ecfg.cpu_mmap_min_row_tokens:
+        elif not ecfg.cpu_trim_heap and long_rows(ecfg, row):
             report["shapes_note"] = (
                 "engine.cpu_trim_heap=false: the heap keeps what each micro-batch frees, so with response lengths "
                 "that vary between steps the training phase's peak grows past this plan (2,048 tokens: 1.34x by "
