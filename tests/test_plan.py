@@ -231,17 +231,75 @@ def test_bad_inputs_exit_2(args, message):
 
 
 def test_bench_memory_runs_on_cpu():
-    """scripts/bench_memory.py: one real SFT step of a small model, planned vs measured, both printed."""
+    """scripts/bench_memory.py: real SFT steps of a small model, batched as the stage batches them (here one pack
+    of the micro-batch), planned vs measured, both printed."""
     from conftest import SMALL_MODEL
 
     proc = subprocess.run([sys.executable, "scripts/bench_memory.py", *SMALL_MODEL, "train.micro_batch_size=4",
-                           "data.max_len=32"], cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+                           "data.max_len=32", "data.packing=true", "data.pack_length=0"], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in proc.stdout.splitlines()
             if line.startswith("| ") and "planned" not in line}
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes"):
         assert rows[key][0].strip() == rows[key][1].strip(), (key, rows[key])
-    assert "peak (CPU peak RSS growth)" in rows and "model state planned exactly: True" in proc.stdout
+    assert "2 steps of 4 x 32 tokens (packed [1, 128])" in proc.stdout
+    assert "peak (CPU peak RSS)" in rows and "model state planned exactly: True" in proc.stdout
+
+
+SFT_EAGER = ["device=cpu", "data.max_len=64", "train.micro_batch_size=4"]  # the tiny default: eager attention
+
+
+def test_packed_rows_widen_the_planned_attention():
+    """SFT / reward / DPO forwards as the stage batches them: packed (data.packing), the same tokens fill rows of
+    data.pack_length (0: one row of the micro-batch), and eager attention's kept scores grow with the row's width
+    (rows x width^2 per head and layer); the rest is per token, unchanged. Measured on a ~25M Llama, 4 x 1,024
+    tokens: plan / peak RSS 0.99 / 1.00 / 1.01 padded / in rows of 2,048 / in one row (docs/deepspeed.md)."""
+    plans = {k: run_plan(["stage=sft", *SFT_EAGER, *o])[0]["models"]["model"] for k, o in {
+        "padded": ["data.packing=false"], "auto": [],  # auto: packs of data.max_len (pack_length=null)
+        "128": ["data.packing=true", "data.pack_length=128"], "0": ["data.packing=true", "data.pack_length=0"]}.items()}
+    assert [(p["rows"], p["seq"]) for p in plans.values()] == [(4, 64), (4, 64), (2, 128), (1, 256)]
+    base = plans["padded"]
+    for p in plans.values():
+        assert p["logits_bytes"] == base["logits_bytes"] and p["activation_ckpt_bytes"] > 0
+    # the eager block's share: L x H x (rows x width^2 - 4 x 64^2) x (4 + e), in the ratio of the squares' excess
+    extra = {k: plans[k]["activation_bytes"] - base["activation_bytes"] for k in ("128", "0")}
+    assert plans["auto"]["activation_bytes"] == base["activation_bytes"]
+    assert extra["0"] == pytest.approx(3 * extra["128"], rel=1e-12)  # (256^2 - 4 x 64^2) / (2 x 128^2 - 4 x 64^2)
+    assert extra["128"] == 3 * 6 * (2 * 128 ** 2 - 4 * 64 ** 2) * (4 + 2)  # 3 layers, 6 heads, bf16
+    # pairs: chosen + rejected, 2 x 4 rows; data.shared_prompts=true runs them padded, whatever data.packing says
+    pairs = {k: run_plan(["stage=reward", *SFT_EAGER, "model.name_or_path=null", *o])[0]["models"]["model"] for k, o in {
+        "packed": ["data.pack_length=0"], "shared": ["data.pack_length=0", "data.shared_prompts=true"]}.items()}
+    assert (pairs["packed"]["rows"], pairs["packed"]["seq"]) == (1, 512)
+    assert (pairs["shared"]["rows"], pairs["shared"]["seq"]) == (8, 64)
+    dpo, _ = run_plan(["stage=dpo", *SFT_EAGER, "model.name_or_path=null", "data.pack_length=128", "dpo.reference=online"])
+    assert [(m["rows"], m["seq"]) for m in dpo["models"].values()] == [(4, 128), (4, 128)]
+
+
+def test_a_model_that_does_not_pack_is_planned_padded(tmp_path):
+    """data.packing=auto on a model family not checked to keep packed rows apart: padded rows, as the stage runs
+    it; data.packing=true: the stage's error, naming the key."""
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=256).save_pretrained(tmp_path / "gpt2")
+    args = ["stage=sft", f"model.name_or_path={tmp_path / 'gpt2'}", *SFT_EAGER, "data.pack_length=0"]
+    auto, _ = run_plan(args)
+    assert (auto["models"]["model"]["rows"], auto["models"]["model"]["seq"]) == (4, 64)
+    with pytest.raises(ConfigError, match=r"data.packing=true: model_type 'gpt2' is not one of"):
+        run_plan([*args, "data.packing=true"])
+
+
+def test_the_host_threshold_follows_the_width_the_stage_gives_its_engine():
+    """The planned host allocator threshold is the one the stage's engine sets from its widest row: data.max_len
+    padded, the pack's width packed, unknown (taken as long) for one pack per micro-batch."""
+    short, _ = run_plan(["stage=sft", *SFT_EAGER, "data.packing=false"])
+    wide, _ = run_plan(["stage=sft", *SFT_EAGER, "data.packing=true", "data.pack_length=512"])
+    one, _ = run_plan(["stage=sft", *SFT_EAGER, "data.packing=true", "data.pack_length=0"])
+    assert short["host_mmap"] == {"threshold_mb": None, "row_tokens": 64, "min_row_tokens": 512}
+    assert wide["host_mmap"] == {"threshold_mb": 16, "row_tokens": 512, "min_row_tokens": 512}
+    assert one["host_mmap"] == {"threshold_mb": 16, "row_tokens": None, "min_row_tokens": 512}
+    assert "one pack per micro-batch, data.pack_length=0: taken as long" in format_plan(one, None)
+    assert "rows of 64 tokens < engine.cpu_mmap_min_row_tokens=512" in format_plan(short, None)
 
 
 def test_a_token_budget_sizes_the_rl_forwards_and_is_what_the_plan_halves(llama25m):

@@ -474,9 +474,14 @@ def packing_support(model: nn.Module) -> str | None:
 def use_packing(packing: Any, model: nn.Module, key: str = "data.packing") -> bool:
     """`data.packing` (auto | true | false) for `model`: auto packs where supported; true on a model
     that is not supported is a ConfigError naming the key."""
+    return packing_choice(packing, None if packing is False else packing_support(model), key)
+
+
+def packing_choice(packing: Any, why: str | None, key: str = "data.packing") -> bool:
+    """`use_packing` given `packing_support`'s answer `why` (None: the model packs), as the planner asks it of a
+    model built on the meta device."""
     if packing is False:
         return False
-    why = packing_support(model)
     if why is None:
         return True
     if packing is True:

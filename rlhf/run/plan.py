@@ -13,8 +13,9 @@ config.json, which is all the directory needs to hold: no weights, no tokenizer;
 vocabulary comes from the tokenizer), so parameter counts are exact, and parameter / gradient / optimizer
 bytes are the engine's layout exactly (engine.memory.planned_bytes: what a run's memory report logs
 at its first step). The rest are estimates, with b rows per micro-batch (PPO with rollout.micro_batch_tokens:
-b*s = the budget), s tokens, h hidden, i MLP width, L layers, kv = KV heads x head dim, V vocabulary,
-e bytes of the compute dtype (2 or 4):
+b*s = the budget; SFT / reward / DPO packed, data.packing: the micro-batch's rows of data.max_len in rows of
+s = data.pack_length, or one row of them all at 0, as the stage packs them), s tokens, h hidden, i MLP width,
+L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute dtype (2 or 4):
     activations          L*b*s*(7h + 2kv + 4i)*e: what autograd keeps per decoder block with SDPA
                          attention (block input, two norm outputs, q, k, v, attention output, MLP
                          input, gate, up, silu(gate), their product); under autocast (ZeRO stage 0/1 in
@@ -88,11 +89,14 @@ from engine.parallelize import find_blocks
 from engine.weight_check import CACHED_BYTES as WEIGHT_CHECK_BYTES
 from rlhf.algos.rl import ADVANTAGE_ESTIMATORS
 from rlhf.config import SCHEMAS, cli, compose, to_config
-from rlhf.config.validate import trained_row_tokens, unused_sources
+from rlhf.config.validate import pair_shared_prompts, trained_row_tokens, unused_sources
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.core.paths import CONF_DIR
-from rlhf.modeling.load import adapter_chain, apply_lora, from_config_kwargs, load_tokenizer, resolve_model_path
+from rlhf.data.packing import pack_length_of, widest_row
+from rlhf.modeling.load import (
+    adapter_chain, apply_lora, from_config_kwargs, load_tokenizer, packing_choice, packing_support, resolve_model_path,
+)
 from rlhf.rl.models import model_cfg
 
 STAGES = ("sft", "reward", "dpo", "ppo")
@@ -117,6 +121,7 @@ class Arch:
     adapters: bool
     heads: int = 1  # attention heads
     attn: str = "sdpa"  # model.attn_implementation (null: transformers' default, sdpa)
+    packing: str | None = None  # why the model cannot train on packed rows (rlhf.modeling.load.packing_support)
 
     @property
     def total(self) -> int:
@@ -174,7 +179,8 @@ def _build_arch(mcfg, tok: Callable[[], Any], key: str, *, value: bool, lora: bo
                 (getattr(hf, "num_key_value_heads", None) or heads) * head_dim, hf.vocab_size,
                 {"fp32": 4, "bf16": 2, "fp16": 2}[dtype], hf,
                 # adapters the injected model cannot take merged (engine/lora.py: plain LoRA it can)
-                lora and mcfg.lora.r > 0 and lora_layers(model) is None, heads, mcfg.attn_implementation or "sdpa")
+                lora and mcfg.lora.r > 0 and lora_layers(model) is None, heads, mcfg.attn_implementation or "sdpa",
+                packing_support(model))
 
 
 def _tokenizer(mcfg, key: str):
@@ -193,6 +199,20 @@ class Role:
     rows: float  # per micro-batch forward (a token budget / the row width: a fraction)
     seq: int
     logits: bool  # a policy (LM head) rather than a value head
+    row_tokens: int | None = None  # the longest row its training engine is told of (None: not known ahead)
+
+
+def row_layout(stage: str, cfg, arch: Arch, rows: int) -> tuple[float, int, int | None]:
+    """A forward of SFT / reward / DPO at its largest, as the stage batches it: (rows, width) with every row
+    data.max_len tokens, and the row width the stage gives its training engine (rlhf.data.packing.widest_row).
+    Packed (data.packing where the model packs, not under data.shared_prompts=true) the same tokens fill rows of up
+    to data.pack_length (0: one row of them all), whose attention grows with the width: rows x width^2 per head."""
+    d = cfg.data
+    shared = pair_shared_prompts(d, cfg.engine) if stage in ("reward", "dpo") else False
+    pack_len = pack_length_of(d) if shared is not True and packing_choice(d.packing, arch.packing) else None
+    tokens = rows * d.max_len
+    width = d.max_len if pack_len is None else min(pack_len or tokens, tokens)
+    return tokens / width, width, widest_row(d, pack_len)
 
 
 def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
@@ -201,11 +221,12 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
         tok = lambda: _tokenizer(cfg.model, "model")  # noqa: E731 (only a model built from model.config asks)
         rows = cfg.train.micro_batch_size * (1 if stage == "sft" else 2)  # chosen + rejected in one forward
         arch = build_arch(cfg.model, tok, "model", value=stage == "reward", lora=True)
-        out = [Role("model", arch, True, cfg.engine.offload, rows, cfg.data.max_len, stage != "reward")]
+        b, width, row_tokens = row_layout(stage, cfg, arch, rows)
+        out = [Role("model", arch, True, cfg.engine.offload, b, width, stage != "reward", row_tokens)]
         d = getattr(cfg, "dpo", None)
         if d and d.reference == "online" and d.loss_type != "simpo" and cfg.model.lora.r == 0:
             out.append(Role("reference", build_arch(cfg.model, tok, "model", value=False, lora=False), False,
-                            cfg.engine.offload, rows, cfg.data.max_len, True))
+                            cfg.engine.offload, b, width, True))
         return out, 0, 0
     r, est = cfg.rollout, ADVANTAGE_ESTIMATORS.get(cfg.ppo.advantage_estimator)
     if est is None:
@@ -231,7 +252,7 @@ def roles(stage: str, cfg, world: int) -> tuple[list[Role], int, int]:
         arch = build_arch(model_cfg(cfg, path, lora), tok, name, value=value, lora=trained)
         # rollout.micro_batch_tokens: a forward holds at most that many tokens (rows x width), whatever the rows
         rows = r.micro_batch_size if r.micro_batch_tokens is None else r.micro_batch_tokens / seq
-        out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), rows, seq, not value))
+        out.append(Role(name, arch, trained, offload or (trained and cfg.engine.offload), rows, seq, not value, seq))
     return out, r.prompts_per_step // world * r.n_samples_per_prompt, gen_len
 
 
@@ -323,7 +344,8 @@ def plan(stage: str, cfg, *, world: int, rank: int = 0, device: str = "cuda", bu
     runtime = (process_memory("VmRSS") or 0) if device == "cpu" else 0
     report.update(phases=phases, resident_bytes=resident, runtime_bytes=runtime,
                   peak_bytes=runtime + resident + max(phases.values()))
-    row = max(int(m.seq) for m in models if m.trained)  # the longest row a training engine takes (its row_tokens)
+    # the longest row a training engine is told of (its row_tokens; None: one pack of a micro-batch, not known ahead)
+    row = next(m.row_tokens for m in models if m.trained)
     if device == "cpu":  # the host threshold the training engines set (engine.config.host_mmap_threshold)
         report["host_mmap"] = {"threshold_mb": host_mmap_threshold(ecfg, row), "row_tokens": row,
                                "min_row_tokens": ecfg.cpu_mmap_min_row_tokens}
@@ -486,8 +508,9 @@ def format_plan(report: dict, change: list[str] | None) -> str:
     if "host_mmap" in r:
         h = r["host_mmap"]
         lines.append("  host allocator: " + (
-            f"blocks of {h['threshold_mb']:g} MiB or more mapped apart (engine.cpu_mmap_threshold_mb; rows of "
-            f"{h['row_tokens']} tokens >= engine.cpu_mmap_min_row_tokens={h['min_row_tokens']})"
+            f"blocks of {h['threshold_mb']:g} MiB or more mapped apart (engine.cpu_mmap_threshold_mb; " + (
+                f"rows of {h['row_tokens']} tokens >= engine.cpu_mmap_min_row_tokens={h['min_row_tokens']})"
+                if h["row_tokens"] is not None else "one pack per micro-batch, data.pack_length=0: taken as long)")
             if h["threshold_mb"] is not None else "glibc's own mmap threshold (" + (
                 "engine.cpu_mmap_threshold_mb=null)" if "allocator_note" in r else
                 f"rows of {h['row_tokens']} tokens < engine.cpu_mmap_min_row_tokens={h['min_row_tokens']})")))
