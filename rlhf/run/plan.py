@@ -63,7 +63,10 @@ and the heap's blocks that one micro-batch frees and the next does not reuse (en
 each micro-batch where rows reach engine.cpu_mmap_min_row_tokens). Ends spread, the plan / the run's peak was then
 0.93 at 512 tokens over 6 steps and 0.98 at 2,048 over 3 (docs/algorithms.md); the printed plan notes the
 growth where engine.cpu_kernel_cache=null or engine.cpu_trim_heap=false lifts a bound.
-Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
+Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers. Reward and DPO under
+data.shared_prompts=true are planned as padded rows of data.max_len: a micro-batch whose longest prompt and longest
+response are in different pairs runs wider rows (prompt + response up to ~2 x data.max_len, up to 1.5x the tokens);
+at null (auto) a micro-batch runs shared only where that computes fewer token slots than padded rows.
 """
 from __future__ import annotations
 
