@@ -267,11 +267,14 @@ def test_packed_rows_widen_the_planned_attention():
     assert plans["auto"]["activation_bytes"] == base["activation_bytes"]
     assert extra["0"] == pytest.approx(3 * extra["128"], rel=1e-12)  # (256^2 - 4 x 64^2) / (2 x 128^2 - 4 x 64^2)
     assert extra["128"] == 3 * 6 * (2 * 128 ** 2 - 4 * 64 ** 2) * (4 + 2)  # 3 layers, 6 heads, bf16
-    # pairs: chosen + rejected, 2 x 4 rows; data.shared_prompts=true runs them padded, whatever data.packing says
+    # pairs: chosen + rejected, 2 x 4 rows; data.shared_prompts=true does not pack, whatever data.packing says
     pairs = {k: run_plan(["stage=reward", *SFT_EAGER, "model.name_or_path=null", *o])[0]["models"]["model"] for k, o in {
         "packed": ["data.pack_length=0"], "shared": ["data.pack_length=0", "data.shared_prompts=true"]}.items()}
     assert (pairs["packed"]["rows"], pairs["packed"]["seq"]) == (1, 512)
-    assert (pairs["shared"]["rows"], pairs["shared"]["seq"]) == (8, 64)
+    # shared: 4 prompts of up to data.max_prompt_len (48) once, 8 responses of up to 63 tokens on them, as rows of
+    # 48 + 63 (the longest prompt and the longest response may be in different pairs)
+    shared = pairs["shared"]
+    assert shared["seq"] == 111 and shared["rows"] * shared["seq"] == pytest.approx(4 * 48 + 8 * 63, rel=1e-12)
     dpo, _ = run_plan(["stage=dpo", *SFT_EAGER, "model.name_or_path=null", "data.pack_length=128", "dpo.reference=online"])
     assert [(m["rows"], m["seq"]) for m in dpo["models"].values()] == [(4, 128), (4, 128)]
 

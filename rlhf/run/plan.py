@@ -14,7 +14,8 @@ vocabulary comes from the tokenizer), so parameter counts are exact, and paramet
 bytes are the engine's layout exactly (engine.memory.planned_bytes: what a run's memory report logs
 at its first step). The rest are estimates, with b rows per micro-batch (PPO with rollout.micro_batch_tokens:
 b*s = the budget; SFT / reward / DPO packed, data.packing: the micro-batch's rows of data.max_len in rows of
-s = data.pack_length, or one row of them all at 0, as the stage packs them), s tokens, h hidden, i MLP width,
+s = data.pack_length, or one row of them all at 0, as the stage packs them; pairs under data.shared_prompts=true:
+rows of a prompt and a response at their longest, `row_layout`), s tokens, h hidden, i MLP width,
 L layers, kv = KV heads x head dim, V vocabulary, e bytes of the compute dtype (2 or 4):
     activations          L*b*s*(7h + 2kv + 4i)*e: what autograd keeps per decoder block with SDPA
                          attention (block input, two norm outputs, q, k, v, attention output, MLP
@@ -63,10 +64,7 @@ and the heap's blocks that one micro-batch frees and the next does not reuse (en
 each micro-batch where rows reach engine.cpu_mmap_min_row_tokens). Ends spread, the plan / the run's peak was then
 0.93 at 512 tokens over 6 steps and 0.98 at 2,048 over 3 (docs/algorithms.md); the printed plan notes the
 growth where engine.cpu_kernel_cache=null or engine.cpu_trim_heap=false lifts a bound.
-Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers. Reward and DPO under
-data.shared_prompts=true are planned as padded rows of data.max_len: a micro-batch whose longest prompt and longest
-response are in different pairs runs wider rows (prompt + response up to ~2 x data.max_len, up to 1.5x the tokens);
-at null (auto) a micro-batch runs shared only where that computes fewer token slots than padded rows.
+Not counted: the CUDA context (~0.5 GiB), the allocator's fragmentation, communication buffers.
 """
 from __future__ import annotations
 
@@ -209,9 +207,18 @@ def row_layout(stage: str, cfg, arch: Arch, rows: int) -> tuple[float, int, int 
     """A forward of SFT / reward / DPO at its largest, as the stage batches it: (rows, width) with every row
     data.max_len tokens, and the row width the stage gives its training engine (rlhf.data.packing.widest_row).
     Packed (data.packing where the model packs, not under data.shared_prompts=true) the same tokens fill rows of up
-    to data.pack_length (0: one row of them all), whose attention grows with the width: rows x width^2 per head."""
+    to data.pack_length (0: one row of them all), whose attention grows with the width: rows x width^2 per head.
+    data.shared_prompts=true (pairs): each pair's prompt once, left-padded to the micro-batch's longest (P <=
+    data.max_prompt_len), and both responses on it, right-padded to the longest (R <= data.max_len - 1): the
+    longest prompt and the longest response may be in different pairs, so rows of P + R; their tokens B*P + 2B*R as
+    rows of width P + R (which bounds the scores, B*P^2 + 2B*R*(P + R)). At null (auto) a micro-batch runs shared
+    only where that computes fewer token slots than padded rows, so the padded plan bounds it."""
     d = cfg.data
     shared = pair_shared_prompts(d, cfg.engine) if stage in ("reward", "dpo") else False
+    if shared is True:
+        prompt, response = min(d.max_prompt_len, d.max_len - 1), d.max_len - 1
+        width = prompt + response
+        return (rows // 2 * prompt + rows * response) / width, width, widest_row(d, None)
     pack_len = pack_length_of(d) if shared is not True and packing_choice(d.packing, arch.packing) else None
     tokens = rows * d.max_len
     width = d.max_len if pack_len is None else min(pack_len or tokens, tokens)
