@@ -51,13 +51,14 @@ from rlhf.config import DPOAlgoConfig, DPOConfig
 from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_dpo
 from rlhf.core.errors import ConfigError
 from rlhf.data import collate_pairs, collate_shared_pairs
-from rlhf.data.packing import is_packed, pack_length_of, pack_pairs, packed_row_sums, pair_layout, widest_row
+from rlhf.data.packing import is_packed, pack_pairs, packed_row_sums, pair_layout, widest_row
 from rlhf.data.stage import stage_data
 from rlhf.data.tokenize import IGNORE_INDEX
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.modeling.export import export_model
 from rlhf.modeling.load import (
-    check_causal_lm, check_context, check_generation_backend, disable_dropout, load_causal_lm, load_tokenizer, use_packing,
+    check_causal_lm, check_context, check_generation_backend, disable_dropout, load_causal_lm, load_tokenizer,
+    packing_support, stage_pack_length,
 )
 from rlhf.modeling.roles import Policy
 from rlhf.run.app import stage_main
@@ -254,7 +255,7 @@ def run(cfg: DPOConfig) -> dict[str, Any]:
     # the training batches are packed (data.packing); the reference tables and held-out figures are
     # computed on padded batches (equal to rounding: tests/test_packing.py)
     shared = pair_shared_prompts(d, cfg.engine)  # data.shared_prompts: each pair's prompt run once per forward
-    pack_len = pack_length_of(d) if shared is not True and use_packing(d.packing, model) else None
+    pack_len = stage_pack_length(d, packing_support(model), shared)
     if shared is not False:
         logger.info(SHARED_LINE[shared])
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=data.total,

@@ -33,12 +33,12 @@ from engine import TrainEngine
 from rlhf.algos.reward_model import pair_accuracy, pairwise_loss
 from rlhf.config import RewardConfig
 from rlhf.config.validate import SHARED_LINE, engine_config, optim_config, pair_shared_prompts, validate_reward
-from rlhf.data.packing import pack_length_of, pair_collate, widest_row
+from rlhf.data.packing import pair_collate, widest_row
 from rlhf.data.stage import stage_data
 from rlhf.evaluation.pairs import evaluate_pairs, held_out_summary
 from rlhf.modeling.export import export_model
 from rlhf.modeling.forward import batch_scores
-from rlhf.modeling.load import check_context, load_tokenizer, load_value_model, use_packing
+from rlhf.modeling.load import check_context, load_tokenizer, load_value_model, packing_support, stage_pack_length
 from rlhf.modeling.roles import ValueModel
 from rlhf.run.app import stage_main
 from rlhf.run.stage import Run
@@ -68,7 +68,7 @@ def run(cfg: RewardConfig) -> dict[str, Any]:
     model = ValueModel(load_value_model(cfg.model, tok, seed=cfg.seed, head_init_std=r.head_init_std))
     check_context(model, d.max_len, "data.max_len")
     shared = pair_shared_prompts(d, cfg.engine)  # data.shared_prompts: each pair's prompt run once per forward
-    pack_len = pack_length_of(d) if shared is not True and use_packing(d.packing, model) else None
+    pack_len = stage_pack_length(d, packing_support(model), shared)
     collate = pair_collate(tok.pad_token_id, pack_len, only_if_saves=d.packing == "auto", shared=shared)
     if shared is not False:
         logger.info(SHARED_LINE[shared])

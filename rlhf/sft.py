@@ -25,14 +25,14 @@ from rlhf.config import SFTConfig
 from rlhf.core.errors import ConfigError
 from rlhf.config.validate import engine_config, optim_config, validate_sft
 from rlhf.data import collate_sft
-from rlhf.data.packing import pack_length_of, pack_sft, packs, widest_row
+from rlhf.data.packing import pack_sft, packs, widest_row
 from rlhf.data.stage import StepOrder, stage_data
 from rlhf.evaluation.gold import eval_line, gold_of, gold_set, gold_summary
 from rlhf.evaluation.perplexity import perplexity
 from rlhf.modeling.export import export_model
 from rlhf.modeling.forward import sft_loss
 from rlhf.modeling.load import (check_causal_lm, check_context, check_generation_backend, load_causal_lm,
-                                load_tokenizer, use_packing)
+                                load_tokenizer, packing_support, stage_pack_length)
 from rlhf.modeling.roles import Policy
 from rlhf.run.app import stage_main
 from rlhf.run.stage import Run
@@ -65,7 +65,7 @@ def run(cfg: SFTConfig) -> dict[str, Any]:
         nonlocal pack_len
         model = Policy(load_causal_lm(cfg.model, tok, seed=seed), fused=cfg.engine.kernels, max_logits_mb=cfg.engine.max_logits_mb)
         check_context(model, d.max_len, "data.max_len")
-        pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+        pack_len = stage_pack_length(d, packing_support(model))
         return TrainEngine(model, engine_config(cfg.engine, run.info), optim_config(cfg.train), total_steps=data.total,
                            info=run.info, row_tokens=widest_row(d, pack_len))
 

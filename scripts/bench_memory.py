@@ -36,9 +36,9 @@ def main(argv: list[str]) -> None:
     from rlhf.config import SFTConfig, compose, to_config
     from rlhf.config.validate import engine_config, optim_config
     from rlhf.data import collate_sft
-    from rlhf.data.packing import pack_length_of, pack_sft, packs, widest_row
+    from rlhf.data.packing import pack_sft, packs, widest_row
     from rlhf.modeling.forward import sft_loss
-    from rlhf.modeling.load import load_causal_lm, load_tokenizer, use_packing
+    from rlhf.modeling.load import load_causal_lm, load_tokenizer, packing_support, stage_pack_length
     from rlhf.modeling.roles import Policy
     from rlhf.run.plan import run_plan
 
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
         base = torch.cuda.memory_allocated()
     model = Policy(load_causal_lm(cfg.model, tok, seed=cfg.seed), fused=cfg.engine.kernels,
                    max_logits_mb=cfg.engine.max_logits_mb)
-    pack_len = pack_length_of(d) if use_packing(d.packing, model) else None
+    pack_len = stage_pack_length(d, packing_support(model))
     engine = TrainEngine(model, engine_config(cfg.engine, info), optim_config(cfg.train), total_steps=args.steps,
                          info=info, row_tokens=widest_row(d, pack_len))
     b, s = cfg.train.micro_batch_size, d.max_len

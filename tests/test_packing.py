@@ -182,6 +182,24 @@ def test_use_packing_auto_true_false():
         use_packing(True, gpt2)
 
 
+def test_stage_pack_length_is_the_stages_rule():
+    """The pack width SFT / reward / DPO (and the planner) batch with: data.pack_length resolved where the model
+    packs, None (padded) at data.packing=false, on a model that does not pack at auto, and under
+    data.shared_prompts=true; true on a model that does not pack is the ConfigError naming the key."""
+    from types import SimpleNamespace
+
+    from rlhf.modeling.load import stage_pack_length
+
+    packable, why = None, "model_type 'gpt2' is not one of ..."
+    d = lambda packing, pack_length=None: SimpleNamespace(packing=packing, pack_length=pack_length, max_len=64)  # noqa: E731
+    assert stage_pack_length(d("auto"), packable) == 64 and stage_pack_length(d(True, 0), packable) == 0
+    assert stage_pack_length(d("auto", 256), packable, shared=None) == 256  # auto shared: per micro-batch
+    assert stage_pack_length(d(False), packable) is None and stage_pack_length(d("auto"), why) is None
+    assert stage_pack_length(d("auto"), packable, shared=True) is None
+    with pytest.raises(ConfigError, match="data.packing=true: model_type 'gpt2'"):
+        stage_pack_length(d(True), why)
+
+
 def test_validate_data_packing_keys():
     with pytest.raises(ConfigError, match="data.packing must be auto, true or false"):
         validate_data(DataConfig(path="x", packing="yes"))

@@ -26,7 +26,7 @@ from engine.vllm_backend import refusal as vllm_refusal
 from rlhf.config import ModelConfig
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local, ensure_hub, looks_local
-from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES
+from rlhf.data.packing import EXPLICIT_MASK_MODEL_TYPES, pack_length_of
 
 logger = logging.getLogger(__name__)
 
@@ -478,8 +478,7 @@ def use_packing(packing: Any, model: nn.Module, key: str = "data.packing") -> bo
 
 
 def packing_choice(packing: Any, why: str | None, key: str = "data.packing") -> bool:
-    """`use_packing` given `packing_support`'s answer `why` (None: the model packs), as the planner asks it of a
-    model built on the meta device."""
+    """`use_packing` given `packing_support`'s answer `why` (None: the model packs)."""
     if packing is False:
         return False
     if why is None:
@@ -488,3 +487,10 @@ def packing_choice(packing: Any, why: str | None, key: str = "data.packing") -> 
         raise ConfigError(f"{key}=true: {why}; set {key}=false (or auto) for padded batches")
     logger.info("%s=auto: padded batches (%s)", key, why)
     return False
+
+
+def stage_pack_length(data_cfg: Any, why: str | None, shared: bool | None = False) -> int | None:
+    """The pack width of a stage's training batches (data.pack_length resolved), or None for padded ones: packed per
+    data.packing on a model whose `packing_support` answer is `why`, never under data.shared_prompts=true (`shared`).
+    SFT, reward and DPO ask it of their model, the planner of its meta-device copy."""
+    return pack_length_of(data_cfg) if shared is not True and packing_choice(data_cfg.packing, why) else None

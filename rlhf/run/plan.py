@@ -94,9 +94,9 @@ from rlhf.config.validate import pair_shared_prompts, trained_row_tokens, unused
 from rlhf.core.errors import ConfigError
 from rlhf.core.hub import check_local
 from rlhf.core.paths import CONF_DIR
-from rlhf.data.packing import pack_length_of, widest_row
+from rlhf.data.packing import widest_row
 from rlhf.modeling.load import (
-    adapter_chain, apply_lora, from_config_kwargs, load_tokenizer, packing_choice, packing_support, resolve_model_path,
+    adapter_chain, apply_lora, from_config_kwargs, load_tokenizer, packing_support, resolve_model_path, stage_pack_length,
 )
 from rlhf.rl.models import model_cfg
 
@@ -219,7 +219,7 @@ def row_layout(stage: str, cfg, arch: Arch, rows: int) -> tuple[float, int, int 
         prompt, response = min(d.max_prompt_len, d.max_len - 1), d.max_len - 1
         width = prompt + response
         return (rows // 2 * prompt + rows * response) / width, width, widest_row(d, None)
-    pack_len = pack_length_of(d) if shared is not True and packing_choice(d.packing, arch.packing) else None
+    pack_len = stage_pack_length(d, arch.packing, shared)
     tokens = rows * d.max_len
     width = d.max_len if pack_len is None else min(pack_len or tokens, tokens)
     return tokens / width, width, widest_row(d, pack_len)
